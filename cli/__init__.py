@@ -1,0 +1,1 @@
+"""moeckpt command line."""

@@ -1,0 +1,271 @@
+"""Saving and opening whole checkpoints: the commit protocol and the reader.
+
+A checkpoint exists only once its index ``moeckpt.json`` is written, last, after every data file is durable.
+
+* Local disk: everything is written into a sibling staging directory ``.<name>.partial``, fsynced, and renamed
+  into place; the rename is the commit.
+* Object stores (and every other fsspec URL): data objects are written in place and the index is uploaded last;
+  object stores make single objects appear atomically, so a reader never sees an index before all the data.
+
+Readers ignore any directory without an index; ``moeckpt gc`` removes such leftovers.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from . import dtypes
+from .backend import Backend, get_backend
+from .box import Box, covers_exactly_once
+from .errors import (
+    CheckpointIndexError,
+    DestinationNotEmptyError,
+    MoeckptError,
+    NotCommittedError,
+)
+from .index import INDEX_NAME, FileEntry, Index, TensorEntry
+from .pieces import Piece, PieceRef
+from .storage import Storage
+
+STAGING_SUFFIX = ".partial"
+STEP_PREFIX = "step-"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def staging_storage(location: str) -> Storage:
+    """Where the data of a save to ``location`` is written before the commit (same for every rank)."""
+    final = Storage(location)
+    if not final.is_local:
+        return final
+    parent, name = os.path.split(final.location)
+    return Storage(os.path.join(parent, f".{name}{STAGING_SUFFIX}"))
+
+
+def is_committed(storage: Storage) -> bool:
+    return storage.exists(INDEX_NAME)
+
+
+def begin_save(location: str, *, overwrite: bool = False, replace_uncommitted: bool = False) -> Storage:
+    """Prepare a save to ``location`` and return the storage the data files go to.
+
+    Refuses a non-empty destination unless ``overwrite``; ``replace_uncommitted`` lets a trainer reuse a
+    location that only holds the leftovers of a failed save.
+    """
+    final = Storage(location)
+    contents = final.listdir()
+    if contents and not overwrite:
+        if not (replace_uncommitted and INDEX_NAME not in contents):
+            raise DestinationNotEmptyError(
+                f"{final.location}: destination is not empty ({len(contents)} entries); "
+                "choose an empty location or pass --overwrite"
+            )
+    staging = staging_storage(location)
+    if final.is_local:
+        staging.remove()
+        staging.makedirs()
+    elif contents:
+        # On an object store the index goes first, so the old checkpoint stops being committed before any of
+        # its data is touched.
+        final.remove(INDEX_NAME)
+        final.remove()
+    return staging
+
+
+def commit(location: str, index: Index) -> None:
+    """Write the index last and make the checkpoint visible; on local disk an atomic directory rename."""
+    final = Storage(location)
+    staging = staging_storage(location)
+    staging.write_bytes(INDEX_NAME, index.dumps())
+    if not final.is_local:
+        return
+    staging.fsync_dir()
+    parent = os.path.dirname(final.location)
+    old = None
+    if os.path.exists(final.location):
+        old = os.path.join(parent, f".{os.path.basename(final.location)}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final.location, old)
+    os.rename(staging.location, final.location)
+    Storage(parent).fsync_dir()
+    if old is not None:
+        Storage(old).remove()
+
+
+def save_pieces(
+    location: str,
+    index: Index,
+    pieces_by_writer: dict[int, Sequence[Piece]],
+    *,
+    overwrite: bool = False,
+    workers: int = 4,
+    on_written: Callable[[int], None] | None = None,
+) -> Index:
+    """Save a whole checkpoint from one process (``init``, offline tools): every writer's pieces, then commit.
+
+    ``index.files`` is ignored and replaced by what the backend wrote. Returns the committed index.
+    """
+    backend = get_backend(index.backend)
+    storage = begin_save(location, overwrite=overwrite)
+    boxes: dict[str, list[Box]] = {}
+    for pieces in pieces_by_writer.values():
+        for p in pieces:
+            if not p.box.is_empty():
+                boxes.setdefault(p.tensor, []).append(p.box)
+    backend.prepare(storage, index.tensors, boxes)
+
+    def write(writer: int) -> list[FileEntry]:
+        out = backend.write(storage, writer, pieces_by_writer[writer], index.tensors)
+        if on_written is not None:
+            on_written(sum(p.data.numel() * p.data.element_size() for p in pieces_by_writer[writer]))
+        return out
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        entries = [e for es in pool.map(write, sorted(pieces_by_writer)) for e in es]
+    entries = backend.finish(storage, entries, index.tensors)
+    final_index = replace(index, files={e.path: e for e in entries})
+    commit(location, final_index)
+    return final_index
+
+
+def resolve(location: str) -> Storage:
+    """The committed checkpoint at ``location``: the checkpoint itself, or the newest committed step of a run."""
+    storage = Storage(location)
+    if is_committed(storage):
+        return storage
+    steps = [n for n in storage.listdir() if n.startswith(STEP_PREFIX) and n[len(STEP_PREFIX) :].isdigit()]
+    for name in sorted(steps, reverse=True):
+        child = storage.child(name)
+        if is_committed(child):
+            return child
+    if storage.exists() and storage.listdir():
+        raise NotCommittedError(
+            f"{storage.location}: no committed checkpoint here (no {INDEX_NAME}, and no committed step-* directory); "
+            "an interrupted save leaves no index"
+        )
+    raise NotCommittedError(f"{storage.location}: no such checkpoint or run directory")
+
+
+def committed_steps(run_dir: str) -> list[tuple[int, Storage]]:
+    """``(step, storage)`` of every committed ``step-*`` checkpoint in a run directory, oldest first."""
+    storage = Storage(run_dir)
+    out = []
+    for name in storage.listdir():
+        if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
+            child = storage.child(name)
+            if is_committed(child):
+                out.append((int(name[len(STEP_PREFIX) :]), child))
+    return sorted(out, key=lambda x: x[0])
+
+
+class CheckpointReader:
+    """Read access to one committed checkpoint: its index, its pieces, and whole tensors."""
+
+    def __init__(self, location: str):
+        self.storage = resolve(location)
+        try:
+            raw = self.storage.read_bytes(INDEX_NAME)
+        except FileNotFoundError:
+            raise NotCommittedError(f"{self.storage.path(INDEX_NAME)}: index disappeared while opening") from None
+        self.index = Index.loads(raw, self.storage.path(INDEX_NAME))
+        self.backend: Backend = get_backend(self.index.backend)
+        self._pieces: list[PieceRef] | None = None
+
+    @property
+    def location(self) -> str:
+        return self.storage.location
+
+    def pieces(self, tensors: Iterable[str] | None = None, writers: Iterable[int] | None = None) -> list[PieceRef]:
+        """Stored pieces, optionally only of some tensors and some writers' files."""
+        if tensors is None and writers is None:
+            if self._pieces is None:
+                self._pieces = self.backend.list_pieces(self.storage, self.index)
+            return self._pieces
+        return self.backend.list_pieces(
+            self.storage,
+            self.index,
+            None if tensors is None else set(tensors),
+            None if writers is None else set(writers),
+        )
+
+    def read_piece(self, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self.backend.read_piece(self.storage, ref, rows)
+
+    def read_box(self, name: str, box: Box, refs: Sequence[PieceRef] | None = None) -> torch.Tensor:
+        """Assemble ``box`` of tensor ``name`` from the stored pieces, reading only the rows that overlap it."""
+        entry = self.tensor(name)
+        out = torch.empty(box.shape, dtype=dtypes.to_torch(entry.dtype))
+        if refs is None:
+            refs = [r for r in self.pieces() if r.tensor == name]
+        filled = 0
+        for ref in refs:
+            if ref.tensor != name:
+                continue
+            overlap = ref.box.intersect(box)
+            if overlap is None:
+                continue
+            rel = overlap.relative_to(ref.box)
+            if ref.box.ndim:
+                r0, r1 = rel.offsets[0], rel.offsets[0] + rel.shape[0]
+                data = self.read_piece(ref, (r0, r1))
+                src = data[(slice(None),) + rel.slices()[1:]]
+            else:
+                src = self.read_piece(ref)
+            out[overlap.relative_to(box).slices()] = src
+            filled += overlap.numel
+        if filled != box.numel:
+            raise CheckpointIndexError(
+                f"{self.location}: stored pieces of {name!r} cover {filled} of the {box.numel} elements of box "
+                f"{box.to_json()}; the checkpoint is incomplete"
+            )
+        return out
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        entry = self.tensor(name)
+        return self.read_box(name, Box.full(entry.shape))
+
+    def tensor(self, name: str) -> TensorEntry:
+        try:
+            return self.index.tensors[name]
+        except KeyError:
+            raise CheckpointIndexError(f"{self.location}: no tensor named {name!r} in this checkpoint") from None
+
+
+def verify(reader: CheckpointReader, on_piece: Callable[[PieceRef], None] | None = None) -> list[str]:
+    """Check every data file, every piece checksum and the exact cover of every tensor.
+
+    Returns the list of problems (empty when the checkpoint is sound). Problems with one piece do not stop the
+    check of the others, so one run names every damaged file and tensor.
+    """
+    problems: list[str] = []
+    by_tensor: dict[str, list[Box]] = {name: [] for name in reader.index.tensors}
+    refs: list[PieceRef] = []
+    for entry in reader.index.files.values():
+        try:
+            refs.extend(reader.backend.list_pieces(reader.storage, replace_files(reader.index, [entry])))
+        except MoeckptError as e:
+            problems.append(str(e))
+    for ref in refs:
+        by_tensor[ref.tensor].append(ref.box)
+        try:
+            reader.read_piece(ref)
+        except MoeckptError as e:
+            problems.append(f"{e} [file {ref.file}]")
+        if on_piece is not None:
+            on_piece(ref)
+    for name, boxes in by_tensor.items():
+        problem = covers_exactly_once(reader.index.tensors[name].shape, boxes)
+        if problem is not None:
+            problems.append(f"{reader.location}: tensor {name!r}: {problem}")
+    return problems
+
+
+def replace_files(index: Index, files: list[FileEntry]) -> Index:
+    return replace(index, files={f.path: f for f in files})

@@ -1,0 +1,57 @@
+"""The dtype names used in the index and their torch and safetensors equivalents."""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import CheckpointIndexError
+
+#: index dtype name -> (torch dtype, safetensors dtype code, bytes per element)
+_DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
+    "float64": (torch.float64, "F64", 8),
+    "float32": (torch.float32, "F32", 4),
+    "float16": (torch.float16, "F16", 2),
+    "bfloat16": (torch.bfloat16, "BF16", 2),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3", 1),
+    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2", 1),
+    "int64": (torch.int64, "I64", 8),
+    "int32": (torch.int32, "I32", 4),
+    "int16": (torch.int16, "I16", 2),
+    "int8": (torch.int8, "I8", 1),
+    "uint8": (torch.uint8, "U8", 1),
+    "bool": (torch.bool, "BOOL", 1),
+}
+
+_BY_TORCH = {v[0]: k for k, v in _DTYPES.items()}
+_BY_ST = {v[1]: k for k, v in _DTYPES.items()}
+
+DTYPE_NAMES = tuple(_DTYPES)
+
+
+def check_dtype_name(name: object, where: str) -> str:
+    if not isinstance(name, str) or name not in _DTYPES:
+        raise CheckpointIndexError(f"{where}: unknown dtype {name!r}; known: {', '.join(DTYPE_NAMES)}")
+    return name
+
+
+def to_torch(name: str) -> torch.dtype:
+    return _DTYPES[name][0]
+
+
+def from_torch(dtype: torch.dtype) -> str:
+    try:
+        return _BY_TORCH[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be stored; supported: {', '.join(DTYPE_NAMES)}") from None
+
+
+def to_safetensors(name: str) -> str:
+    return _DTYPES[name][1]
+
+
+def from_safetensors(code: str) -> str | None:
+    return _BY_ST.get(code)
+
+
+def itemsize(name: str) -> int:
+    return _DTYPES[name][2]

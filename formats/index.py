@@ -1,0 +1,226 @@
+"""The checkpoint index, ``moeckpt.json``: what a checkpoint holds, written last as its commit.
+
+The index lists every logical tensor (name, global shape, dtype, role, sharding rule) and every data file
+(size and header checksum). It does not list pieces: those are named in each data file's own header, so the
+index grows with the number of tensors and files, never with the number of pieces. The sharding rule and the
+layout are stored as plain JSON; the format layer validates their shape, ``moeckpt.reshard`` gives them meaning.
+See ``docs/format.md`` for the versioned specification.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import dtypes
+from .checksum import is_checksum
+from .errors import CheckpointIndexError, UnsafePathError, UnsupportedVersionError
+
+INDEX_NAME = "moeckpt.json"
+FORMAT_NAME = "moeckpt"
+FORMAT_VERSION = 1
+BACKENDS = ("safetensors", "zarr")
+ROLES = ("param", "master", "exp_avg", "exp_avg_sq", "buffer")
+
+
+def check_relative_path(path: object, where: str) -> str:
+    """Refuse any recorded path that could escape the checkpoint directory."""
+    if not isinstance(path, str) or not path:
+        raise UnsafePathError(f"{where}: a file path must be a non-empty string, got {path!r}")
+    parts = path.split("/")
+    if (
+        path.startswith(("/", "\\"))
+        or "\\" in path
+        or ":" in path
+        or any(p in ("", ".", "..") for p in parts)
+        or "\x00" in path
+    ):
+        raise UnsafePathError(
+            f"{where}: path {path!r} is not a plain relative path inside the checkpoint "
+            "(no '..', no absolute paths, no drive letters or URL schemes); the index is corrupt or hostile"
+        )
+    return path
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorEntry:
+    """One logical tensor: layout-independent name, global shape, dtype, role and sharding rule."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    #: ``param`` (model weight), ``master`` (fp32 master copy), ``exp_avg``/``exp_avg_sq`` (AdamW moments), ``buffer``.
+    role: str
+    #: the model parameter this tensor belongs to (equal to ``name`` for ``role == "param"``).
+    param: str
+    #: JSON description of how the tensor is split across ranks (interpreted by ``moeckpt.reshard``).
+    sharding: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "role": self.role,
+            "param": self.param,
+            "sharding": self.sharding,
+        }
+
+    @classmethod
+    def from_json(cls, name: str, value: object) -> "TensorEntry":
+        where = f"tensor {name!r}"
+        if not isinstance(value, dict):
+            raise CheckpointIndexError(f"{where}: expected an object, got {type(value).__name__}")
+        shape = value.get("shape")
+        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+            raise CheckpointIndexError(f"{where}: 'shape' must be a list of non-negative integers, got {shape!r}")
+        role = value.get("role")
+        if role not in ROLES:
+            raise CheckpointIndexError(f"{where}: unknown role {role!r}; known: {', '.join(ROLES)}")
+        param = value.get("param")
+        if not isinstance(param, str) or not param:
+            raise CheckpointIndexError(f"{where}: 'param' must name the parameter this tensor belongs to")
+        sharding = value.get("sharding", {})
+        if not isinstance(sharding, dict):
+            raise CheckpointIndexError(f"{where}: 'sharding' must be an object, got {sharding!r}")
+        return cls(
+            name=name,
+            shape=tuple(shape),
+            dtype=dtypes.check_dtype_name(value.get("dtype"), where),
+            role=role,
+            param=param,
+            sharding=sharding,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class FileEntry:
+    """One data file (or, for zarr, one stored object group) with its size and header checksum."""
+
+    path: str
+    size: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "checksum": self.checksum}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Index:
+    """The whole ``moeckpt.json``."""
+
+    backend: str
+    step: int
+    #: the parallel layout that wrote the checkpoint, e.g. ``{"tp": 2, "ep": 2, "dp": 4}``.
+    layout: dict[str, int]
+    #: ``{"arch": "zaya", "config": {...}}``: enough to rebuild the model.
+    model: dict[str, Any]
+    tensors: dict[str, TensorEntry]
+    files: dict[str, FileEntry]
+    #: step, consumed samples, scheduler, data position, seeds: whatever the trainer needs to continue.
+    train_state: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise CheckpointIndexError(f"index: unknown backend {self.backend!r}; known: {', '.join(BACKENDS)}")
+
+    @property
+    def nbytes(self) -> int:
+        """Logical bytes of all tensors (what a single unsharded copy would take)."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "backend": self.backend,
+            "step": self.step,
+            "layout": self.layout,
+            "model": self.model,
+            "train_state": self.train_state,
+            "tensors": {n: t.to_json() for n, t in sorted(self.tensors.items())},
+            "files": {p: f.to_json() for p, f in sorted(self.files.items())},
+        }
+
+    def dumps(self) -> bytes:
+        return (json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n").encode()
+
+    @classmethod
+    def loads(cls, data: bytes, where: str) -> "Index":
+        """Parse and validate index bytes; ``where`` names the location in error messages."""
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CheckpointIndexError(f"{where}: index is not valid JSON ({e}); the checkpoint is corrupt") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise CheckpointIndexError(f"{where}: not a moeckpt index (no \"format\": \"moeckpt\")")
+        version = doc.get("format_version")
+        if type(version) is not int:
+            raise CheckpointIndexError(f"{where}: 'format_version' must be an integer, got {version!r}")
+        if version > FORMAT_VERSION or version < 1:
+            raise UnsupportedVersionError(
+                f"{where}: format version {version} is not supported by this moeckpt (reads 1..{FORMAT_VERSION}); "
+                "upgrade moeckpt to read it"
+            )
+        step = doc.get("step")
+        if type(step) is not int or step < 0:
+            raise CheckpointIndexError(f"{where}: 'step' must be a non-negative integer, got {step!r}")
+        layout = doc.get("layout")
+        if not isinstance(layout, dict) or not all(
+            isinstance(k, str) and type(v) is int and v >= 1 for k, v in layout.items()
+        ):
+            raise CheckpointIndexError(f"{where}: 'layout' must map names to positive integers, got {layout!r}")
+        model = doc.get("model")
+        if not isinstance(model, dict) or not isinstance(model.get("arch"), str) or not isinstance(
+            model.get("config", {}), dict
+        ):
+            raise CheckpointIndexError(f"{where}: 'model' must be {{\"arch\": str, \"config\": {{...}}}}")
+        train_state = doc.get("train_state", {})
+        if not isinstance(train_state, dict):
+            raise CheckpointIndexError(f"{where}: 'train_state' must be an object")
+        tensors_doc = doc.get("tensors")
+        files_doc = doc.get("files")
+        if not isinstance(tensors_doc, dict) or not isinstance(files_doc, dict):
+            raise CheckpointIndexError(f"{where}: 'tensors' and 'files' must be objects")
+        tensors = {}
+        for name, value in tensors_doc.items():
+            try:
+                tensors[name] = TensorEntry.from_json(name, value)
+            except CheckpointIndexError as e:
+                raise CheckpointIndexError(f"{where}: {e}") from None
+        files = {}
+        for path, value in files_doc.items():
+            check_relative_path(path, f"{where}: file entry")
+            if (
+                not isinstance(value, dict)
+                or type(value.get("size")) is not int
+                or value["size"] < 0
+                or not is_checksum(value.get("checksum"))
+            ):
+                raise CheckpointIndexError(
+                    f"{where}: file {path!r} needs a non-negative integer 'size' and an 'xxh3_64:...' 'checksum'"
+                )
+            files[path] = FileEntry(path=path, size=value["size"], checksum=value["checksum"])
+        backend = doc.get("backend")
+        if backend not in BACKENDS:
+            raise CheckpointIndexError(f"{where}: unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+        return cls(
+            backend=backend,
+            step=step,
+            layout=dict(layout),
+            model=model,
+            tensors=tensors,
+            files=files,
+            train_state=train_state,
+            format_version=version,
+        )

@@ -1,0 +1,80 @@
+"""Values shared by every backend: a piece to write, a reference to a stored piece, block checksums."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .box import Box
+from .checksum import checksum
+from .errors import ChecksumMismatchError
+
+#: Pieces are checksummed in blocks of this many bytes, so a reader that needs part of a piece (a new ZeRO split
+#: reading a row range of an old one) can verify exactly the blocks it reads instead of the whole piece.
+CHECKSUM_BLOCK_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A box of a logical tensor with its data, as one writer holds it."""
+
+    tensor: str
+    box: Box
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if tuple(self.data.shape) != self.box.shape:
+            raise ValueError(
+                f"piece of {self.tensor!r}: data shape {tuple(self.data.shape)} differs from box shape {self.box.shape}"
+            )
+
+
+@dataclass(frozen=True)
+class PieceRef:
+    """Where a stored piece lives: which file, which bytes, and the checksums of its blocks."""
+
+    tensor: str
+    box: Box
+    dtype: str
+    file: str
+    #: absolute byte offset of the piece in ``file``, and its length.
+    start: int
+    nbytes: int
+    checksums: tuple[str, ...]
+    block_bytes: int = CHECKSUM_BLOCK_BYTES
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor without a copy when it is contiguous (any dtype, bf16 included)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()).cast("B")
+
+
+def block_checksums(data: memoryview | bytes | bytearray, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> list[str]:
+    mv = memoryview(data).cast("B")
+    if len(mv) == 0:
+        return [checksum(b"")]
+    return [checksum(mv[i : i + block_bytes]) for i in range(0, len(mv), block_bytes)]
+
+
+def verify_blocks(
+    data: bytes | bytearray, first_block: int, ref: PieceRef, where: str
+) -> None:
+    """Check the blocks ``first_block, first_block+1, ...`` of ``ref`` that ``data`` holds, whole."""
+    mv = memoryview(data).cast("B")
+    for i, off in enumerate(range(0, max(len(mv), 1), ref.block_bytes)):
+        block = first_block + i
+        if block >= len(ref.checksums):
+            raise ChecksumMismatchError(f"{where}: piece of {ref.tensor!r} holds more blocks than recorded")
+        got = checksum(mv[off : off + ref.block_bytes])
+        if got != ref.checksums[block]:
+            raise ChecksumMismatchError(
+                f"{where}: checksum mismatch in tensor {ref.tensor!r} box {ref.box.to_json()} block {block} "
+                f"(expected {ref.checksums[block]}, got {got}); the file is corrupt"
+            )
