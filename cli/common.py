@@ -1,0 +1,57 @@
+"""What every subcommand shares: error reporting, layout and format options, progress bars."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import click
+
+from moeckpt.formats.errors import MoeckptError
+
+
+def run_main(group: click.Group) -> None:
+    """Run the CLI; a :class:`MoeckptError` becomes one line on stderr and its exit code (2 bad input, 1 check)."""
+    try:
+        group.main(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except MoeckptError as e:
+        click.echo(f"moeckpt: error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    sys.exit(0)
+
+
+def layout_options(f: Callable) -> Callable:
+    """``--tp/--ep/--dp``: the target parallel layout."""
+    f = click.option("--dp", type=click.IntRange(min=1), default=1, show_default=True, help="data-parallel degree")(f)
+    f = click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="expert-parallel degree (divides dp)")(f)
+    f = click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="tensor-parallel degree")(f)
+    return f
+
+
+format_option = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors", "zarr"]),
+    default="safetensors",
+    show_default=True,
+    help="on-disk format of the checkpoint written",
+)
+
+
+def progress(total: int, desc: str, unit: str = "B"):
+    """A tqdm bar on stderr; bytes are shown scaled (KB, MB, GB)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1000, file=sys.stderr, leave=False,
+                disable=None)
