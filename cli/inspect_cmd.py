@@ -1,0 +1,65 @@
+"""``moeckpt inspect``: what a checkpoint holds (layout, step, tensors, sizes, files)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import click
+
+from moeckpt.formats.checkpoint import CheckpointReader
+
+
+def summary(reader: CheckpointReader) -> dict:
+    """A JSON-able description of a checkpoint, read from its index alone."""
+    idx = reader.index
+    roles = Counter(t.role for t in idx.tensors.values())
+    role_bytes: Counter = Counter()
+    for t in idx.tensors.values():
+        role_bytes[t.role] += t.nbytes
+    return {
+        "location": reader.location,
+        "format_version": idx.format_version,
+        "backend": idx.backend,
+        "step": idx.step,
+        "layout": idx.layout,
+        "model": idx.model,
+        "train_state": idx.train_state,
+        "num_tensors": len(idx.tensors),
+        "logical_bytes": idx.nbytes,
+        "stored_bytes": sum(f.size for f in idx.files.values()),
+        "roles": {r: {"tensors": roles[r], "bytes": role_bytes[r]} for r in sorted(roles)},
+        "tensors": {
+            n: {"shape": list(t.shape), "dtype": t.dtype, "role": t.role, "sharding": t.sharding}
+            for n, t in sorted(idx.tensors.items())
+        },
+        "files": {p: {"size": f.size, "checksum": f.checksum} for p, f in sorted(idx.files.items())},
+    }
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.2f} MB"
+
+
+@click.command("inspect")
+@click.argument("ckpt")
+@click.option("--json", "as_json", is_flag=True, help="print the full description as JSON")
+def command(ckpt: str, as_json: bool) -> None:
+    """Describe CKPT (a checkpoint, or a run directory: its newest committed step)."""
+    reader = CheckpointReader(ckpt)
+    info = summary(reader)
+    if as_json:
+        click.echo(json.dumps(info, indent=1))
+        return
+    layout = " ".join(f"{k}={v}" for k, v in info["layout"].items())
+    click.echo(f"checkpoint  {info['location']}")
+    click.echo(f"format      moeckpt v{info['format_version']} ({info['backend']})")
+    click.echo(f"model       {info['model'].get('arch')}")
+    click.echo(f"step        {info['step']}")
+    click.echo(f"layout      {layout}")
+    click.echo(f"tensors     {info['num_tensors']} ({_mb(info['logical_bytes'])} logical, {_mb(info['stored_bytes'])} stored)")
+    for role, r in info["roles"].items():
+        click.echo(f"  {role:<11} {r['tensors']:>6} tensors  {_mb(r['bytes']):>14}")
+    click.echo(f"files       {len(info['files'])}")
+    for path, f in info["files"].items():
+        click.echo(f"  {path:<40} {_mb(f['size']):>14}")
