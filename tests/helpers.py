@@ -1,0 +1,82 @@
+"""Small builders shared by the format tests."""
+
+from __future__ import annotations
+
+import fsspec.core
+import torch
+
+from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.storage import Storage
+from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.rules import ShardingRule, TpSplit
+from moeckpt.reshard.save import save_full_tensors
+from moeckpt.reshard.tensors import ParamSpec, logical_tensors
+from moeckpt.trainer.init_values import initial_value
+
+
+def toy_params() -> list[ParamSpec]:
+    """A toy MoE-shaped parameter set touching every rule kind: plain, fused blocks, window, experts, replicated."""
+    return [
+        ParamSpec(name="embed.weight", shape=(16, 8), rule=ShardingRule(tp=TpSplit(dim=0))),
+        ParamSpec(name="attn.o.weight", shape=(8, 12), rule=ShardingRule(tp=TpSplit(dim=1))),
+        ParamSpec(name="attn.conv.weight", shape=(12, 1, 2), rule=ShardingRule(tp=TpSplit(dim=0, blocks=(8, 4)))),
+        ParamSpec(name="attn.v_cur.weight", shape=(2, 8), rule=ShardingRule(tp=TpSplit(dim=0, window=(0, 4)))),
+        ParamSpec(name="attn.v_del.weight", shape=(2, 8), rule=ShardingRule(tp=TpSplit(dim=0, window=(2, 4)))),
+        ParamSpec(
+            name="moe.experts.gate_up", shape=(4, 12, 8), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=1, blocks=(6, 6)))
+        ),
+        ParamSpec(name="moe.experts.down", shape=(4, 8, 6), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2))),
+        ParamSpec(name="norm.weight", shape=(8,), init="ones"),
+        ParamSpec(name="router.bias", shape=(5,), init="zeros"),
+    ]
+
+
+def toy_tensors(param_dtype: str = "bfloat16", with_optimizer: bool = True) -> dict[str, TensorEntry]:
+    return logical_tensors(toy_params(), param_dtype=param_dtype, with_optimizer=with_optimizer)
+
+
+def toy_values(seed: int = 0):
+    init = {p.name: p.init for p in toy_params()}
+    return lambda e: initial_value(e, seed=seed, init=init.get(e.param, "normal"), std=1.0)
+
+
+def save_toy(location: str, layout: Layout, backend: str = "safetensors", **kw):
+    tensors = toy_tensors()
+    return save_full_tensors(
+        location,
+        tensors=tensors,
+        layout=layout,
+        values=toy_values(),
+        model={"arch": "toy", "config": {}},
+        backend=backend,
+        step=7,
+        train_state={"step": 7, "consumed_samples": 112},
+        **kw,
+    )
+
+
+def list_objects(location: str) -> list[str]:
+    """Every stored file/object below ``location`` (relative paths), on any storage."""
+    s = Storage(location)
+    if s.is_local:
+        fs, root = fsspec.core.url_to_fs(s.location)
+    else:
+        fs, root = s.fs, s._fspath()
+    root = root.rstrip("/")
+    return sorted(p[len(root) + 1 :] for p in fs.find(root))
+
+
+def flip_byte(location: str, relpath: str, offset: int) -> None:
+    s = Storage(location)
+    data = bytearray(s.read_bytes(relpath))
+    data[offset] ^= 0x40
+    s.write_bytes(relpath, bytes(data))
+
+
+def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, NaN-safe and dtype-exact."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
