@@ -1,0 +1,307 @@
+"""Pieces every MoE model here shares: RMSNorm, rotary embeddings, the expert block, and the parallel seams.
+
+The modules are written so tensor and expert parallelism slot in without reshaping the model:
+
+* A :class:`Shard` says which part of the model this process holds (``tp_rank`` of ``tp``, ``ep_rank`` of ``ep``).
+  Every module allocates only its local part, laid out exactly as the plan's sharding rules cut the global tensor
+  (``moeckpt.reshard.placement.model_parallel_boxes``), so a checkpoint loads into it box by box.
+* :class:`Collectives` is the communication a sharded module needs. This base class is the single-process
+  version (every operation is the identity); a distributed trainer subclasses it with ``torch.distributed`` ops.
+* :class:`Experts` is the one place that runs expert MLPs: a grouped matmul (``torch._grouped_mm``) when the
+  shapes allow it, a per-expert loop otherwise, over the global expert range this process holds.
+* :class:`VocabEmbedding` and :func:`vocab_logits` / :func:`cross_entropy` keep the vocabulary split behind a
+  small interface (vocabulary-parallel embedding, head and loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeckpt.formats.errors import LayoutError
+
+#: label value that :func:`cross_entropy` ignores (the PyTorch and Hugging Face convention).
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shard:
+    """The part of the model one process holds; the default is the whole model."""
+
+    #: tensor-parallel degree: attention heads, expert intermediate dim and vocabulary are split tp ways.
+    tp: int = 1
+    #: this process's position in its tensor-parallel group.
+    tp_rank: int = 0
+    #: expert-parallel degree: experts are split ep ways.
+    ep: int = 1
+    #: this process's position in its expert-parallel group.
+    ep_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tp_rank < self.tp:
+            raise ValueError(f"tp_rank={self.tp_rank} must be in [0, tp={self.tp})")
+        if not 0 <= self.ep_rank < self.ep:
+            raise ValueError(f"ep_rank={self.ep_rank} must be in [0, ep={self.ep})")
+
+    def tp_range(self, size: int, what: str) -> tuple[int, int]:
+        """The ``[start, stop)`` of a dimension of ``size`` split evenly over TP ranks."""
+        if size % self.tp:
+            raise LayoutError(f"tp={self.tp} must divide {what}={size}")
+        part = size // self.tp
+        return self.tp_rank * part, (self.tp_rank + 1) * part
+
+    def expert_range(self, num_experts: int) -> tuple[int, int]:
+        """The global experts ``[start, stop)`` this process holds (never renumbered from 0)."""
+        if num_experts % self.ep:
+            raise LayoutError(f"ep={self.ep} must divide num_experts={num_experts}")
+        part = num_experts // self.ep
+        return self.ep_rank * part, (self.ep_rank + 1) * part
+
+
+class Collectives:
+    """Communication of sharded modules; this single-process version is the identity everywhere.
+
+    A distributed subclass implements each method as an autograd-aware collective over the TP group (forward and
+    backward as in Megatron's ``copy_to/reduce_from_tensor_model_parallel_region``).
+    """
+
+    def tp_enter(self, x: torch.Tensor) -> torch.Tensor:
+        """A replicated activation entering a TP-split region: identity forward, all-reduce of the gradient."""
+        return x
+
+    def tp_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of per-rank partial results (row-parallel outputs, vocabulary-split lookups): all-reduce forward."""
+        return x
+
+    def tp_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum over the TP group, without gradient (the stabiliser of a vocab-parallel softmax)."""
+        return x
+
+
+SINGLE_PROCESS = Collectives()
+
+
+def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+    """An uninitialised parameter; models fill every tensor with :func:`init_from_plan` or a checkpoint."""
+    return nn.Parameter(torch.empty(*shape, dtype=dtype))
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` holding only the local rows of ``W``: column-parallel when split on the output dim,
+    row-parallel (partial sums, to be :meth:`Collectives.tp_sum`-med) when split on the input dim."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = empty_param(out_features, in_features)
+        self.bias = empty_param(out_features) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in fp32 and cast back before the weight, as transformers' ``*RMSNorm``."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = empty_param(size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rotary_cos_sin(
+    positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[len(positions), rotary_dim]`` of the default (unscaled) rotary embedding."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=positions.device) / rotary_dim))
+    freqs = positions[:, None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels of ``x [B, heads, T, D]`` (partial rotary keeps the rest)."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    out = x_rot * cos + _rotate_half(x_rot) * sin
+    return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal grouped-query attention: ``q [B, H, T, D]``, ``k, v [B, KV, T, D]`` -> ``[B, T, H * D]``.
+
+    Heads are local: with TP each rank passes its own query heads and the key/value heads they read.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    b, h, t, d = out.shape
+    return out.transpose(1, 2).reshape(b, t, h * d)
+
+
+def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
+    """``torch._grouped_mm`` wants 16-byte aligned strides; tiny or odd shapes take the loop instead."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    for t in tensors:
+        item = t.element_size()
+        if any((s * item) % 16 for s, n in zip(t.stride(), t.shape) if n > 1 and s != 1):
+            return False
+    return True
+
+
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    y = torch._grouped_mm(x, w, offs=offs)
+    if y.requires_grad:
+        # The backward kernel refuses broadcast (stride-0) gradients such as the one ``y.sum()`` produces.
+        y.register_hook(lambda g: g.contiguous())
+    return y
+
+
+class Experts(nn.Module):
+    """SwiGLU experts fused as transformers 5 stores them: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``.
+
+    Holds the global experts ``[expert_start, expert_start + E_local)`` and, with TP, this rank's slice of the
+    intermediate dimension (the gate and up halves each split, so ``gate_up_proj`` is ``[E_local, 2I/tp, H]``).
+    With TP the output is a partial sum that the caller reduces.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, shard: Shard = Shard()) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.expert_start, self.expert_stop = shard.expert_range(num_experts)
+        lo, hi = shard.tp_range(intermediate_size, "moe_intermediate_size")
+        local_e, local_i = self.expert_stop - self.expert_start, hi - lo
+        self.gate_up_proj = empty_param(local_e, 2 * local_i, hidden_size)
+        self.down_proj = empty_param(local_e, hidden_size, local_i)
+        #: ``"auto"`` picks the grouped matmul when available; ``"grouped"`` or ``"loop"`` force one (tests).
+        self.implementation = "auto"
+
+    def forward(self, hidden: torch.Tensor, expert_index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, H]``, ``expert_index [T, k]`` (global ids), ``weights [T, k]`` -> ``[T, H]``.
+
+        Assignments to experts this process does not hold (other EP ranks, ZAYA's skip expert) contribute zero.
+        """
+        flat_expert = expert_index.reshape(-1)
+        local = (flat_expert >= self.expert_start) & (flat_expert < self.expert_stop)
+        # Sort the (token, slot) assignments by expert so each expert sees one contiguous run of rows.
+        slots = local.nonzero().squeeze(-1)
+        expert_of = flat_expert[slots] - self.expert_start
+        order = torch.argsort(expert_of, stable=True)
+        slots, expert_of = slots[order], expert_of[order]
+        k = expert_index.shape[-1]
+        token = torch.div(slots, k, rounding_mode="floor")
+        x = hidden[token]
+        counts = torch.bincount(expert_of, minlength=self.gate_up_proj.shape[0])
+        use_grouped = self.implementation == "grouped" or (
+            self.implementation == "auto" and _grouped_mm_ok(x, self.gate_up_proj, self.down_proj)
+        )
+        if use_grouped:
+            y = self._grouped(x, counts)
+        else:
+            y = self._loop(x, counts)
+        y = y * weights.reshape(-1)[slots, None].to(y.dtype)
+        out = torch.zeros_like(hidden)
+        return out.index_add(0, token, y.to(out.dtype))
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gate, up = _grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs).chunk(2, dim=-1)
+        return _grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, rows in enumerate(torch.split(x, counts.tolist())):
+            if rows.shape[0] == 0:
+                continue
+            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
+        if not outs:
+            return x.new_zeros(0, self.down_proj.shape[1])
+        return torch.cat(outs)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding split by vocabulary: rank ``r`` holds rows ``[start, stop)``; others' tokens embed to zero
+    here and the per-rank lookups are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard = Shard(),
+                 comm: Collectives = SINGLE_PROCESS) -> None:
+        super().__init__()
+        self.vocab_start, self.vocab_stop = shard.tp_range(vocab_size, "vocab_size")
+        self.split = shard.tp > 1
+        self.comm = comm
+        self.weight = empty_param(self.vocab_stop - self.vocab_start, hidden_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.split:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_stop)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return self.comm.tp_sum(out)
+
+
+def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, comm: Collectives = SINGLE_PROCESS) -> torch.Tensor:
+    """This rank's slice of the logits, ``hidden @ weight^T`` over the vocabulary rows it holds."""
+    return F.linear(comm.tp_enter(hidden), weight)
+
+
+def cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int = 0, comm: Collectives = SINGLE_PROCESS
+) -> torch.Tensor:
+    """Mean token cross-entropy in fp32 over targets that are not :data:`IGNORE_INDEX`.
+
+    ``logits`` may be one rank's vocabulary slice starting at ``vocab_start``: the log-sum-exp and the target
+    logit are then assembled with ``comm`` (the vocabulary-parallel loss), so the full logits never exist.
+    """
+    logits = logits.float().reshape(-1, logits.shape[-1])
+    targets = targets.reshape(-1)
+    valid = targets != IGNORE_INDEX
+    local = targets - vocab_start
+    mine = valid & (local >= 0) & (local < logits.shape[-1])
+    shift = comm.tp_max(logits.detach().amax(dim=-1))
+    sum_exp = comm.tp_sum((logits - shift[:, None]).exp().sum(dim=-1))
+    picked = logits.gather(1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(1)
+    target_logit = comm.tp_sum(torch.where(mine, picked - shift, torch.zeros_like(picked)))
+    losses = sum_exp.log() - target_logit
+    count = valid.sum()
+    return torch.where(valid, losses, torch.zeros_like(losses)).sum() / count.clamp_min(1)
+
+
+def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
+    """Targets for next-token prediction: ``input_ids`` shifted left, the last position ignored."""
+    return F.pad(input_ids[..., 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def init_from_plan(module: nn.Module, specs, *, std: float, generator: torch.Generator | None = None) -> None:
+    """Fill every tensor of ``module`` (local shards included) as its plan entry says: normal(0, std), ones, zeros."""
+    kinds = {s.name: s.init for s in specs}
+    with torch.no_grad():
+        for name, t in module.state_dict(keep_vars=True).items():
+            kind = kinds.get(name)
+            if kind is None:
+                raise ValueError(f"{name}: the model holds a tensor its plan does not list")
+            if t.device.type == "meta":
+                continue
+            if kind == "ones":
+                t.fill_(1.0)
+            elif kind == "zeros":
+                t.zero_()
+            else:
+                t.normal_(0.0, std, generator=generator)

@@ -1,0 +1,53 @@
+"""ZAYA1 <-> Hugging Face: ``config.json`` mapping. Tensor names need no mapping: the plan uses transformers' names."""
+
+from __future__ import annotations
+
+from ..base import config_from_json
+from .config import ZayaConfig
+
+#: config fields copied one-to-one into config.json.
+_SAME = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "moe_intermediate_size", "num_experts", "num_experts_per_tok", "router_hidden_size", "cca_time0", "cca_time1",
+    "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "initializer_range",
+)
+
+
+def to_hf_config(cfg: ZayaConfig, *, dtype: str = "float32") -> dict:
+    """The ``config.json`` that ``transformers.ZayaForCausalLM`` loads for this model."""
+    out = {"architectures": ["ZayaForCausalLM"], "model_type": "zaya"}
+    out.update({k: getattr(cfg, k) for k in _SAME})
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary_factor}
+    out.update(
+        hidden_act="silu",
+        attention_bias=False,
+        lm_head_bias=False,
+        attention_dropout=0.0,
+        layer_types=["hybrid"] * cfg.num_hidden_layers,
+        rope_parameters={"hybrid": rope},
+        dtype=dtype,
+        use_cache=True,
+    )
+    return out
+
+
+def from_hf_config(doc: dict) -> ZayaConfig:
+    """Our config from a ZAYA ``config.json``; refuses features the trainer does not implement."""
+    if doc.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={doc['hidden_act']!r} is not supported (ZAYA1 uses 'silu')")
+    for flag in ("attention_bias", "lm_head_bias"):
+        if doc.get(flag):
+            raise ValueError(f"{flag}=true is not supported by the trainer's ZAYA module")
+    if any(t != "hybrid" for t in doc.get("layer_types") or ()):
+        raise ValueError("layer_types other than 'hybrid' (sliding-window layers) are not supported")
+    values = dict(doc)
+    rope = (doc.get("rope_parameters") or {}).get("hybrid") or {}
+    for key in ("rope_theta", "partial_rotary_factor"):
+        if key in rope:
+            values[key] = rope[key]
+    return config_from_json(ZayaConfig, values)
+
+
+def generation_config(cfg: ZayaConfig) -> dict:
+    """``generation_config.json``: transformers' ZAYA token ids."""
+    return {"bos_token_id": 2, "eos_token_id": 106, "pad_token_id": 0}
