@@ -257,7 +257,7 @@ def verify(reader: CheckpointReader, on_piece: Callable[[PieceRef], None] | None
         try:
             reader.read_piece(ref)
         except MoeckptError as e:
-            problems.append(f"{e} [file {ref.file}]")
+            problems.append(str(e))
         if on_piece is not None:
             on_piece(ref)
     for name, boxes in by_tensor.items():

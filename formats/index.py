@@ -153,7 +153,17 @@ class Index:
         }
 
     def dumps(self) -> bytes:
-        return (json.dumps(self.to_json(), indent=1, sort_keys=False) + "\n").encode()
+        """Compact JSON with one tensor and one file per line: small at scale, still readable with ``less``."""
+        doc = self.to_json()
+        compact = lambda v: json.dumps(v, separators=(",", ":"))  # noqa: E731
+        lines = []
+        for key, value in doc.items():
+            if key in ("tensors", "files") and value:
+                inner = ",\n".join(f"  {compact(k)}:{compact(v)}" for k, v in value.items())
+                lines.append(f" {compact(key)}:{{\n{inner}\n }}")
+            else:
+                lines.append(f" {compact(key)}:{compact(value)}")
+        return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
 
     @classmethod
     def loads(cls, data: bytes, where: str) -> "Index":
