@@ -14,6 +14,7 @@ COMMAND_MODULES = (
     "inspect_cmd",
     "verify_cmd",
     "diff_cmd",
+    "gc_cmd",
     "demo_cmd",
 )
 
