@@ -15,6 +15,7 @@ The modules are written so tensor and expert parallelism slot in without reshapi
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -305,3 +306,12 @@ def init_from_plan(module: nn.Module, specs, *, std: float, generator: torch.Gen
                 t.zero_()
             else:
                 t.normal_(0.0, std, generator=generator)
+
+
+def build_model(spec, shard: Shard = Shard(), comm: Collectives = SINGLE_PROCESS) -> nn.Module:
+    """The training module of a :class:`~moeckpt.trainer.models.ModelSpec` holding ``shard``, freshly initialised.
+
+    Dispatches to ``<arch>/model.py``'s ``build``; imported lazily because those modules import this one.
+    Under ``with torch.device("meta"):`` it allocates nothing (planning, shape checks of huge presets).
+    """
+    return importlib.import_module(f"{spec.module.__name__}.model").build(spec.config, shard, comm)
