@@ -1,0 +1,211 @@
+"""The trainer's checkpoint manager: distributed (a)synchronous saves through the format layer, retention, resume.
+
+A save has two phases. The *snapshot* copies the bytes this rank writes (only the pieces it is the writer of:
+replicated pieces are written by one replica) into reused host buffers, pinned when the tensors live on a GPU;
+training is blocked only for that copy. The *persist* phase runs in a background thread: the rank writes its file,
+the ranks exchange what they wrote over a dedicated gloo group, and rank 0 commits the index only if every rank
+succeeded. At most one save is in flight; the next save, ``wait()`` and ``close()`` wait for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeckpt.formats.backend import get_backend
+from moeckpt.formats.box import Box
+from moeckpt.formats.checkpoint import begin_save, commit, committed_steps, staging_storage, step_dir_name
+from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.index import FileEntry, Index, TensorEntry
+from moeckpt.formats.pieces import Piece
+from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
+from moeckpt.formats.storage import join
+from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.local import split_local
+from moeckpt.reshard.placement import placements
+
+from . import collectives
+
+
+class SaveFailedError(MoeckptError, RuntimeError):
+    """A background save failed on some rank; nothing was committed."""
+
+
+@dataclass
+class SaveStats:
+    """Timings of one save, for metrics and benchmarks."""
+
+    step: int
+    blocked_s: float = 0.0
+    persist_s: float = 0.0
+    bytes_written: int = 0
+    committed: bool = False
+    error: str | None = None
+
+
+@dataclass
+class _InFlight:
+    thread: threading.Thread
+    stats: SaveStats
+    error: list[BaseException] = field(default_factory=list)
+
+
+class CheckpointManager:
+    """Saves a rank's share of the training state into ``run_dir/step-XXXXXXXX`` checkpoints."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        *,
+        tensors: dict[str, TensorEntry],
+        layout: Layout,
+        model: dict[str, Any],
+        backend: str = "safetensors",
+        retention: RetentionPolicy | None = None,
+        async_save: bool = True,
+    ):
+        self.run_dir = run_dir
+        self.tensors = tensors
+        self.layout = layout
+        self.model = model
+        self.backend_name = backend
+        self.backend = get_backend(backend)
+        self.retention = retention or RetentionPolicy()
+        self.async_save = async_save
+        self.rank = collectives.rank()
+        if collectives.world_size() != layout.world:
+            raise MoeckptError(f"layout {layout} needs {layout.world} ranks, the process group has {collectives.world_size()}")
+        # A separate gloo group: the background thread's coordination never interleaves with training collectives
+        # (which may be NCCL/RCCL on GPUs).
+        self.group = dist.new_group(backend="gloo") if collectives.is_distributed() else None
+        self._writes = {
+            name: {p.box for p in placements(e, layout) if p.writer == self.rank} for name, e in tensors.items()
+        }
+        self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
+        self._inflight: _InFlight | None = None
+        self.history: list[SaveStats] = []
+
+    # -- saving ---------------------------------------------------------------------------------------------
+    def save(self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any]) -> SaveStats:
+        """Snapshot ``local_state`` (logical tensor name -> this rank's local tensor) and persist it.
+
+        Returns after the snapshot when saving asynchronously, after the commit otherwise.
+        """
+        self.wait()
+        t0 = time.perf_counter()
+        pieces = self._snapshot(local_state)
+        stats = SaveStats(step=step, blocked_s=0.0, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces))
+        if self.async_save:
+            errors: list[BaseException] = []
+            thread = threading.Thread(
+                target=self._persist_guarded, args=(step, pieces, dict(train_state), stats, errors), daemon=True,
+                name=f"moeckpt-save-{step}",
+            )
+            self._inflight = _InFlight(thread, stats, errors)
+            stats.blocked_s = time.perf_counter() - t0
+            thread.start()
+        else:
+            self._persist(step, pieces, dict(train_state), stats)
+            stats.blocked_s = time.perf_counter() - t0
+        self.history.append(stats)
+        return stats
+
+    def wait(self) -> SaveStats | None:
+        """Wait for the save in flight; raise :class:`SaveFailedError` if it failed."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return None
+        inflight.thread.join()
+        if inflight.error:
+            raise SaveFailedError(f"save of step {inflight.stats.step} to {self.run_dir} failed: {inflight.error[0]}")
+        return inflight.stats
+
+    def close(self) -> None:
+        self.wait()
+
+    def _snapshot(self, local_state: dict[str, torch.Tensor]) -> list[Piece]:
+        missing = set(self.tensors) - set(local_state)
+        if missing:
+            raise MoeckptError(f"save: the state lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        pieces = []
+        copies = []
+        for name, entry in self.tensors.items():
+            wanted = self._writes[name]
+            if not wanted:
+                continue
+            for box, view in split_local(entry, self.layout, self.rank, local_state[name].detach()):
+                if box not in wanted:
+                    continue
+                buf = self._buffers.get((name, box))
+                if buf is None:
+                    pin = view.device.type != "cpu" and torch.cuda.is_available()
+                    buf = torch.empty(box.shape, dtype=view.dtype, pin_memory=pin)
+                    self._buffers[(name, box)] = buf
+                buf.copy_(view, non_blocking=True)
+                copies.append(view.device)
+                pieces.append(Piece(name, box, buf))
+        if any(d.type == "cuda" for d in copies):
+            torch.cuda.synchronize()
+        return pieces
+
+    def _persist_guarded(self, step, pieces, train_state, stats: SaveStats, errors: list[BaseException]) -> None:
+        try:
+            self._persist(step, pieces, train_state, stats)
+        except BaseException as e:  # noqa: BLE001 - reported to the training thread by wait()
+            errors.append(e)
+            stats.error = str(e)
+
+    def _persist(self, step: int, pieces: list[Piece], train_state: dict[str, Any], stats: SaveStats) -> None:
+        t0 = time.perf_counter()
+        location = join(self.run_dir, step_dir_name(step))
+        error = None
+        if self.rank == 0:
+            try:
+                begin_save(location, replace_uncommitted=True)
+                boxes: dict[str, list[Box]] = {}
+                for name, e in self.tensors.items():
+                    boxes[name] = [p.box for p in placements(e, self.layout)]
+                self.backend.prepare(staging_storage(location), self.tensors, boxes)
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks below
+                error = f"rank 0 could not start the save: {e}"
+        error = collectives.broadcast_json(error, 0, self.group)
+        if error:
+            raise SaveFailedError(error)
+        entries: list[dict] = []
+        try:
+            written = self.backend.write(staging_storage(location), self.rank, pieces, self.tensors)
+            entries = [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in written]
+            mine = {"ok": True, "files": entries}
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or rank 0 would commit a torn checkpoint
+            mine = {"ok": False, "error": f"rank {self.rank}: {e}"}
+        everyone = collectives.all_gather_json(mine, self.group)
+        failures = [r["error"] for r in everyone if not r["ok"]]
+        if failures:
+            raise SaveFailedError("; ".join(failures))
+        if self.rank == 0:
+            files = [FileEntry(**f) for r in everyone for f in r["files"]]
+            files = self.backend.finish(staging_storage(location), files, self.tensors)
+            index = Index(
+                backend=self.backend_name,
+                step=step,
+                layout=self.layout.to_json(),
+                model=self.model,
+                tensors=self.tensors,
+                files={f.path: f for f in files},
+                train_state=train_state,
+            )
+            commit(location, index)
+            apply_gc(self.run_dir, replace(plan_gc(self.run_dir, self.retention), remove_uncommitted=[]))
+        collectives.barrier(self.group)
+        stats.committed = True
+        stats.persist_s = time.perf_counter() - t0
+
+    # -- resuming -------------------------------------------------------------------------------------------
+    def latest_step(self) -> int | None:
+        steps = committed_steps(self.run_dir)
+        return steps[-1][0] if steps else None
