@@ -43,6 +43,9 @@ class PieceRef:
     nbytes: int
     checksums: tuple[str, ...]
     block_bytes: int = CHECKSUM_BLOCK_BYTES
+    #: zarr only: the inner chunk shape of the shard object ``file`` (each inner chunk carries its own crc32c, so
+    #: ``checksums`` is empty); ``None`` when the piece is one plain chunk object (data + crc32c) or not zarr.
+    chunks: tuple[int, ...] | None = None
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -3,15 +3,22 @@
 Paths are ``str`` throughout (a ``pathlib.Path`` collapses the ``//`` of ``s3://``). Local paths use the OS
 directly so that data can be fsynced and directories renamed atomically; everything else goes through fsspec,
 imported only when a URL needs it. Remote reads are byte ranges, never whole-file downloads.
+
+Remote operations are retried with exponential backoff when the error is transient (connection reset, timeout,
+throttling, 5xx); a permanent one (missing bucket, access denied) becomes a :class:`StorageError` at once, with
+one line that names the location and the fix.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import random
 import shutil
+import time
 from contextlib import contextmanager
-from typing import BinaryIO, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 from .errors import NotCommittedError, StorageError
 
@@ -32,21 +39,99 @@ def join(base: str, *parts: str) -> str:
     return out
 
 
-def _storage_error(e: BaseException, what: str, where: str) -> StorageError:
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """How remote operations are retried when the error is transient."""
+
+    #: tries in all, the first included.
+    attempts: int = 5
+    #: the delay before the second try; it doubles on each further try (with jitter), up to ``max_delay_s``.
+    base_delay_s: float = 0.25
+    max_delay_s: float = 8.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts}")
+        if self.base_delay_s < 0 or self.max_delay_s < self.base_delay_s:
+            raise ValueError("RetryPolicy needs 0 <= base_delay_s <= max_delay_s")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait after failed try number ``attempt`` (0-based)."""
+        d = min(self.max_delay_s, self.base_delay_s * (2**attempt))
+        return d * (0.5 + random.random() / 2)  # jitter: many ranks retrying must not hit the store in lockstep
+
+
+#: the policy every :class:`Storage` uses unless given another (tests shorten it).
+DEFAULT_RETRY = RetryPolicy()
+
+#: S3 error codes that a later try may not see (throttling, server-side trouble).
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed", "InternalError",
+     "ServiceUnavailable", "500", "502", "503", "504"}
+)
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO), errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
+     errno.ETIMEDOUT, errno.EPIPE, errno.EAGAIN, errno.EBUSY, errno.EHOSTUNREACH, errno.ENETUNREACH}
+)
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a failed remote operation is worth another try (network trouble, throttling, 5xx)."""
+    if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    code = getattr(e, "response", None)
+    if isinstance(code, dict):
+        err = code.get("Error", {}) or {}
+        status = str((code.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode", ""))
+        return str(err.get("Code", "")) in _TRANSIENT_CODES or status.startswith("5")
+    if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+        return True
+    # botocore/aiohttp connection and timeout errors are not OSErrors; match them by class name, so that this
+    # module does not import either (both only exist when s3fs is in use).
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(
+        names
+        & {"EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError", "ConnectTimeoutError",
+           "HTTPClientError", "IncompleteRead", "ClientPayloadError", "ServerDisconnectedError",
+           "ClientConnectionError", "ClientOSError", "ResponseParserError", "FSTimeoutError"}
+    )
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _storage_error(e: BaseException, what: str, where: str, attempts: int = 1) -> StorageError:
+    if isinstance(e, StorageError):
+        return e
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return StorageError(f"{where}: no space left on device while {what}; free space or choose another location")
     if isinstance(e, PermissionError):
-        return StorageError(f"{where}: permission denied while {what}; check credentials or file permissions")
-    return StorageError(f"{where}: {what} failed: {type(e).__name__}: {e}")
+        return StorageError(
+            f"{where}: permission denied while {what} ({_one_line(e)}); check the credentials (AWS_* environment) "
+            "or file permissions"
+        )
+    if attempts > 1:
+        return StorageError(
+            f"{where}: {what} failed after {attempts} tries: {type(e).__name__}: {_one_line(e)}; the storage is "
+            "unreachable or overloaded, try again later"
+        )
+    return StorageError(f"{where}: {what} failed: {type(e).__name__}: {_one_line(e)}")
 
 
 class Storage:
     """A directory-like location: a local directory or an fsspec URL prefix."""
 
-    def __init__(self, location: str, fs=None):
+    def __init__(self, location: str, fs=None, retry: RetryPolicy | None = None):
         self.location = _strip_file_scheme(location).rstrip("/") or "/"
         self.is_local = not is_url(self.location)
         self._fs = fs
+        self.retry = retry
         if self.is_local:
             self.location = os.path.abspath(self.location)
 
@@ -61,7 +146,7 @@ class Storage:
         return self._fs
 
     def child(self, relpath: str) -> "Storage":
-        return Storage(join(self.location, relpath), fs=None if self.is_local else self.fs)
+        return Storage(join(self.location, relpath), fs=None if self.is_local else self.fs, retry=self.retry)
 
     def path(self, relpath: str = "") -> str:
         """The full path (local) or URL of ``relpath`` below this location."""
@@ -71,18 +156,58 @@ class Storage:
         # fsspec methods take the protocol-less path for most filesystems; strip_protocol handles each.
         return self.fs._strip_protocol(self.path(relpath))
 
+    def _remote(self, op: Callable[[], T], what: str, relpath: str = "") -> T:
+        """Run one remote operation, retrying transient errors with backoff.
+
+        ``FileNotFoundError`` passes through (callers give it a meaning: a missing file), except when the whole
+        bucket is missing; every other final failure becomes a one-line :class:`StorageError`.
+        """
+        policy = self.retry or DEFAULT_RETRY
+        for attempt in range(policy.attempts):
+            try:
+                return op()
+            except (StorageError, KeyboardInterrupt):
+                raise
+            except FileNotFoundError:
+                self._raise_if_no_bucket(what)
+                raise
+            except Exception as e:  # noqa: BLE001 - fsspec backends raise anything; we classify and name it
+                if not is_transient(e) or attempt + 1 == policy.attempts:
+                    raise _storage_error(e, what, self.path(relpath), attempts=attempt + 1) from e
+                time.sleep(policy.delay(attempt))
+        raise StorageError(f"{self.path(relpath)}: {what} failed")  # unreachable: attempts >= 1
+
+    def _raise_if_no_bucket(self, what: str) -> None:
+        """A missing bucket is bad input (exit 2), not a missing file: say so, naming the bucket."""
+        if not self.location.startswith(("s3://", "s3a://")):
+            return
+        bucket = self._fspath().split("/", 1)[0]
+        try:
+            missing = not self.fs.exists(bucket)
+        except FileNotFoundError:
+            missing = True
+        except Exception as e:  # noqa: BLE001 - the original error is the one to report; this was only a probe
+            del e
+            return
+        if missing:
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS S3"
+            raise StorageError(
+                f"{self.location}: bucket {bucket!r} does not exist at {endpoint} (while {what}); "
+                "create it or fix the URL"
+            )
+
     # -- reading ---------------------------------------------------------------------------------------
     def exists(self, relpath: str = "") -> bool:
         if self.is_local:
             return os.path.exists(self.path(relpath))
-        return self.fs.exists(self._fspath(relpath))
+        return self._remote(lambda: self.fs.exists(self._fspath(relpath)), "checking existence", relpath)
 
     def size(self, relpath: str) -> int:
         try:
             if self.is_local:
                 return os.path.getsize(self.path(relpath))
-            return int(self.fs.size(self._fspath(relpath)))
-        except FileNotFoundError:
+            return int(self._remote(lambda: self.fs.size(self._fspath(relpath)), "reading the size", relpath))
+        except (FileNotFoundError, StorageError):
             raise
         except Exception as e:  # noqa: BLE001 - storage backends raise anything; we name the location
             raise _storage_error(e, "reading the size", self.path(relpath)) from e
@@ -98,8 +223,9 @@ class Storage:
                 if got != end - start:
                     del buf[got:]
                 return buf
-            return bytearray(self.fs.cat_file(self._fspath(relpath), start=start, end=end))
-        except FileNotFoundError:
+            what = f"reading bytes {start}..{end}"
+            return bytearray(self._remote(lambda: self.fs.cat_file(self._fspath(relpath), start=start, end=end), what, relpath))
+        except (FileNotFoundError, StorageError):
             raise
         except Exception as e:  # noqa: BLE001
             raise _storage_error(e, f"reading bytes {start}..{end}", self.path(relpath)) from e
@@ -109,11 +235,45 @@ class Storage:
             if self.is_local:
                 with open(self.path(relpath), "rb") as f:
                     return f.read()
-            return self.fs.cat_file(self._fspath(relpath))
-        except FileNotFoundError:
+            return self._remote(lambda: self.fs.cat_file(self._fspath(relpath)), "reading", relpath)
+        except (FileNotFoundError, StorageError):
             raise
         except Exception as e:  # noqa: BLE001
             raise _storage_error(e, "reading", self.path(relpath)) from e
+
+    def read_ranges(self, ranges: Sequence[tuple[str, int | None, int | None]]) -> list[bytearray]:
+        """Bytes ``[start, end)`` of each ``(relpath, start, end)``, fetched concurrently from remote storage.
+
+        ``None`` bounds mean the start or end of the file, so ``(relpath, None, None)`` reads a whole file. On
+        an object store every range is one HTTP range request and all run at once (fsspec ``cat_ranges``).
+        """
+        if not ranges:
+            return []
+        if self.is_local:
+            out = []
+            for relpath, start, end in ranges:
+                if start is None and end is None:
+                    out.append(bytearray(self.read_bytes(relpath)))
+                else:
+                    lo = start or 0
+                    hi = end if end is not None else self.size(relpath)
+                    out.append(self.read_range(relpath, lo, hi))
+            return out
+        paths = [self._fspath(r) for r, _, _ in ranges]
+        starts = [s for _, s, _ in ranges]
+        ends = [e for _, _, e in ranges]
+
+        def fetch() -> list[bytearray]:
+            got = self.fs.cat_ranges(paths, starts, ends, on_error="return")
+            for value in got:
+                if isinstance(value, BaseException):
+                    raise value
+            return [bytearray(v) for v in got]
+
+        try:
+            return self._remote(fetch, f"reading {len(ranges)} byte ranges", ranges[0][0])
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{self.location}: an object to read is missing ({_one_line(e)})") from e
 
     def listdir(self, relpath: str = "") -> list[str]:
         """Names (not paths) of the entries directly below ``relpath``; empty if it does not exist."""
@@ -122,10 +282,19 @@ class Storage:
                 p = self.path(relpath)
                 return sorted(os.listdir(p)) if os.path.isdir(p) else []
             base = self._fspath(relpath).rstrip("/")
-            if not self.fs.exists(base):
-                return []
-            self.fs.invalidate_cache(base)
-            return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(base, detail=False)})
+
+            def ls() -> list[str]:
+                self.fs.invalidate_cache(base)
+                if not self.fs.exists(base):
+                    return []
+                return sorted({e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(base, detail=False)})
+
+            names = self._remote(ls, "listing", relpath)
+            if not names:
+                self._raise_if_no_bucket("listing")
+            return names
+        except StorageError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise _storage_error(e, "listing", self.path(relpath)) from e
 
@@ -150,8 +319,34 @@ class Storage:
             raise _storage_error(e, "writing", target) from e
 
     def write_bytes(self, relpath: str, data: bytes) -> None:
-        with self.open_write(relpath) as f:
-            f.write(data)
+        self.write_parts(relpath, [data])
+
+    def write_parts(self, relpath: str, parts: Sequence[bytes | bytearray | memoryview], *, fsync: bool = True) -> None:
+        """Write one whole file from ``parts``; fsynced on local disk (unless ``fsync=False``).
+
+        Remotely the object is uploaded in one call, retried as a whole on transient errors; large objects go up
+        as a multipart upload whose parts are sent concurrently (s3fs ``pipe_file``).
+        """
+        target = self.path(relpath)
+        if self.is_local:
+            try:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                with open(target, "wb") as f:
+                    for p in parts:
+                        f.write(p)
+                    if fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+            except (StorageError, KeyboardInterrupt):
+                raise
+            except Exception as e:  # noqa: BLE001
+                raise _storage_error(e, "writing", target) from e
+            return
+        data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+        try:
+            self._remote(lambda: self.fs.pipe_file(self._fspath(relpath), data), "writing", relpath)
+        except FileNotFoundError as e:
+            raise _storage_error(e, "writing", target) from e
 
     def makedirs(self, relpath: str = "") -> None:
         if self.is_local:
@@ -169,9 +364,15 @@ class Storage:
                     os.remove(target)
                 return
             p = self._fspath(relpath)
-            if self.fs.exists(p):
-                self.fs.rm(p, recursive=True)
-            self.fs.invalidate_cache()
+
+            def rm() -> None:
+                if self.fs.exists(p):
+                    self.fs.rm(p, recursive=True)
+                self.fs.invalidate_cache()
+
+            self._remote(rm, "removing", relpath)
+        except StorageError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise _storage_error(e, "removing", target) from e
 
@@ -190,8 +391,12 @@ def _storage_options(location: str) -> dict:
     """fsspec options from the standard environment (``AWS_ENDPOINT_URL_S3`` is not read by every s3fs)."""
     if location.startswith(("s3://", "s3a://")):
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        # Listings are not cached: other ranks and processes write here too, and a stale listing would hide
+        # a commit or show a removed step.
+        opts: dict = {"use_listings_cache": False}
         if endpoint:
-            return {"client_kwargs": {"endpoint_url": endpoint}}
+            opts["client_kwargs"] = {"endpoint_url": endpoint}
+        return opts
     return {}
 
 

@@ -8,11 +8,13 @@ import sys
 
 import pytest
 
+from .s3_fixtures import moto_endpoint, s3_url  # noqa: F401  (fixtures: S3 via moto's server mode)
+
 _counter = itertools.count()
 
 #: storages of the shared suite; S3 is added by the S3 fixture module when moto is installed.
-STORAGES = ["local", "memory"]
-BACKENDS = ["safetensors"]
+STORAGES = ["local", "memory", "s3"]
+BACKENDS = ["safetensors", "zarr"]
 
 
 @pytest.fixture(params=STORAGES)

@@ -1,0 +1,64 @@
+"""An S3 endpoint for the tests: moto's server mode on 127.0.0.1 with a free port, as s3fs and zarr test themselves.
+
+The server speaks the real S3 protocol over HTTP, so the code under test runs unchanged (s3fs, botocore, our
+retries); only ``AWS_ENDPOINT_URL_S3`` and dummy credentials point it there for the test session.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+BUCKET = "moeckpt-tests"
+_counter = itertools.count()
+
+_ENV_DROP = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL")
+
+
+def start_moto(port: int = 0):
+    """A started ``ThreadedMotoServer`` on 127.0.0.1 and its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    host, real_port = server.get_host_and_port()
+    return server, f"http://{host}:{real_port}"
+
+
+def make_bucket(endpoint: str, bucket: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """The endpoint of a moto S3 server that lives for the whole test session, with the bucket ``BUCKET``."""
+    server, endpoint = start_moto()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_ENDPOINT_URL_S3": endpoint,
+    }
+    saved = {k: os.environ.get(k) for k in (*env, *_ENV_DROP)}
+    for k in _ENV_DROP:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    make_bucket(endpoint, BUCKET)
+    yield endpoint
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()
+
+
+@pytest.fixture
+def s3_url(moto_endpoint) -> str:
+    """A fresh, empty ``s3://`` location for one checkpoint on the moto server."""
+    return f"s3://{BUCKET}/{os.getpid()}-{next(_counter)}/ckpt"
