@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "diff_cmd",
     "gc_cmd",
     "demo_cmd",
+    "export_hf_cmd",
 )
 
 

@@ -1,11 +1,217 @@
-"""Export a moeckpt checkpoint as a Hugging Face model directory (placeholder: filled in below)."""
+"""Export a moeckpt checkpoint, from any layout and storage, as a Hugging Face model directory.
+
+The output is what ``transformers.AutoModelForCausalLM.from_pretrained`` reads: ``model-0000k-of-0000n.safetensors``
+shards, ``model.safetensors.index.json`` (``total_size`` and the weight map), ``config.json`` and
+``generation_config.json``. Logical tensors are streamed: each is read whole from the checkpoint (only its own
+pieces), converted to the output dtype, written into the open shard and dropped, so memory holds one tensor, never
+the model. Shard headers are known up front (names and shapes come from the plan), which is what lets a shard be
+written tensor by tensor.
+"""
 
 from __future__ import annotations
 
 import importlib
+import json
+import struct
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Callable
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.errors import DestinationNotEmptyError, MoeckptError
+from moeckpt.formats.pieces import tensor_bytes
+from moeckpt.formats.storage import Storage
+
+from .models import ARCHITECTURES, ModelSpec, UnknownModelError
+
+INDEX_FILE = "model.safetensors.index.json"
+#: files an export writes (and ``overwrite`` replaces); anything else in the directory is left alone.
+OWN_FILES = ("config.json", "generation_config.json", INDEX_FILE)
 
 
-def hf_module(spec) -> ModuleType:
-    """The ``<arch>/hf.py`` mapping module of a :class:`~moeckpt.trainer.models.ModelSpec`."""
+class HfExportError(MoeckptError, ValueError):
+    """A checkpoint that cannot be written as a Hugging Face model (unknown architecture, incomplete config...)."""
+
+
+def hf_module(spec: ModelSpec) -> ModuleType:
+    """The ``<arch>/hf.py`` mapping module of a model (config mapping, tensor names)."""
     return importlib.import_module(f"{spec.module.__name__}.hf")
+
+
+def shard_name(k: int, n: int) -> str:
+    return f"model-{k:05d}-of-{n:05d}.safetensors"
+
+
+@dataclass(frozen=True)
+class HfTensor:
+    """One tensor of the exported model: its HF name and shape, and the logical tensor it comes from."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: str
+
+    def nbytes(self, dtype: str) -> int:
+        n = dtypes.itemsize(dtype)
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    files: tuple[str, ...]
+    total_size: int
+    num_tensors: int
+    dtype: str
+
+
+def spec_of(reader: CheckpointReader) -> ModelSpec:
+    """The checkpoint's model, refusing architectures without a Hugging Face mapping or configs missing a field."""
+    model = reader.index.model
+    arch = model.get("arch")
+    if arch not in ARCHITECTURES:
+        raise HfExportError(
+            f"{reader.location}: architecture {arch!r} has no Hugging Face mapping; exportable: {', '.join(ARCHITECTURES)}"
+        )
+    try:
+        spec = ModelSpec.from_json(model)
+    except UnknownModelError as e:
+        raise HfExportError(f"{reader.location}: {e}") from None
+    config = model.get("config", {})
+    missing = [f for f in hf_module(spec).HF_FIELDS if f not in config]
+    if missing:
+        raise HfExportError(
+            f"{reader.location}: the model config in the index lacks {', '.join(missing)}, which config.json needs; "
+            "the checkpoint was written by a tool that did not record its full config"
+        )
+    return spec
+
+
+def plan_tensors(spec: ModelSpec, reader: CheckpointReader) -> list[HfTensor]:
+    """The HF tensors in write order, after checking the checkpoint holds every parameter of the plan."""
+    hf = hf_module(spec)
+    out = []
+    for p in spec.param_specs():
+        entry = reader.index.tensors.get(p.name)
+        if entry is None or entry.role != "param":
+            raise HfExportError(f"{reader.location}: parameter {p.name!r} of the {spec.arch} model is not in the checkpoint")
+        if tuple(entry.shape) != tuple(p.shape):
+            raise HfExportError(
+                f"{reader.location}: {p.name} has shape {list(entry.shape)} but the model config gives {list(p.shape)}"
+            )
+        out += [HfTensor(n, s, p.name) for n, s in hf.export_tensors(p.name, p.shape, spec.config)]
+    return out
+
+
+def assign_shards(tensors: list[HfTensor], dtype: str, max_shard_size: int) -> list[list[HfTensor]]:
+    """Consecutive tensors packed into shards of at most ``max_shard_size`` bytes (a larger tensor gets its own)."""
+    shards: list[list[HfTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        n = t.nbytes(dtype)
+        if shards[-1] and size + n > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += n
+    return shards
+
+
+def _header(tensors: list[HfTensor], dtype: str) -> bytes:
+    doc: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for t in tensors:
+        n = t.nbytes(dtype)
+        doc[t.name] = {"dtype": dtypes.to_safetensors(dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _prepare_destination(out: Storage, overwrite: bool) -> None:
+    if not out.exists() or not out.listdir():
+        out.makedirs()
+        return
+    if not overwrite:
+        raise DestinationNotEmptyError(f"{out.location}: destination is not empty; pass --overwrite to replace it")
+    for name in out.listdir():
+        if name in OWN_FILES or (name.startswith("model") and name.endswith(".safetensors")):
+            out.remove(name)
+
+
+def export_hf(
+    ckpt: str,
+    out: str,
+    *,
+    dtype: str | None = None,
+    max_shard_size: int = 5 * 10**9,
+    overwrite: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> ExportResult:
+    """Write the parameters of checkpoint ``ckpt`` as a Hugging Face model directory at ``out``.
+
+    ``dtype`` is ``"bfloat16"`` or ``"float32"`` (default: the checkpoint's parameter dtype). ``on_bytes`` is
+    called with the bytes written after each tensor (progress bars). The index file is written last.
+    """
+    reader = CheckpointReader(ckpt)
+    spec = spec_of(reader)
+    if max_shard_size < 1:
+        raise HfExportError(f"max shard size must be positive, got {max_shard_size}")
+    tensors = plan_tensors(spec, reader)
+    param_dtype = reader.index.tensors[tensors[0].source].dtype
+    dtype = dtype or param_dtype
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise HfExportError(f"cannot export as {dtype!r}; choose bfloat16 or float32")
+    torch_dtype = dtypes.to_torch(dtype)
+    shards = assign_shards(tensors, dtype, max_shard_size)
+    names = [shard_name(k + 1, len(shards)) for k in range(len(shards))]
+    storage = Storage(out)
+    _prepare_destination(storage, overwrite)
+
+    hf = hf_module(spec)
+    values: dict[str, torch.Tensor] = {}  # HF tensors of the logical tensor being written (one at a time)
+    current = None
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        with storage.open_write(name) as f:
+            f.write(_header(shard, dtype))
+            for t in shard:
+                if t.source != current:
+                    full = reader.read_tensor(t.source).to(torch_dtype)
+                    values = hf.export_values(t.source, full, spec.config)
+                    current = t.source
+                data = tensor_bytes(values.pop(t.name))
+                f.write(data)
+                weight_map[t.name] = name
+                if on_bytes is not None:
+                    on_bytes(len(data))
+    total = sum(t.nbytes(dtype) for t in tensors)
+    storage.write_bytes("config.json", _json(hf.to_hf_config(spec.config, dtype=dtype)))
+    storage.write_bytes("generation_config.json", _json({"_from_model_config": True, **hf.generation_config(spec.config)}))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    storage.write_bytes(INDEX_FILE, _json(index))
+    return ExportResult(files=tuple(names), total_size=total, num_tensors=len(tensors), dtype=dtype)
+
+
+def _json(doc: dict) -> bytes:
+    return (json.dumps(doc, indent=2) + "\n").encode()
+
+
+def parse_size(text: str) -> int:
+    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a byte count, as bytes (HF's ``max_shard_size`` convention)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    s = text.strip().upper()
+    num = s.rstrip("KMGTIB")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise HfExportError(f"max shard size {text!r} is not a size such as 5GB, 500MB or 2GiB")
+    return int(value * units[unit])

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import re
 
+import torch
+
 from ..base import config_from_json
 from .config import Qwen3MoeConfig
 
-_SAME = (
+#: config fields copied one-to-one into config.json; a checkpoint config must hold each of them to be exported.
+HF_FIELDS = _SAME = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob", "rms_norm_eps",
     "rope_theta", "max_position_embeddings", "tie_word_embeddings", "initializer_range",
 )
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def to_hf_config(cfg: Qwen3MoeConfig, *, dtype: str = "float32") -> dict:
@@ -72,21 +74,24 @@ def from_hf_config(doc: dict) -> Qwen3MoeConfig:
 
 
 def generation_config(cfg: Qwen3MoeConfig) -> dict:
+    """``generation_config.json``: no token ids are known for a trainer-made vocabulary."""
     return {}
 
 
-def hf_tensor_names(name: str, cfg: Qwen3MoeConfig) -> list[str]:
-    """The per-expert HF names a plan tensor is written as (itself if it is not a fused expert tensor)."""
+def export_tensors(name: str, shape: tuple[int, ...], cfg: Qwen3MoeConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """The HF tensors (name, shape) a plan tensor is written as: fused experts become per-expert matrices."""
     m = _FUSED.match(name)
     if not m:
-        return [name]
+        return [(name, tuple(shape))]
     prefix, which = m.groups()
-    parts = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
-    return [f"{prefix}.{e}.{p}.weight" for e in range(cfg.num_experts) for p in parts]
+    e, rows, cols = shape
+    if which == "gate_up_proj":
+        return [(f"{prefix}.{x}.{p}.weight", (rows // 2, cols)) for x in range(e) for p in ("gate_proj", "up_proj")]
+    return [(f"{prefix}.{x}.down_proj.weight", (rows, cols)) for x in range(e)]
 
 
-def split_fused(name: str, tensor, cfg: Qwen3MoeConfig) -> dict:
-    """A plan tensor as HF per-expert tensors: ``gate_up_proj[e]`` halves become ``gate_proj`` and ``up_proj``."""
+def export_values(name: str, tensor, cfg: Qwen3MoeConfig) -> dict:
+    """A plan tensor's values under the names :func:`export_tensors` gives (views, no copies)."""
     m = _FUSED.match(name)
     if not m:
         return {name: tensor}
@@ -102,16 +107,26 @@ def split_fused(name: str, tensor, cfg: Qwen3MoeConfig) -> dict:
     return out
 
 
-def per_expert_sources(name: str, cfg: Qwen3MoeConfig) -> list[list[str]] | None:
-    """For a fused plan tensor, the HF per-expert names that build it: one list per expert, concatenated along
-    dim 0 (gate then up) and stacked over experts; ``None`` for tensors HF stores under the plan's own name."""
+def import_sources(name: str, cfg: Qwen3MoeConfig, available) -> list[str]:
+    """The HF tensors that make up plan tensor ``name`` in a directory holding ``available`` names: the fused
+    tensor itself (transformers 5 layout) or its per-expert matrices (transformers 4 and the Hub's Qwen models)."""
     m = _FUSED.match(name)
-    if not m:
-        return None
+    if not m or name in available:
+        return [name]
     prefix, which = m.groups()
     parts = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
-    return [[f"{prefix}.{e}.{p}.weight" for p in parts] for e in range(cfg.num_experts)]
+    return [f"{prefix}.{e}.{p}.weight" for e in range(cfg.num_experts) for p in parts]
 
 
-def is_per_expert_name(name: str) -> bool:
-    return _PER_EXPERT.match(name) is not None
+def import_value(name: str, cfg: Qwen3MoeConfig, sources: dict):
+    """Assemble plan tensor ``name`` from the HF tensors :func:`import_sources` named (``sources`` by name)."""
+    m = _FUSED.match(name)
+    if not m or name in sources:
+        return sources[name]
+    prefix, which = m.groups()
+    if which == "gate_up_proj":
+        per = [torch.cat([sources[f"{prefix}.{e}.gate_proj.weight"], sources[f"{prefix}.{e}.up_proj.weight"]])
+               for e in range(cfg.num_experts)]
+    else:
+        per = [sources[f"{prefix}.{e}.down_proj.weight"] for e in range(cfg.num_experts)]
+    return torch.stack(per)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from ..base import config_from_json
 from .config import ZayaConfig
 
-#: config fields copied one-to-one into config.json.
-_SAME = (
+#: config fields copied one-to-one into config.json; a checkpoint config must hold each of them to be exported.
+HF_FIELDS = _SAME = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "moe_intermediate_size", "num_experts", "num_experts_per_tok", "router_hidden_size", "cca_time0", "cca_time1",
     "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "initializer_range",
@@ -51,3 +51,20 @@ def from_hf_config(doc: dict) -> ZayaConfig:
 def generation_config(cfg: ZayaConfig) -> dict:
     """``generation_config.json``: transformers' ZAYA token ids."""
     return {"bos_token_id": 2, "eos_token_id": 106, "pad_token_id": 0}
+
+
+def export_tensors(name: str, shape: tuple[int, ...], cfg: ZayaConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """HF names equal the plan's (fused experts included): one tensor each."""
+    return [(name, tuple(shape))]
+
+
+def export_values(name: str, tensor, cfg: ZayaConfig) -> dict:
+    return {name: tensor}
+
+
+def import_sources(name: str, cfg: ZayaConfig, available) -> list[str]:
+    return [name]
+
+
+def import_value(name: str, cfg: ZayaConfig, sources: dict):
+    return sources[name]
