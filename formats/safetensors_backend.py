@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import json
 import struct
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
+import xxhash
 
 from . import dtypes
 from .box import Box
+from .checksum import ALGORITHM as CHECKSUM_ALGORITHM
 from .checksum import checksum
 from .errors import DataFileError
 from .index import FileEntry, TensorEntry
@@ -46,43 +49,172 @@ def file_name(writer: int) -> str:
 
 
 def encode(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> tuple[bytes, list[memoryview]]:
-    """The header bytes (length prefix included) and the data buffers of a file holding ``pieces``."""
-    header: dict[str, object] = {}
-    meta = {META_VERSION_KEY: "1", META_BLOCK_KEY: str(CHECKSUM_BLOCK_BYTES)}
-    buffers: list[memoryview] = []
-    offset = 0
+    """The header bytes (length prefix included) and the data buffers of a file holding ``pieces``.
+
+    The reference encoding: :func:`write_file` streams the same bytes without materialising the buffers.
+    """
+    plan = _plan(pieces, tensors)
+    buffers = [tensor_bytes(_flat_if_scalar(p.data)) for p in plan]
+    sums = [block_checksums(b) for b in buffers]
+    return _header(plan, sums), buffers
+
+
+def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> FileEntry:
+    """Write (and on local disk fsync) one data file; returns its index entry. The bytes equal :func:`encode`'s.
+
+    Saving is bound by memory traffic, not by the disk, so every byte of data is touched as few times as possible:
+    each checksum block is hashed right before it is written, while it is still in the CPU cache, and a piece that
+    is a strided view of a trainer's local tensor (one block of a fused gate/up) is never copied whole. On local
+    disk the header, whose length does not depend on the checksum values, is written last, over a placeholder of
+    the same length; other storages cannot seek back, so they hash in a first pass and then stream.
+    """
+    plan = _plan(pieces, tensors)
+    with storage.open_write(relpath) as f:
+        if storage.is_local:
+            placeholder = _header(plan, [[_PLACEHOLDER] * _block_count(p.nbytes) for p in plan])
+            f.write(placeholder)
+            sums = [_stream_piece(p.data, f.write) for p in plan]
+            head = _header(plan, sums)
+            if len(head) != len(placeholder):
+                raise DataFileError(
+                    f"{storage.path(relpath)}: header length changed from {len(placeholder)} to {len(head)} bytes "
+                    "after hashing; the checksum algorithm must produce fixed-length digests"
+                )
+            f.seek(0)
+            f.write(head)
+            f.seek(0, 2)
+        else:
+            sums = [_stream_piece(p.data, None) for p in plan]
+            head = _header(plan, sums)
+            f.write(head)
+            for p in plan:
+                _stream_piece(p.data, f.write)
+    return FileEntry(path=relpath, size=len(head) + sum(p.nbytes for p in plan), checksum=checksum(head))
+
+
+@dataclass(frozen=True)
+class _Planned:
+    """A non-empty piece with its safetensors key, dtype code and byte length."""
+
+    key: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    data: torch.Tensor
+
+
+def _plan(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> list[_Planned]:
+    out = []
     for p in pieces:
         entry = tensors[p.tensor]
         if dtypes.from_torch(p.data.dtype) != entry.dtype:
             raise ValueError(f"piece of {p.tensor!r} has dtype {p.data.dtype}, the index says {entry.dtype}")
         if p.box.is_empty():
             continue  # empty ZeRO parts are legal in a layout and never stored
-        data = tensor_bytes(p.data)
-        key = piece_key(p.tensor, p.box)
-        header[key] = {
-            "dtype": dtypes.to_safetensors(entry.dtype),
-            "shape": list(p.box.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        meta[key] = ",".join(block_checksums(data))
-        buffers.append(data)
-        offset += len(data)
+        nbytes = p.box.numel * dtypes.itemsize(entry.dtype)
+        out.append(_Planned(piece_key(p.tensor, p.box), dtypes.to_safetensors(entry.dtype), list(p.box.shape), nbytes, p.data))
+    return out
+
+
+def _header(plan: Sequence[_Planned], sums: Sequence[Sequence[str]]) -> bytes:
+    header: dict[str, object] = {}
+    meta = {META_VERSION_KEY: "1", META_BLOCK_KEY: str(CHECKSUM_BLOCK_BYTES)}
+    offset = 0
+    for p, s in zip(plan, sums):
+        header[p.key] = {"dtype": p.dtype, "shape": p.shape, "data_offsets": [offset, offset + p.nbytes]}
+        meta[p.key] = ",".join(s)
+        offset += p.nbytes
     doc = {"__metadata__": meta, **header}
     raw = json.dumps(doc, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # align the data start to 8 bytes, as the safetensors writer does
-    return struct.pack("<Q", len(raw)) + raw, buffers
+    return struct.pack("<Q", len(raw)) + raw
 
 
-def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> FileEntry:
-    """Write (and on local disk fsync) one data file; returns its index entry."""
-    head, buffers = encode(pieces, tensors)
-    size = len(head)
-    with storage.open_write(relpath) as f:
-        f.write(head)
-        for b in buffers:
-            f.write(b)
-            size += len(b)
-    return FileEntry(path=relpath, size=size, checksum=checksum(head))
+#: stands in for a block checksum in the header written before the data (same length as a real one).
+_PLACEHOLDER = "0" * len(checksum(b""))
+#: rows of a strided piece at least this long are written straight from the trainer's tensor; shorter ones are
+#: gathered into a reused buffer first, so that small rows do not turn into many small writes.
+_DIRECT_ROW_BYTES = 256 * 1024
+
+
+def _block_count(nbytes: int) -> int:
+    return max(1, -(-nbytes // CHECKSUM_BLOCK_BYTES))
+
+
+def _stream_piece(data: torch.Tensor, write: Callable[[memoryview], object] | None) -> list[str]:
+    """Hash a piece's bytes block by block, passing each part to ``write`` right after hashing it."""
+    sums: list[str] = []
+    hasher = _BlockHasher(sums)
+    for frag in _fragments(data):
+        for i in range(0, len(frag), CHECKSUM_BLOCK_BYTES):
+            part = frag[i : i + CHECKSUM_BLOCK_BYTES]
+            hasher.update(part)
+            if write is not None:
+                write(part)
+    hasher.finish()
+    return sums
+
+
+class _BlockHasher:
+    """``block_checksums`` of a byte stream fed in arbitrary parts (same digests as hashing each block whole)."""
+
+    def __init__(self, out: list[str]):
+        self.out = out
+        self.hasher = xxhash.xxh3_64()
+        self.filled = 0
+
+    def update(self, part: memoryview) -> None:
+        if self.filled == 0 and len(part) == CHECKSUM_BLOCK_BYTES:
+            self.out.append(checksum(part))  # the common case: one whole block, hashed in one call
+            return
+        while len(part):
+            take = min(len(part), CHECKSUM_BLOCK_BYTES - self.filled)
+            self.hasher.update(part[:take])
+            self.filled += take
+            part = part[take:]
+            if self.filled == CHECKSUM_BLOCK_BYTES:
+                self._emit()
+
+    def finish(self) -> None:
+        if self.filled or not self.out:
+            self._emit()
+
+    def _emit(self) -> None:
+        self.out.append(f"{CHECKSUM_ALGORITHM}:{self.hasher.hexdigest()}")
+        self.hasher.reset()
+        self.filled = 0
+
+
+def _flat_if_scalar(t: torch.Tensor) -> torch.Tensor:
+    # A 0-dim tensor cannot be viewed as bytes of another element size; as one element it can, with the same bytes.
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def _fragments(t: torch.Tensor) -> Iterator[memoryview]:
+    """The bytes of ``t`` in row-major order as contiguous buffers, without copying a strided tensor whole.
+
+    A yielded buffer may be reused for the next one: consume it before advancing.
+    """
+    t = _flat_if_scalar(t.detach())
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.numel() == 0:
+        return
+    if t.is_contiguous():
+        yield tensor_bytes(t)
+        return
+    rows = t.shape[0]
+    row_bytes = t[0].numel() * t.element_size()
+    if row_bytes >= _DIRECT_ROW_BYTES:
+        for r in range(rows):
+            yield from _fragments(t[r])
+        return
+    per = max(1, (CHECKSUM_BLOCK_BYTES // max(1, row_bytes)))
+    scratch = torch.empty((min(per, rows),) + tuple(t.shape[1:]), dtype=t.dtype)
+    for r0 in range(0, rows, per):
+        n = min(per, rows - r0)
+        scratch[:n].copy_(t[r0 : r0 + n])
+        yield tensor_bytes(scratch[:n])
 
 
 def read_header(storage: Storage, entry: FileEntry, tensors: dict[str, TensorEntry]) -> list[PieceRef]:
@@ -199,3 +331,129 @@ def list_pieces(storage: Storage, files: Iterable[FileEntry], tensors: dict[str,
     for f in files:
         out.extend(read_header(storage, f, tensors))
     return out
+
+
+# -- streaming writes: the header is sized before the data exists -----------------------------------------------
+#: a placeholder of the exact width of a checksum, so a header can be sized before its pieces are hashed.
+_CHECKSUM_PLACEHOLDER = checksum(b"")
+
+
+def header_bytes(layout: Sequence[tuple[str, Box, Sequence[str]]], tensors: dict[str, TensorEntry]) -> bytes:
+    """The header (length prefix included) of a file holding pieces ``(tensor, box, block checksums)`` in order.
+
+    Byte-identical to what :func:`encode` writes for the same pieces; empty boxes are skipped as there.
+    """
+    header: dict[str, object] = {}
+    meta = {META_VERSION_KEY: "1", META_BLOCK_KEY: str(CHECKSUM_BLOCK_BYTES)}
+    offset = 0
+    for tensor, box, sums in layout:
+        if box.is_empty():
+            continue
+        entry = tensors[tensor]
+        nbytes = box.numel * dtypes.itemsize(entry.dtype)
+        key = piece_key(tensor, box)
+        header[key] = {
+            "dtype": dtypes.to_safetensors(entry.dtype),
+            "shape": list(box.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        meta[key] = ",".join(sums)
+        offset += nbytes
+    raw = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+class BlockHasher:
+    """Block checksums of a byte stream fed in arbitrary slices (a piece written slab by slab)."""
+
+    def __init__(self, block_bytes: int = CHECKSUM_BLOCK_BYTES):
+        import xxhash
+
+        self._new = xxhash.xxh3_64
+        self._block = block_bytes
+        self._h = self._new()
+        self._fill = 0
+        self.sums: list[str] = []
+
+    def update(self, data: memoryview | bytes) -> None:
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            take = min(len(mv), self._block - self._fill)
+            self._h.update(mv[:take])
+            self._fill += take
+            mv = mv[take:]
+            if self._fill == self._block:
+                self.sums.append(f"xxh3_64:{self._h.hexdigest()}")
+                self._h, self._fill = self._new(), 0
+
+    def finish(self) -> list[str]:
+        """The checksums, the last (short) block included; an empty stream has one checksum of no bytes."""
+        if self._fill or not self.sums:
+            self.sums.append(f"xxh3_64:{self._h.hexdigest()}")
+            self._h, self._fill = self._new(), 0
+        return self.sums
+
+
+def write_file_stream(
+    storage: Storage,
+    relpath: str,
+    layout: Sequence[tuple[str, Box]],
+    tensors: dict[str, TensorEntry],
+    chunks: Iterable[tuple[int, memoryview]],
+) -> FileEntry:
+    """Write a file whose pieces arrive in slabs, holding only one slab in memory.
+
+    ``layout`` lists the pieces ``(tensor, box)`` in file order; ``chunks`` yields ``(piece position, bytes)`` in
+    file order, each piece's bytes complete across its slabs. The header is sized first (checksums have a fixed
+    width), the data streamed behind it while hashed, and the header written last: on local disk by seeking back,
+    elsewhere by spooling the data to a local temporary file first (object stores cannot seek).
+    """
+    kept = [(t, b) for t, b in layout if not b.is_empty()]
+    head_len = len(header_bytes([(t, b, [_CHECKSUM_PLACEHOLDER] * _blocks(b, tensors[t])) for t, b in kept], tensors))
+    hashers = [BlockHasher() for _ in layout]
+    sizes = [b.numel * dtypes.itemsize(tensors[t].dtype) for t, b in layout]
+    written = [0] * len(layout)
+
+    def feed(sink) -> None:
+        for pos, data in chunks:
+            mv = memoryview(data).cast("B")
+            written[pos] += len(mv)
+            if written[pos] > sizes[pos]:
+                raise ValueError(f"{relpath}: piece {layout[pos][0]!r} {layout[pos][1].to_json()} got too many bytes")
+            hashers[pos].update(mv)
+            sink.write(mv)
+        for pos, (t, b) in enumerate(layout):
+            if written[pos] != sizes[pos]:
+                raise ValueError(f"{relpath}: piece {t!r} {b.to_json()} got {written[pos]} of {sizes[pos]} bytes")
+
+    def final_header() -> bytes:
+        sums = [h.finish() for h in hashers]
+        head = header_bytes([(t, b, s) for (t, b), s in zip(layout, sums)], tensors)
+        if len(head) != head_len:
+            raise ValueError(f"{relpath}: header size changed while streaming ({head_len} -> {len(head)})")
+        return head
+
+    if storage.is_local:
+        with storage.open_write(relpath) as f:
+            f.seek(head_len)
+            feed(f)
+            head = final_header()
+            f.seek(0)
+            f.write(head)
+    else:
+        import shutil
+        import tempfile
+
+        with tempfile.TemporaryFile() as spool:
+            feed(spool)
+            head = final_header()
+            spool.seek(0)
+            with storage.open_write(relpath) as f:
+                f.write(head)
+                shutil.copyfileobj(spool, f, 16 * 1024 * 1024)
+    return FileEntry(path=relpath, size=head_len + sum(sizes), checksum=checksum(head))
+
+
+def _blocks(box: Box, entry: TensorEntry) -> int:
+    return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // CHECKSUM_BLOCK_BYTES))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import zlib
 from dataclasses import dataclass
+from typing import Sequence
 
 from moeckpt.formats.box import Box
 from moeckpt.formats.index import TensorEntry
@@ -120,6 +121,103 @@ def placements(entry: TensorEntry, layout: Layout) -> list[Placement]:
 
 
 def _compute_placements(entry: TensorEntry, layout: Layout) -> tuple[Placement, ...]:
+    """Distinct boxes with their holders, without visiting every rank.
+
+    A rank's boxes depend only on a few of its coordinates: its TP rank (when the rule splits on TP), its EP rank
+    (when the tensor has an expert dimension) and its ZeRO part (dp or edp rank, for optimizer roles). So we
+    visit one representative per class of equivalent ranks; the holders of a box are then a product
+    ``{dp_rank in D} x {tp_rank in T}``, sorted by rank, and the writer is picked from it arithmetically. This
+    keeps a 1,024-rank layout at the cost of its distinct pieces, not of ``ranks x pieces``.
+    """
+    rule = rule_of(entry)
+    tp, ep, dp = layout.tp, layout.ep, layout.dp
+    tp_split = rule.tp is not None and tp > 1
+    experts = rule.expert_dim is not None
+    zero = entry.role in ZERO_ROLES
+    concat = rule.tp.dim if rule.tp is not None else None
+    # (offsets, shape) -> (tp ranks holding it, dp ranks holding it), both sorted; plain tuples hash and sort in C.
+    found: dict[tuple, tuple[Sequence[int], Sequence[int]]] = {}
+    for tp_rank in range(tp) if tp_split else (0,):
+        tps: Sequence[int] = (tp_rank,) if tp_split else range(tp)
+        for ep_rank in range(ep) if experts else (0,):
+            mp = model_parallel_boxes(entry, layout, tp_rank, ep_rank)
+            if not zero:
+                dps: Sequence[int] = range(ep_rank, dp, ep) if experts else range(dp)
+                groups = [([(b.offsets, b.shape) for b in mp], dps)]
+            elif experts:
+                groups = _zero_groups(mp, concat, layout.edp, lambda part, e=ep_rank: (part * ep + e,))
+            else:
+                groups = _zero_groups(mp, concat, dp, lambda part: (part,))
+            for boxes, dps in groups:
+                for b in boxes:
+                    if 0 in b[1]:
+                        continue
+                    if b in found:  # two classes share a box: not the product structure; count exactly instead
+                        return _enumerate_placements(entry, layout)
+                    found[b] = (tps, dps)
+    seed = zlib.crc32(entry.name.encode())
+    out = []
+    # Sorting (offsets, shape) tuples gives the same order as sorting Boxes (dataclass order compares fields).
+    for i, key in enumerate(sorted(found)):
+        tps, dps = found[key]
+        k = (seed + i) % (len(tps) * len(dps))
+        d, t = divmod(k, len(tps))
+        out.append(_placement(_box(*key), dps[d] * tp + tps[t]))
+    return tuple(out)
+
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> Box:
+    """A Box without re-validating: callers build it from an already valid box (hot loop at 1,024 ranks)."""
+    b = _new(Box)
+    _set(b, "offsets", offsets)
+    _set(b, "shape", shape)
+    return b
+
+
+def _placement(box: Box, writer: int) -> "Placement":
+    p = _new(Placement)
+    _set(p, "box", box)
+    _set(p, "writer", writer)
+    return p
+
+
+def _zero_groups(boxes: list[Box], concat_dim: int | None, parts: int, holders) -> list[tuple[list[tuple], tuple]]:
+    """Every non-empty ZeRO part of a local tensor, as (offsets, shape) tuples, with its holders.
+
+    The same boxes as :func:`zero_part` gives part by part, computed in one pass.
+    """
+    if not boxes or boxes[0].ndim == 0:
+        return [([(b.offsets, b.shape) for b in boxes], holders(0))]
+    if concat_dim == 0:
+        spans, start = [], 0
+        for b in boxes:
+            spans.append((b, start, start + b.shape[0]))
+            start += b.shape[0]
+        rows = start
+    else:
+        rows = boxes[0].shape[0]
+        spans = [(b, 0, rows) for b in boxes]
+    if rows == 0:
+        return []
+    chunk = -(-rows // parts)
+    out = []
+    for part in range(min(parts, -(-rows // chunk))):
+        lo, hi = part * chunk, min((part + 1) * chunk, rows)
+        got = []
+        for b, b_lo, b_hi in spans:
+            r0, r1 = max(lo, b_lo), min(hi, b_hi)
+            if r1 > r0:
+                got.append(((b.offsets[0] + r0 - b_lo,) + b.offsets[1:], (r1 - r0,) + b.shape[1:]))
+        out.append((got, holders(part)))
+    return out
+
+
+def _enumerate_placements(entry: TensorEntry, layout: Layout) -> tuple[Placement, ...]:
+    """The reference definition: visit every rank. Used when the fast path finds no product structure."""
     holders: dict[Box, list[int]] = {}
     for rank in range(layout.world):
         for b in rank_boxes(entry, layout, rank):

@@ -1,0 +1,279 @@
+"""Executing reshard plans: reading source rows through a bounded cache, and the offline reshard loop.
+
+Memory stays bounded by a few pieces, never by the checkpoint: target pieces are assembled and written in row
+slabs (``slab_bytes``), source pieces are read in row chunks (``chunk_bytes``) through a cache with a byte budget,
+and a safetensors target file is streamed to storage with its header written last
+(:func:`moeckpt.formats.safetensors_backend.write_file_stream`). Target writers run in parallel (``workers``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.backend import get_backend
+from moeckpt.formats.box import Box
+from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit
+from moeckpt.formats.errors import CheckpointIndexError, DestinationNotEmptyError
+from moeckpt.formats.index import Index
+from moeckpt.formats.pieces import Piece, PieceRef, tensor_bytes
+from moeckpt.formats.storage import Storage
+
+from .layout import Layout
+from .placement import placements
+from .planner import ReadItem, ReshardPlan, SourcePiece, TargetPiece, plan_reshard
+
+#: source pieces are read in row chunks of about this size (whole checksum blocks, so no block is read twice).
+CHUNK_BYTES = 64 * 1024 * 1024
+#: target pieces are assembled and written in row slabs of about this size.
+SLAB_BYTES = 64 * 1024 * 1024
+#: default byte budget of the chunk cache shared by all workers.
+CACHE_BYTES = 256 * 1024 * 1024
+
+
+def _row_elems(box: Box) -> int:
+    if not box.ndim or box.shape[0] == 0:
+        return box.numel
+    return box.numel // box.shape[0]
+
+
+class ChunkReader:
+    """Rows of stored source pieces, read in whole row chunks through a byte-bounded LRU cache.
+
+    Several target boxes often need rows of the same stored piece (a TP split along dim 1 needs every row, a
+    column range of each); the cache lets them share one read. Concurrent requests for the same chunk wait for
+    the one read in flight. ``bytes_read`` counts the bytes fetched from storage, widened to checksum blocks.
+    """
+
+    def __init__(
+        self,
+        reader: CheckpointReader,
+        refs: Mapping[tuple[str, Box], PieceRef],
+        *,
+        chunk_bytes: int = CHUNK_BYTES,
+        cache_bytes: int = CACHE_BYTES,
+    ):
+        self.reader = reader
+        self.refs = refs
+        self.chunk_bytes = chunk_bytes
+        self.cache_bytes = cache_bytes
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cached = 0
+
+    def ref(self, tensor: str, box: Box) -> PieceRef:
+        try:
+            return self.refs[(tensor, box)]
+        except KeyError:
+            raise CheckpointIndexError(
+                f"{self.reader.location}: no stored piece of {tensor!r} with box {box.to_json()}, which the index "
+                "implies; a data file is missing or does not match the index (run `moeckpt verify`)"
+            ) from None
+
+    def chunk_rows(self, ref: PieceRef) -> int:
+        row = _row_elems(ref.box) * dtypes.itemsize(ref.dtype)
+        rows = max(1, self.chunk_bytes // max(1, row))
+        # Align chunks to checksum blocks when rows divide them, so neighbouring chunks never re-read a block.
+        block = getattr(ref, "block_bytes", 0)
+        if block and row and (rows * row) % block and block % row == 0:
+            rows = max(block // row, rows - rows % (block // row))
+        return rows
+
+    def rows(self, tensor: str, box: Box, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)`` (piece coordinates) of the stored piece ``(tensor, box)``."""
+        ref = self.ref(tensor, box)
+        if not box.ndim:
+            return self._chunk(ref, 0, 0, 1)
+        per = self.chunk_rows(ref)
+        parts = []
+        for c in range(r0 // per, (r1 - 1) // per + 1):
+            lo, hi = c * per, min((c + 1) * per, box.shape[0])
+            data = self._chunk(ref, c, lo, hi)
+            parts.append(data[max(r0, lo) - lo : min(r1, hi) - lo])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _chunk(self, ref: PieceRef, c: int, lo: int, hi: int) -> torch.Tensor:
+        key = (ref.file, ref.start, ref.tensor, c)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                owner = False
+            else:
+                fut = self._cache[key] = Future()
+                owner = True
+        if not owner:
+            return fut.result()
+        try:
+            data = self.reader.read_piece(ref, None if not ref.box.ndim else (lo, hi))
+        except BaseException as e:
+            with self._lock:
+                self._cache.pop(key, None)
+            fut.set_exception(e)
+            raise
+        fut.set_result(data)
+        nbytes = data.numel() * data.element_size()
+        with self._lock:
+            self.bytes_read += _widened(ref, lo, hi)
+            self._cached += nbytes
+            while self._cached > self.cache_bytes and len(self._cache) > 1:
+                old_key, old = next(iter(self._cache.items()))
+                if not old.done():
+                    break
+                del self._cache[old_key]
+                if old.exception() is None:
+                    t = old.result()
+                    self._cached -= t.numel() * t.element_size()
+        return data
+
+
+def _widened(ref: PieceRef, lo: int, hi: int) -> int:
+    """Bytes a row read fetches: whole checksum blocks around the rows (how every backend verifies reads)."""
+    if not ref.box.ndim or not ref.box.shape[0]:
+        return ref.nbytes
+    row = ref.nbytes // ref.box.shape[0]
+    a, b = lo * row, hi * row
+    block = getattr(ref, "block_bytes", 0) or 1
+    return min(-(-b // block) * block, ref.nbytes) - (a // block) * block
+
+
+def fill(out: torch.Tensor, out_box: Box, reads: Sequence[ReadItem], chunks: ChunkReader) -> int:
+    """Copy into ``out`` (holding ``out_box``) every part of ``reads`` that falls in it; returns elements copied."""
+    copied = 0
+    for item in reads:
+        sub = item.region.intersect(out_box) if out_box.ndim else item.region
+        if sub is None:
+            continue
+        rel = sub.relative_to(item.src_box)
+        if out_box.ndim:
+            r0 = rel.offsets[0]
+            data = chunks.rows(item.tensor, item.src_box, r0, r0 + rel.shape[0])
+            out[sub.relative_to(out_box).slices()] = data[(slice(None),) + rel.slices()[1:]]
+        else:
+            out.copy_(chunks.rows(item.tensor, item.src_box, 0, 1))
+        copied += sub.numel
+    return copied
+
+
+def slabs(piece: TargetPiece, dtype: str, chunks: ChunkReader, slab_bytes: int = SLAB_BYTES) -> Iterator[torch.Tensor]:
+    """A target piece in row slabs of about ``slab_bytes``, each filled from its reads."""
+    box = piece.box
+    if not box.ndim or box.is_empty():
+        out = torch.empty(box.shape, dtype=dtypes.to_torch(dtype))
+        if not box.is_empty():
+            fill(out, box, piece.reads, chunks)
+        yield out
+        return
+    row = _row_elems(box) * dtypes.itemsize(dtype)
+    per = max(1, slab_bytes // max(1, row))
+    for lo in range(0, box.shape[0], per):
+        n = min(per, box.shape[0] - lo)
+        sbox = Box((box.offsets[0] + lo,) + box.offsets[1:], (n,) + box.shape[1:])
+        out = torch.empty(sbox.shape, dtype=dtypes.to_torch(dtype))
+        if fill(out, sbox, piece.reads, chunks) != sbox.numel:
+            raise CheckpointIndexError(f"tensor {piece.tensor!r}: reads do not fill box {sbox.to_json()}")
+        yield out
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    """What an offline reshard did."""
+
+    index: Index
+    plan: ReshardPlan
+    #: bytes fetched from the source storage (data, widened to checksum blocks; headers not included).
+    bytes_read: int
+    #: logical bytes written (the new checkpoint's pieces).
+    bytes_written: int
+    seconds: float
+
+
+def reshard(
+    src: str,
+    dst: str,
+    target: Layout,
+    *,
+    backend: str | None = None,
+    workers: int = 4,
+    overwrite: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    slab_bytes: int = SLAB_BYTES,
+    cache_bytes: int = CACHE_BYTES,
+) -> ReshardResult:
+    """Write the checkpoint at ``src`` (or a run's newest step) to ``dst`` in layout ``target``.
+
+    The new checkpoint has the same step, train state and model, the new layout, new files and checksums, in
+    format ``backend`` (default: the source's). ``on_bytes`` is called with the bytes of each slab written.
+    """
+    started = time.perf_counter()
+    reader = CheckpointReader(src)
+    index = reader.index
+    fmt = backend or index.backend
+    out_backend = get_backend(fmt)  # fails early on an unknown format
+    if Storage(dst).location.rstrip("/") == reader.location.rstrip("/"):
+        raise DestinationNotEmptyError(
+            f"{dst}: destination is the source checkpoint; write the resharded checkpoint to another location"
+        )
+    refs = reader.pieces()
+    sources: dict[str, list[SourcePiece]] = {name: [] for name in index.tensors}
+    by_key: dict[tuple[str, Box], PieceRef] = {}
+    for ref in refs:
+        by_key[(ref.tensor, ref.box)] = ref
+        sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, -1))
+    plan = plan_reshard(index, target, sources=sources)
+    chunks = ChunkReader(reader, by_key, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes)
+    new_index = replace(index, backend=fmt, layout=target.to_json(), files={})
+    storage = begin_save(dst, overwrite=overwrite)
+    out_backend.prepare(
+        storage,
+        index.tensors,
+        {name: [p.box for p in placements(e, target) if not p.box.is_empty()] for name, e in index.tensors.items()},
+    )
+    written = [0]
+    lock = threading.Lock()
+
+    def count(n: int) -> None:
+        with lock:
+            written[0] += n
+        if on_bytes is not None:
+            on_bytes(n)
+
+    def write_writer(rank_plan) -> list:
+        pieces = rank_plan.pieces
+        if fmt == "safetensors":
+            from moeckpt.formats import safetensors_backend as st
+
+            def stream():
+                for pos, piece in enumerate(pieces):
+                    for slab in slabs(piece, index.tensors[piece.tensor].dtype, chunks, slab_bytes):
+                        data = tensor_bytes(slab)
+                        yield pos, data
+                        count(len(data))
+
+            layout = [(p.tensor, p.box) for p in pieces]
+            return [st.write_file_stream(storage, st.file_name(rank_plan.rank), layout, index.tensors, stream())]
+        # Other backends take a writer's pieces whole: memory is one writer's share of the checkpoint.
+        whole = []
+        for piece in pieces:
+            entry = index.tensors[piece.tensor]
+            parts = list(slabs(piece, entry.dtype, chunks, slab_bytes))
+            data = parts[0] if len(parts) == 1 else torch.cat(parts)
+            whole.append(Piece(piece.tensor, piece.box, data))
+            count(data.numel() * data.element_size())
+        return out_backend.write(storage, rank_plan.rank, whole, index.tensors)
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        entries = [e for es in pool.map(write_writer, plan.ranks) for e in es]
+    entries = out_backend.finish(storage, entries, index.tensors)
+    new_index = replace(new_index, files={e.path: e for e in entries})
+    commit(dst, new_index)
+    return ReshardResult(new_index, plan, chunks.bytes_read, written[0], time.perf_counter() - started)

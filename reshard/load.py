@@ -1,0 +1,271 @@
+"""Load-time resharding: a rank's local tensors from a checkpoint written in any layout, reading only what it needs.
+
+Two modes:
+
+* alone (``group=None``): the rank plans its own boxes (:func:`~moeckpt.reshard.planner.plan_load`), opens only the
+  source files that hold them and reads only the rows it needs;
+* collective (``group`` a ``torch.distributed`` process group, gloo on CPU): every rank plans all ranks of the
+  group (pure and deterministic, so they agree without talking), splits the needed source row chunks into
+  disjoint sets, one reader per chunk with the read volume balanced over the ranks, and the ranks exchange
+  what the others need with ``all_to_all_single`` in rounds of bounded size. Replicated tensors are then read
+  from storage once per group, not once per rank, so storage reads stay about the checkpoint's size at any dp.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.box import Box
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.errors import LayoutError
+from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef
+
+from .executor import CACHE_BYTES, CHUNK_BYTES, ChunkReader, fill
+from .layout import Layout
+from .placement import model_parallel_boxes, rule_of
+from .planner import ReshardPlan, SourcePiece, plan_load
+
+#: collective loads exchange at most about this many bytes per rank per round.
+ROUND_BYTES = 128 * 1024 * 1024
+
+RankState = dict[str, list[tuple[Box, torch.Tensor]]]
+
+
+@dataclass
+class LoadStats:
+    """What a load did on one rank."""
+
+    #: data bytes this rank fetched from storage (widened to checksum blocks).
+    bytes_read: int = 0
+    #: bytes of the boxes this rank holds.
+    bytes_needed: int = 0
+    #: bytes received from other ranks (collective mode).
+    bytes_received: int = 0
+    #: exchange rounds (collective mode).
+    rounds: int = 0
+    seconds: float = 0.0
+
+
+def load_rank_state(
+    location: str | CheckpointReader,
+    layout: Layout,
+    rank: int,
+    *,
+    roles: Iterable[str] | None = None,
+    tensors: Iterable[str] | None = None,
+    group=None,
+    peers: Sequence[int] | None = None,
+    stats: LoadStats | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    cache_bytes: int = CACHE_BYTES,
+    round_bytes: int = ROUND_BYTES,
+) -> RankState:
+    """Every box ``rank`` holds in ``layout``, per tensor, in the order its local tensor concatenates them.
+
+    ``roles`` (e.g. ``{"param"}``) or ``tensors`` restrict what is loaded. With ``group`` (a process group whose
+    members all call this with their own ``rank``), the read is collective; ``peers`` lists the layout rank of
+    each group member in group-rank order (default: group rank ``i`` is layout rank ``i``).
+    ``stats``, if given, is filled with the bytes read and needed.
+    """
+    started = time.perf_counter()
+    reader = location if isinstance(location, CheckpointReader) else CheckpointReader(location)
+    index = reader.index
+    names = _select(index.tensors, roles, tensors)
+    stats = stats if stats is not None else LoadStats()
+    if group is None:
+        plan = plan_load(index, layout, [rank], tensors=names)
+        state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes)
+    else:
+        state = _load_collective(reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes)
+    stats.bytes_needed = sum(t.numel() * t.element_size() for boxes in state.values() for _, t in boxes)
+    stats.seconds = time.perf_counter() - started
+    return state
+
+
+def local_tensors(state: RankState, tensors: dict[str, TensorEntry], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+    """The local tensor of each loaded tensor: its boxes concatenated along the TP dim (placement's order)."""
+    c = layout.coords(rank)
+    out = {}
+    for name, boxes in state.items():
+        entry = tensors[name]
+        rule = rule_of(entry)
+        dim = rule.tp.dim if rule.tp is not None else 0
+        if len(boxes) == 1:
+            out[name] = boxes[0][1]
+        elif boxes:
+            out[name] = torch.cat([t for _, t in boxes], dim=dim)
+        else:  # an empty ZeRO part: no rows, the local tensor's other dims
+            mp = model_parallel_boxes(entry, layout, c.tp_rank, c.ep_rank)
+            shape = list(mp[0].shape) if mp else list(entry.shape)
+            if len(mp) > 1 and dim != 0:
+                shape[dim] = sum(b.shape[dim] for b in mp)
+            if shape:
+                shape[0] = 0
+            out[name] = torch.empty(shape, dtype=dtypes.to_torch(entry.dtype))
+    return out
+
+
+def _select(tensors: dict[str, TensorEntry], roles, names) -> list[str]:
+    picked = list(tensors) if names is None else list(names)
+    if roles is not None:
+        keep = set(roles)
+        picked = [n for n in picked if n in tensors and tensors[n].role in keep]
+    return picked
+
+
+def _refs_for(reader: CheckpointReader, sources: set) -> dict[tuple[str, Box], PieceRef]:
+    """The stored pieces behind ``sources`` (SourcePiece values), reading only their writers' headers."""
+    if not sources:
+        return {}
+    refs = reader.pieces(tensors={s.tensor for s in sources}, writers={s.writer for s in sources})
+    return {(r.tensor, r.box): r for r in refs}
+
+
+def _load_alone(reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, chunk_bytes: int, cache_bytes: int) -> RankState:
+    (rank_plan,) = plan.ranks
+    refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads})
+    chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes)
+    state: RankState = {}
+    for piece in rank_plan.pieces:
+        out = torch.empty(piece.box.shape, dtype=dtypes.to_torch(reader.index.tensors[piece.tensor].dtype))
+        fill(out, piece.box, piece.reads, chunks)
+        state.setdefault(piece.tensor, []).append((piece.box, out))
+    stats.bytes_read += chunks.bytes_read
+    return state
+
+
+def chunk_rows(box: Box, dtype: str, chunk_bytes: int = CHUNK_BYTES, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> int:
+    """Rows per read chunk of a stored piece: the grid the collective mode divides reads on."""
+    if not box.ndim or not box.shape[0]:
+        return 1
+    row = box.numel // box.shape[0] * dtypes.itemsize(dtype)
+    rows = max(1, chunk_bytes // max(1, row))
+    if row and (rows * row) % block_bytes and block_bytes % row == 0:
+        rows = max(block_bytes // row, rows - rows % (block_bytes // row))
+    return rows
+
+
+def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes) -> RankState:
+    import torch.distributed as dist
+
+    index = reader.index
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    peers = list(range(size)) if peers is None else list(peers)
+    if len(peers) != size or peers[me] != rank:
+        raise LayoutError(
+            f"collective load: group rank {me} of {size} must load layout rank peers[{me}], got rank {rank} and "
+            f"peers {peers[:8]}{'...' if len(peers) > 8 else ''}; pass peers= listing each member's layout rank"
+        )
+    plan = plan_load(index, layout, peers, tensors=names)
+    # Transfers: (unit, destination group rank, target piece position, sub-region), in one global order.
+    units: dict[tuple, list[tuple[int, int, Box]]] = {}
+    unit_bytes: dict[tuple, int] = {}
+    for g, rank_plan in enumerate(plan.ranks):
+        for pos, piece in enumerate(rank_plan.pieces):
+            entry = index.tensors[piece.tensor]
+            item_bytes = dtypes.itemsize(entry.dtype)
+            for item in piece.reads:
+                src = item.src_box
+                per = chunk_rows(src, entry.dtype, chunk_bytes)
+                r0, r1 = item.rows
+                for c in range(r0 // per, (r1 - 1) // per + 1):
+                    lo, hi = c * per, min((c + 1) * per, src.shape[0] if src.ndim else 1)
+                    if src.ndim:
+                        rows_box = Box((src.offsets[0] + lo,) + src.offsets[1:], (hi - lo,) + src.shape[1:])
+                        sub = item.region.intersect(rows_box)
+                    else:
+                        sub = item.region
+                    if sub is None:
+                        continue
+                    key = (item.tensor, src.offsets, src.shape, item.writer, c)
+                    if key not in units:
+                        units[key] = []
+                        unit_bytes[key] = (hi - lo) * (src.numel // max(1, src.shape[0]) if src.ndim else 1) * item_bytes
+                    units[key].append((g, pos, sub))
+    order = sorted(units)
+    # One reader per unit, among the ranks that need it, balancing the bytes each rank reads.
+    load = [0] * size
+    owner: dict[tuple, int] = {}
+    for key in order:
+        needers = sorted({g for g, _, _ in units[key]})
+        pick = min(needers, key=lambda g: (load[g], (g - hash_key(key)) % size))
+        owner[key] = pick
+        load[pick] += unit_bytes[key]
+    # Rounds of bounded size: cut the global order whenever one rank would read more than round_bytes.
+    rounds: list[list[tuple]] = [[]]
+    round_load = [0] * size
+    for key in order:
+        o = owner[key]
+        if rounds[-1] and round_load[o] + unit_bytes[key] > round_bytes:
+            rounds.append([])
+            round_load = [0] * size
+        rounds[-1].append(key)
+        round_load[o] += unit_bytes[key]
+
+    mine = plan.ranks[me]
+    state_list = [
+        torch.empty(p.box.shape, dtype=dtypes.to_torch(index.tensors[p.tensor].dtype)) for p in mine.pieces
+    ]
+    owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
+    chunks = ChunkReader(reader, _refs_for(reader, owned_sources), chunk_bytes=chunk_bytes, cache_bytes=cache_bytes)
+    for keys in rounds:
+        send: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        recv_sizes = [0] * size
+        recv_plan: list[tuple[int, int, Box, int]] = []  # (source, piece position, sub-region, nbytes) in order
+        for key in keys:
+            tensor, offs, shape, _, c = key
+            src = Box(offs, shape)
+            o = owner[key]
+            for g, pos, sub in units[key]:
+                if o == me:
+                    data = _extract(chunks, tensor, src, sub)
+                    if g == me:
+                        box = mine.pieces[pos].box
+                        state_list[pos][sub.relative_to(box).slices()] = data
+                    else:
+                        send[g].append(data.contiguous().reshape(-1).view(torch.uint8))
+                elif g == me:
+                    nbytes = sub.numel * dtypes.itemsize(index.tensors[tensor].dtype)
+                    recv_sizes[o] += nbytes
+                    recv_plan.append((o, pos, sub, nbytes))
+        in_sizes = [sum(t.numel() for t in s) for s in send]
+        # Every rank takes part in every round (rounds are global), even with nothing to send or receive.
+        flat_in = torch.cat([t for s in send for t in s]) if any(in_sizes) else torch.empty(0, dtype=torch.uint8)
+        flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        dist.all_to_all_single(flat_out, flat_in, recv_sizes, in_sizes, group=group)
+        stats.rounds += 1
+        stats.bytes_received += flat_out.numel()
+        starts = [sum(recv_sizes[:o]) for o in range(size)]
+        for o, pos, sub, nbytes in recv_plan:
+            piece = mine.pieces[pos]
+            dtype = dtypes.to_torch(index.tensors[piece.tensor].dtype)
+            raw = flat_out[starts[o] : starts[o] + nbytes]
+            if starts[o] % raw.new_empty(0, dtype=dtype).element_size():
+                raw = raw.clone()  # bf16 and fp32 pieces share one byte stream: realign before viewing
+            starts[o] += nbytes
+            state_list[pos][sub.relative_to(piece.box).slices()] = raw.view(dtype).reshape(sub.shape)
+    stats.bytes_read += chunks.bytes_read
+    state: RankState = {}
+    for piece, t in zip(mine.pieces, state_list):
+        state.setdefault(piece.tensor, []).append((piece.box, t))
+    return state
+
+
+def _extract(chunks: ChunkReader, tensor: str, src: Box, sub: Box) -> torch.Tensor:
+    rel = sub.relative_to(src)
+    if not src.ndim:
+        return chunks.rows(tensor, src, 0, 1)
+    data = chunks.rows(tensor, src, rel.offsets[0], rel.offsets[0] + rel.shape[0])
+    return data[(slice(None),) + rel.slices()[1:]]
+
+
+def hash_key(key: tuple) -> int:
+    """A stable small integer per unit (Python's ``hash`` of str is salted per process; ranks must agree)."""
+    return zlib.crc32(repr(key).encode())

@@ -1,0 +1,247 @@
+"""The pure reshard planner: which stored source bytes feed which target box, and how many bytes each rank reads.
+
+No processes, no I/O: a plan is a value built from a source :class:`~moeckpt.formats.index.Index` (its layout and
+sharding rules locate every stored piece and its writer, see :func:`source_pieces`) and a target
+:class:`~moeckpt.reshard.layout.Layout`. Two kinds of plan share the same values:
+
+* :func:`plan_reshard` (offline): one :class:`RankPlan` per target *writer*, listing the distinct pieces it writes
+  (each stored once, replicated ones by a single writer);
+* :func:`plan_load` (load time): one :class:`RankPlan` per target *rank*, listing the boxes of its local tensors in
+  the order they concatenate along the TP dim.
+
+Every :class:`ReadItem` names a source piece, the rows of it to read, and the region (global coordinates) that
+lands in a target box. Reads are whole rows of a stored piece (its dim 0), because pieces are stored row-major
+and checksummed in blocks; executors share row reads between items, so the byte figures here count each
+source row once per plan (:attr:`RankPlan.read_nbytes`).
+
+The planner works on :class:`SourcePiece` values, not on files: a safetensors writer is a file, a zarr writer a
+set of chunks; either backend lists the stored pieces of a writer, so one plan serves both.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.box import Box
+from moeckpt.formats.errors import CheckpointIndexError
+from moeckpt.formats.index import Index, TensorEntry
+
+from .layout import Layout
+from .placement import placements, rank_boxes
+from .tensors import check_layout
+
+
+@dataclass(frozen=True)
+class SourcePiece:
+    """A stored piece of the source checkpoint: a box of a tensor and the writer whose file (or chunks) hold it."""
+
+    tensor: str
+    box: Box
+    writer: int
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """Copy ``region`` (global coordinates) of ``tensor`` from a stored source piece into a target box."""
+
+    tensor: str
+    #: the stored piece read from, and its writer.
+    src_box: Box
+    writer: int
+    #: the elements copied, in global coordinates: ``src_box ∩ target_box``.
+    region: Box
+    #: the target box the region lands in.
+    target_box: Box
+
+    @property
+    def source(self) -> SourcePiece:
+        return SourcePiece(self.tensor, self.src_box, self.writer)
+
+    @property
+    def rows(self) -> tuple[int, int]:
+        """Rows ``[r0, r1)`` of the stored piece (its dim 0, piece coordinates) that hold the region."""
+        if not self.src_box.ndim:
+            return (0, 1)
+        r0 = self.region.offsets[0] - self.src_box.offsets[0]
+        return (r0, r0 + self.region.shape[0])
+
+
+@dataclass(frozen=True)
+class TargetPiece:
+    """One box a target rank holds (load) or writes (offline), with the reads that fill it exactly."""
+
+    tensor: str
+    box: Box
+    reads: tuple[ReadItem, ...]
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one target rank (load) or writer (offline) needs and reads."""
+
+    rank: int
+    pieces: tuple[TargetPiece, ...]
+    #: bytes of the target boxes (what the rank needs).
+    nbytes: int
+    #: bytes of source rows read, each stored row counted once (what a rank reading alone fetches).
+    read_nbytes: int
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    """A whole plan: the source and target layouts and one :class:`RankPlan` per planned rank or writer."""
+
+    source: Layout
+    target: Layout
+    #: ``"reshard"`` (pieces each target writer stores) or ``"load"`` (boxes each target rank holds).
+    kind: str
+    ranks: tuple[RankPlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.ranks)
+
+    @property
+    def read_nbytes(self) -> int:
+        """Source bytes read if every planned rank reads its own rows (no sharing between ranks)."""
+        return sum(r.read_nbytes for r in self.ranks)
+
+    def rank(self, rank: int) -> RankPlan:
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        raise KeyError(f"rank {rank} is not in this plan (planned: {[r.rank for r in self.ranks][:8]}...)")
+
+
+def source_layout(index: Index) -> Layout:
+    return Layout.from_json(index.layout)
+
+
+def source_pieces(index: Index, tensors: Iterable[str] | None = None) -> dict[str, list[SourcePiece]]:
+    """Every stored piece of the source, located from the index alone (layout + sharding rules)."""
+    layout = source_layout(index)
+    names = index.tensors if tensors is None else tensors
+    return {
+        name: [SourcePiece(name, p.box, p.writer) for p in placements(index.tensors[name], layout)] for name in names
+    }
+
+
+def plan_reshard(
+    index: Index, target: Layout, *, sources: Mapping[str, Sequence[SourcePiece]] | None = None
+) -> ReshardPlan:
+    """The offline plan: every distinct piece of ``target``, grouped by the writer that stores it."""
+    check_layout(index.tensors, target)
+    per_writer: dict[int, list[tuple[TensorEntry, Box]]] = {w: [] for w in range(target.world)}
+    for name in sorted(index.tensors):
+        entry = index.tensors[name]
+        for p in placements(entry, target):
+            per_writer[p.writer].append((entry, p.box))
+    return _plan(index, target, "reshard", per_writer, sources)
+
+
+def plan_load(
+    index: Index,
+    target: Layout,
+    ranks: Iterable[int],
+    *,
+    tensors: Iterable[str] | None = None,
+    sources: Mapping[str, Sequence[SourcePiece]] | None = None,
+) -> ReshardPlan:
+    """The load-time plan: for each of ``ranks``, the boxes of its local tensors (of ``tensors``, default all)."""
+    check_layout(index.tensors, target)
+    names = sorted(index.tensors if tensors is None else tensors)
+    for name in names:
+        if name not in index.tensors:
+            raise CheckpointIndexError(f"no tensor named {name!r} in the checkpoint; it holds {len(index.tensors)}")
+    per_rank = {
+        r: [(index.tensors[n], b) for n in names for b in rank_boxes(index.tensors[n], target, r)] for r in ranks
+    }
+    return _plan(index, target, "load", per_rank, sources)
+
+
+def _plan(
+    index: Index,
+    target: Layout,
+    kind: str,
+    wanted: dict[int, list[tuple[TensorEntry, Box]]],
+    sources: Mapping[str, Sequence[SourcePiece]] | None,
+) -> ReshardPlan:
+    lookups: dict[str, _Lookup] = {}
+
+    def lookup(entry: TensorEntry) -> "_Lookup":
+        found = lookups.get(entry.name)
+        if found is None:
+            if sources is not None:
+                pieces = sources.get(entry.name, ())
+            else:
+                pieces = source_pieces(index, [entry.name])[entry.name]
+            found = lookups[entry.name] = _Lookup(entry, pieces)
+        return found
+
+    ranks = []
+    for rank, boxes in wanted.items():
+        out = []
+        need = 0
+        rows_read: dict[SourcePiece, list[tuple[int, int]]] = {}
+        for entry, box in boxes:
+            item_bytes = dtypes.itemsize(entry.dtype)
+            reads = lookup(entry).cover(box)
+            out.append(TargetPiece(entry.name, box, reads))
+            need += box.numel * item_bytes
+            for r in reads:
+                rows_read.setdefault(r.source, []).append(r.rows)
+        read = 0
+        for src, spans in rows_read.items():
+            entry = index.tensors[src.tensor]
+            row_bytes = (src.box.numel // src.box.shape[0]) if src.box.ndim and src.box.shape[0] else src.box.numel
+            read += _union_length(spans) * row_bytes * dtypes.itemsize(entry.dtype)
+        ranks.append(RankPlan(rank, tuple(out), need, read))
+    return ReshardPlan(source_layout(index), target, kind, tuple(ranks))
+
+
+class _Lookup:
+    """Source pieces of one tensor sorted by their dim-0 start, to find the pieces a box overlaps quickly."""
+
+    def __init__(self, entry: TensorEntry, pieces: Sequence[SourcePiece]):
+        self.entry = entry
+        self.pieces = sorted(pieces, key=lambda p: (p.box.offsets, p.box.shape))
+        self.starts = [p.box.offsets[0] if p.box.ndim else 0 for p in self.pieces]
+        self.span = max((p.box.shape[0] if p.box.ndim else 1 for p in self.pieces), default=0)
+
+    def cover(self, box: Box) -> tuple[ReadItem, ...]:
+        if box.ndim:
+            lo, hi = box.offsets[0], box.offsets[0] + box.shape[0]
+        else:
+            lo, hi = 0, 1
+        i = bisect.bisect_left(self.starts, lo - self.span + 1)
+        j = bisect.bisect_left(self.starts, hi)
+        out = []
+        filled = 0
+        for p in self.pieces[i:j]:
+            region = p.box.intersect(box) if box.ndim else p.box
+            if region is None:
+                continue
+            out.append(ReadItem(p.tensor, p.box, p.writer, region, box))
+            filled += region.numel
+        if filled != box.numel:
+            raise CheckpointIndexError(
+                f"tensor {self.entry.name!r}: the source pieces cover {filled} of the {box.numel} elements of box "
+                f"{box.to_json()}; the checkpoint's files do not match its index (run `moeckpt verify`)"
+            )
+        return tuple(out)
+
+
+def _union_length(spans: list[tuple[int, int]]) -> int:
+    total = 0
+    end = None
+    for a, b in sorted(spans):
+        if end is None or a >= end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
