@@ -17,6 +17,8 @@ COMMAND_MODULES = (
     "gc_cmd",
     "demo_cmd",
     "export_hf_cmd",
+    "import_hf_cmd",
+    "reshard_cmd",
 )
 
 

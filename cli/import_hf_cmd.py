@@ -1,0 +1,32 @@
+"""``moeckpt import-hf``: a Hugging Face model directory as a training checkpoint in any layout."""
+
+from __future__ import annotations
+
+import click
+
+from moeckpt.reshard.layout import Layout
+from moeckpt.trainer.hf_import import import_hf
+
+from .common import format_option, layout_options, progress
+
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+@click.command("import-hf")
+@click.argument("hf_dir")
+@click.argument("dst")
+@layout_options
+@format_option
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="fp32", show_default=True,
+              help="parameter dtype of the checkpoint (bf16 also keeps fp32 master weights)")
+@click.option("--overwrite", is_flag=True, help="replace whatever DST holds")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="parallel file writers")
+def command(hf_dir, dst, tp, ep, dp, fmt, dtype, overwrite, workers) -> None:
+    """Write the model in HF_DIR (local path or URL; per-expert or fused expert tensors) to DST in layout
+    (tp, ep, dp), with fresh optimizer state, ready for `moeckpt train` to fine-tune."""
+    layout = Layout(tp=tp, ep=ep, dp=dp)
+    with progress(0, "import-hf", unit="tensor") as bar:
+        index = import_hf(hf_dir, dst, layout=layout, backend=fmt, dtype=DTYPES[dtype], overwrite=overwrite,
+                          workers=workers, on_tensor=lambda _e: bar.update(1))
+    arch = index.model["arch"]
+    click.echo(f"wrote {dst}: {arch}, {layout}, {len(index.tensors)} tensors, {index.nbytes / 1e6:.2f} MB ({fmt})")

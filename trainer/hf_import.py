@@ -1,0 +1,218 @@
+"""Import a Hugging Face model directory (local or URL) as a training checkpoint in any layout.
+
+The inverse of :mod:`moeckpt.trainer.hf_export`. The directory is checked before anything is written: its
+``config.json`` must name a supported architecture, every shard its index names must exist, every shard header
+must hold exactly the tensors the index maps to it, and the tensors must make up the model the config describes.
+Tensors are read by byte range (one ranged request per tensor on object stores). Qwen3-MoE experts may be stored
+per expert (transformers 4, the Hub's Qwen models) or fused (transformers 5); either becomes the plan's fused
+tensors. The checkpoint gets fresh optimizer state (zero AdamW moments, step 0), as an optimizer starting on it has.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import struct
+from typing import Callable
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.index import Index, TensorEntry
+from moeckpt.formats.storage import Storage
+from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.save import save_full_tensors
+from moeckpt.reshard.tensors import logical_tensors
+
+from .hf_export import INDEX_FILE, hf_module
+from .models import ARCHITECTURES, HF_MODEL_TYPES, ModelSpec
+
+SINGLE_FILE = "model.safetensors"
+
+
+class HfFormatError(MoeckptError, ValueError):
+    """A Hugging Face directory that cannot be imported: missing files, inconsistent index, unknown model."""
+
+
+class HfDirectory:
+    """Read access to a Hugging Face model directory: its config, its tensors' names, and each tensor by range."""
+
+    def __init__(self, location: str) -> None:
+        self.storage = Storage(location)
+        self.location = self.storage.location
+        self.config = self._read_json("config.json")
+        if self.storage.exists(INDEX_FILE):
+            weight_map = self._read_json(INDEX_FILE).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise HfFormatError(f"{self.storage.path(INDEX_FILE)}: no 'weight_map' object")
+        elif self.storage.exists(SINGLE_FILE):
+            weight_map = None
+        else:
+            raise HfFormatError(f"{self.location}: neither {INDEX_FILE} nor {SINGLE_FILE}; not a safetensors model")
+        files = sorted(set(weight_map.values())) if weight_map else [SINGLE_FILE]
+        #: tensor name -> (file, dtype name, shape, absolute start, absolute end)
+        self.entries: dict[str, tuple[str, str, tuple[int, ...], int, int]] = {}
+        for f in files:
+            header = self._read_header(f)
+            if weight_map is not None:
+                mapped = {n for n, g in weight_map.items() if g == f}
+                if set(header) != mapped:
+                    extra, absent = sorted(set(header) - mapped), sorted(mapped - set(header))
+                    raise HfFormatError(
+                        f"{self.storage.path(f)}: does not match {INDEX_FILE}: "
+                        + "; ".join(x for x in (
+                            f"the index maps {absent[:3]} here but the file lacks them" if absent else "",
+                            f"the file holds {extra[:3]} the index maps elsewhere or not at all" if extra else "",
+                        ) if x)
+                    )
+            self.entries.update(header)
+
+    def _read_json(self, relpath: str) -> dict:
+        if not self.storage.exists(relpath):
+            raise HfFormatError(f"{self.storage.path(relpath)}: missing")
+        try:
+            doc = json.loads(self.storage.read_bytes(relpath))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HfFormatError(f"{self.storage.path(relpath)}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict):
+            raise HfFormatError(f"{self.storage.path(relpath)}: expected a JSON object")
+        return doc
+
+    def _read_header(self, relpath: str) -> dict:
+        where = self.storage.path(relpath)
+        if not self.storage.exists(relpath):
+            raise HfFormatError(f"{where}: shard listed in {INDEX_FILE} is missing")
+        size = self.storage.size(relpath)
+        if size < 8:
+            raise HfFormatError(f"{where}: truncated ({size} bytes), not a safetensors file")
+        (hlen,) = struct.unpack("<Q", bytes(self.storage.read_range(relpath, 0, 8)))
+        if 8 + hlen > size:
+            raise HfFormatError(f"{where}: header length {hlen} runs past the end of the {size}-byte file")
+        try:
+            doc = json.loads(bytes(self.storage.read_range(relpath, 8, 8 + hlen)))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise HfFormatError(f"{where}: safetensors header is not valid JSON ({e})") from None
+        out = {}
+        for name, info in doc.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = dtypes.from_safetensors(info["dtype"])
+                shape = tuple(int(s) for s in info["shape"])
+                begin, end = (int(x) for x in info["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise HfFormatError(f"{where}: malformed header entry for {name!r}") from None
+            if dtype is None:
+                raise HfFormatError(f"{where}: {name} has unsupported dtype {info['dtype']!r}")
+            numel = 1
+            for s in shape:
+                numel *= s
+            if end - begin != numel * dtypes.itemsize(dtype) or 8 + hlen + end > size:
+                raise HfFormatError(f"{where}: {name} has data offsets {[begin, end]} that do not fit its shape or the file")
+            out[name] = (relpath, dtype, shape, 8 + hlen + begin, 8 + hlen + end)
+        return out
+
+    def names(self) -> set[str]:
+        return set(self.entries)
+
+    def read(self, name: str) -> torch.Tensor:
+        relpath, dtype, shape, start, end = self.entries[name]
+        if start == end:
+            return torch.empty(shape, dtype=dtypes.to_torch(dtype))
+        raw = self.storage.read_range(relpath, start, end)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtypes.to_torch(dtype)).reshape(shape)
+
+
+def spec_of(hf_dir: HfDirectory) -> ModelSpec:
+    """Our model from the directory's ``config.json``."""
+    model_type = hf_dir.config.get("model_type")
+    arch = HF_MODEL_TYPES.get(model_type)
+    if arch is None:
+        raise HfFormatError(
+            f"{hf_dir.location}: model_type {model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}"
+        )
+    mapping = importlib.import_module(f"{ARCHITECTURES[arch].__name__}.hf")
+    try:
+        cfg = mapping.from_hf_config(hf_dir.config)
+    except (TypeError, ValueError, KeyError) as e:
+        raise HfFormatError(f"{hf_dir.location}/config.json: {e}") from None
+    return ModelSpec(arch, cfg)
+
+
+def read_params(hf_dir: HfDirectory, spec: ModelSpec) -> Callable[[str], torch.Tensor]:
+    """Check the directory holds exactly the model's tensors; returns a reader of plan tensors by name."""
+    hf = hf_module(spec)
+    available = hf_dir.names()
+    shapes = {p.name: tuple(p.shape) for p in spec.param_specs()}
+    used: set[str] = set()
+    for name in shapes:
+        sources = hf.import_sources(name, spec.config, available)
+        missing = [s for s in sources if s not in available]
+        if missing:
+            raise HfFormatError(f"{hf_dir.location}: tensor {missing[0]} of the {spec.arch} model is missing")
+        used.update(sources)
+    extra = available - used
+    if spec.config.tie_word_embeddings:
+        extra.discard("lm_head.weight")  # some writers store the tied head too; it is the embedding
+    if extra:
+        raise HfFormatError(
+            f"{hf_dir.location}: {len(extra)} tensors the {spec.arch} model does not have, e.g. {sorted(extra)[:3]}; "
+            "does config.json describe these weights?"
+        )
+
+    def read(name: str) -> torch.Tensor:
+        sources = hf.import_sources(name, spec.config, available)
+        value = hf.import_value(name, spec.config, {s: hf_dir.read(s) for s in sources})
+        if tuple(value.shape) != shapes[name]:
+            raise HfFormatError(
+                f"{hf_dir.location}: {name} has shape {list(value.shape)}, config.json implies {list(shapes[name])}"
+            )
+        return value
+
+    return read
+
+
+def import_hf(
+    hf_location: str,
+    dst: str,
+    *,
+    layout: Layout,
+    backend: str = "safetensors",
+    dtype: str = "float32",
+    overwrite: bool = False,
+    workers: int = 4,
+    on_tensor: Callable[[TensorEntry], None] | None = None,
+) -> Index:
+    """Write the Hugging Face model at ``hf_location`` as a checkpoint at ``dst`` in ``layout``, with fresh
+    optimizer state; ``dtype`` is the parameter dtype (``float32`` or ``bfloat16``, whose fp32 master copy is the
+    HF values in fp32)."""
+    hf_dir = HfDirectory(hf_location)
+    spec = spec_of(hf_dir)
+    spec.check_layout(layout.tp, layout.ep)
+    read = read_params(hf_dir, spec)
+    tensors = logical_tensors(spec.param_specs(), param_dtype=dtype, with_optimizer=True)
+    cache: dict[str, torch.Tensor] = {}
+
+    def value(entry: TensorEntry) -> torch.Tensor:
+        if entry.param not in cache:
+            cache.clear()  # roles of one parameter come one after another: keep only its value
+            cache[entry.param] = read(entry.param).to(torch.float32)
+        full = cache[entry.param]
+        if on_tensor is not None:
+            on_tensor(entry)
+        if entry.role in ("exp_avg", "exp_avg_sq"):
+            return torch.zeros(entry.shape, dtype=torch.float32)
+        return full.to(dtypes.to_torch(entry.dtype))
+
+    return save_full_tensors(
+        dst,
+        tensors=tensors,
+        layout=layout,
+        values=value,
+        model=spec.to_json(),
+        backend=backend,
+        train_state={"step": 0, "imported_from": hf_dir.location},
+        overwrite=overwrite,
+        workers=workers,
+    )
