@@ -1,0 +1,46 @@
+"""``moeckpt reshard``: rewrite a checkpoint in another (tp, ep, dp) layout, format or storage, streaming."""
+
+from __future__ import annotations
+
+import click
+
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.reshard.executor import reshard
+from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.tensors import check_layout
+from moeckpt.trainer.models import ModelSpec
+
+from .common import layout_options, progress
+
+
+@click.command("reshard")
+@click.argument("src")
+@click.argument("dst")
+@layout_options
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors", "zarr"]),
+    default=None,
+    help="on-disk format of the checkpoint written  [default: the source's]",
+)
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="target files written in parallel")
+@click.option("--overwrite", is_flag=True, help="replace whatever DST holds")
+def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
+    """Write checkpoint SRC (or a run directory's newest step) to DST in layout (tp, ep, dp).
+
+    Pieces stream through a bounded memory: a few slabs per worker, never the checkpoint. The new checkpoint
+    keeps the step, train state and model, with new files and checksums.
+    """
+    layout = Layout(tp=tp, ep=ep, dp=dp)
+    index = CheckpointReader(src).index
+    # The model's own constraints (heads, vocabulary) first, then the stored rules of every tensor.
+    ModelSpec.from_json(index.model).check_layout(tp, ep)
+    check_layout(index.tensors, layout)
+    with progress(index.nbytes, f"reshard -> {layout}") as bar:
+        result = reshard(src, dst, layout, backend=fmt, workers=workers, overwrite=overwrite, on_bytes=bar.update)
+    gb = result.bytes_written / 1e9
+    click.echo(
+        f"wrote {dst}: {layout}, {len(result.index.files)} files, {gb:.3f} GB ({result.index.backend}) in "
+        f"{result.seconds:.2f} s ({gb / max(result.seconds, 1e-9):.2f} GB/s), read {result.bytes_read / 1e9:.3f} GB"
+    )
