@@ -57,6 +57,7 @@ MAX_CELLS_PER_ARRAY = 10_000_000
 #: concurrent object writes per writer (object stores need many requests in flight to reach their bandwidth).
 WRITE_THREADS_LOCAL = 4
 WRITE_THREADS_REMOTE = 16
+_PLANS_KEPT = 4
 
 #: dtypes zarr lacks, stored as the unsigned integer of the same width.
 _STORED_AS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
@@ -100,12 +101,13 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return best
 
 
-def inner_chunk_shape(shard: Sequence[int], itemsize: int, limit: int = INNER_CHUNK_BYTES) -> tuple[int, ...] | None:
+def inner_chunk_shape(shard: Sequence[int], itemsize: int, limit: int | None = None) -> tuple[int, ...] | None:
     """Inner chunks of at most ``limit`` bytes that tile ``shard``, split along dim 0 first; ``None`` if one fits.
 
     Splitting the leading dims keeps the inner chunks of a row range contiguous in the shard (C order), so a
-    reader of rows ``[r0, r1)`` fetches one byte range.
+    reader of rows ``[r0, r1)`` fetches one byte range. ``limit`` defaults to :data:`INNER_CHUNK_BYTES`.
     """
+    limit = INNER_CHUNK_BYTES if limit is None else limit
     if math.prod(shard) * itemsize <= limit or not shard:
         return None
     inner = list(shard)
@@ -278,7 +280,7 @@ def _meta_path(group_or_array: str) -> str:
 def encode_cell(plan: ArrayPlan, data: torch.Tensor) -> list[bytes | memoryview]:
     """The bytes of one cell's object, as parts to write back to back (views of ``data`` where possible)."""
     if plan.inner is None:
-        raw = tensor_bytes(data)
+        raw = tensor_bytes(data.reshape(-1))  # reshape: tensor_bytes cannot view a 0-d tensor as bytes
         return [raw, crc32c(raw)]
     grid = tuple(s // i for s, i in zip(plan.shard, plan.inner))
     n = math.prod(grid)
@@ -395,7 +397,15 @@ class ZarrBackend:
         """Compute (without I/O) and remember the storage plan of every tensor; every rank gets the same."""
         check_tensor_names(tensors)
         plans = {name: plan_array(entry, boxes.get(name, [])) for name, entry in tensors.items()}
-        self._plans[storage.location] = plans
+        self._remember(storage.location, plans)
+        return plans
+
+    def _remember(self, location: str, plans: dict[str, ArrayPlan]) -> dict[str, ArrayPlan]:
+        # A trainer keeps one backend for the whole run: remember only the last few save locations.
+        self._plans.pop(location, None)
+        self._plans[location] = plans
+        while len(self._plans) > _PLANS_KEPT:
+            self._plans.pop(next(iter(self._plans)))
         return plans
 
     def prepare(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> None:
@@ -406,7 +416,9 @@ class ZarrBackend:
         _run(lambda d: storage.write_parts(d[0], [d[1]]), docs, threads)
 
     def _plans_for(self, storage: Storage, tensors: dict[str, TensorEntry], names: Iterable[str]) -> dict[str, ArrayPlan]:
-        known = self._plans.setdefault(storage.location, {})
+        known = self._plans.get(storage.location)
+        if known is None:
+            known = self._remember(storage.location, {})
         todo = sorted(set(names) - set(known))
         if todo:
             try:
