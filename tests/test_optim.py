@@ -226,3 +226,25 @@ def _distributed_matches_reference(rank: int) -> None:
 
 def test_distributed_layouts_match_single_process_adamw():
     run_local_world(_distributed_matches_reference, 4, timeout_s=120)
+
+
+def test_schedule_warmup_cosine_and_resume():
+    import json
+
+    from moeckpt.trainer.schedule import LRSchedule, ScheduleConfig
+
+    cfg = ScheduleConfig(lr=1.0, warmup_steps=4, decay_steps=14, min_lr_ratio=0.1)
+    s = LRSchedule(cfg)
+    lrs = [s.next() for _ in range(20)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == 1.0 and math.isclose(lrs[9], 0.55) and lrs[14:] == [0.1] * 6
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    # Resume from JSON at step 7 continues with the same rates.
+    state = json.loads(json.dumps(LRSchedule(cfg).state_dict() | {"steps": 7}))
+    resumed = LRSchedule(cfg)
+    resumed.load_state_dict(state)
+    assert [resumed.next() for _ in range(13)] == lrs[7:]
+    with pytest.raises(ValueError, match="decay_steps=2 .* warmup_steps=4"):
+        ScheduleConfig(warmup_steps=4, decay_steps=2)
+    with pytest.raises(ValueError, match="steps"):
+        resumed.load_state_dict({"steps": -1})
