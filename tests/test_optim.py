@@ -181,6 +181,10 @@ def test_pieces_are_the_rank_boxes_of_the_plan(model, layout):
         params = [(s.name, local_of(full[s.name], s, layout, rank).to(torch.bfloat16)) for s in specs]
         opt = ZeroAdamW(params, specs, fake_groups(layout, rank), CONFIG)
         pieces = opt.piece_map()
+        for piece in opt.param_pieces():
+            assert torch.equal(piece.tensor.float(), full[piece.param][piece.box.slices()].to(torch.bfloat16).float())
+        param_boxes = [(p.param, p.box) for p in opt.param_pieces()]
+        assert param_boxes == [(s.name, b) for s in specs for b in rank_boxes(entry(s), layout, rank)]
         for s in specs:
             for role in ("master", "exp_avg", "exp_avg_sq"):
                 want = rank_boxes(entry(s, role), layout, rank)

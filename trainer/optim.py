@@ -17,7 +17,8 @@ One step:
 2. clip by the global gradient norm: every distinct element counted once (TP-replicated parts only on
    ``tp_rank == 0``), summed over the world;
 3. AdamW on the owned part, in fp32 (with an fp32 master copy when parameters are bf16/fp16), the same arithmetic
-   as ``torch.optim.AdamW``'s single-tensor path;
+   as ``torch.optim.AdamW``'s single-tensor path (bitwise equal to it without clipping). A parameter whose
+   ``.grad`` is ``None`` counts as a zero gradient (ranks must agree on the collective), where torch would skip it;
 4. all-gather the updated parts back into the full local parameters.
 
 Parameters of one group, dtype and treatment share flat buckets, so a step is a few collectives and a few
@@ -87,11 +88,11 @@ class StatePiece:
 
     #: the model parameter.
     param: str
-    #: ``master``, ``exp_avg`` or ``exp_avg_sq``.
+    #: ``master``, ``exp_avg`` or ``exp_avg_sq`` (``param`` for :meth:`ZeroAdamW.param_pieces`).
     role: str
     #: the box of the global tensor, as ``rank_boxes`` gives it.
     box: Box
-    #: a view of the optimizer's fp32 storage with ``box.shape``.
+    #: a view with ``box.shape`` of the optimizer's fp32 storage (or of the local parameter).
     tensor: torch.Tensor
 
     @property
@@ -116,6 +117,7 @@ class _Param:
     lo: int  # first owned row
     part_shape: tuple[int, ...]
     boxes: list[tuple[Box, tuple[slice, ...]]] = field(default_factory=list)  # box, slice of the owned part
+    param_boxes: list[tuple[Box, tuple[slice, ...]]] = field(default_factory=list)  # box, slice of the local tensor
     offset: int = 0  # start of this parameter's segment in its bucket
 
 
@@ -237,7 +239,12 @@ class ZeroAdamW:
             lo=lo,
             part_shape=part_shape,
         )
-        p.boxes = [(z, _box_slices(z, mp, concat, lo)) for z in rank_boxes(entry, groups.layout, groups.coords.rank)]
+        rank = groups.coords.rank
+        p.boxes = [(z, _box_slices(z, mp, concat, lo)) for z in rank_boxes(entry, groups.layout, rank)]
+        param_entry = TensorEntry(
+            name=spec.name, shape=entry.shape, dtype="float32", role="param", param=spec.name, sharding=entry.sharding
+        )
+        p.param_boxes = [(b, _box_slices(b, mp, concat, 0)) for b in rank_boxes(param_entry, groups.layout, rank)]
         return p
 
     def _make_buckets(self) -> list[_Bucket]:
@@ -410,6 +417,15 @@ class ZeroAdamW:
                     flat = getattr(b, role)[p.offset : p.offset + p.own]
                     part = flat.view(p.part_shape)
                     out.extend(StatePiece(p.name, role, box, part[sl]) for box, sl in p.boxes)
+        return out
+
+    def param_pieces(self) -> list[StatePiece]:
+        """Every box of every parameter this rank holds (``rank_boxes`` of role ``param``), as views of the local
+        parameters: what a checkpoint saves from, and loads into, for the model's weights."""
+        out = []
+        for p in self._params.values():
+            local = p.tensor.detach()
+            out.extend(StatePiece(p.name, "param", box, local[sl]) for box, sl in p.param_boxes)
         return out
 
     def piece_map(self) -> dict[str, list[StatePiece]]:
