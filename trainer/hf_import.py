@@ -193,6 +193,7 @@ def import_hf(
     read = read_params(hf_dir, spec)
     tensors = logical_tensors(spec.param_specs(), param_dtype=dtype, with_optimizer=True)
     cache: dict[str, torch.Tensor] = {}
+    zeros = torch.zeros(0, dtype=torch.float32)
 
     def value(entry: TensorEntry) -> torch.Tensor:
         if entry.param not in cache:
@@ -202,7 +203,12 @@ def import_hf(
         if on_tensor is not None:
             on_tensor(entry)
         if entry.role in ("exp_avg", "exp_avg_sq"):
-            return torch.zeros(entry.shape, dtype=torch.float32)
+            # Every zero moment is a view of one shared zero buffer: the optimizer state, most of the bytes
+            # written, then costs the memory of the largest tensor instead of twice the fp32 model.
+            numel = full.numel()
+            if zeros.numel() < numel:
+                zeros.resize_(numel).zero_()
+            return zeros[:numel].view(entry.shape)
         return full.to(dtypes.to_torch(entry.dtype))
 
     return save_full_tensors(
