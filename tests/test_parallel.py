@@ -98,7 +98,8 @@ def test_init_from_env_requires_torchrun_variables(monkeypatch):
 def test_init_from_env_under_torchrun_variables():
     from moeckpt.trainer.parallel import free_port
 
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(free_port())
     code = (
         "import torch.distributed as dist\n"
         "from moeckpt.trainer.parallel import init_from_env, build_groups\n"

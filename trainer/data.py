@@ -201,7 +201,7 @@ class BatchLoader:
         """
         samples = self.dataset.get([self.dataset_index(g) for g in self.local_samples()])
         self.consumed_samples += self.global_batch
-        return samples[:, :-1], samples[:, 1:]
+        return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
 
     def state_dict(self) -> dict[str, Any]:
         """The position as plain JSON; the same on every rank, independent of dp."""
