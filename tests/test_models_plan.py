@@ -68,20 +68,21 @@ def test_shard_shapes_follow_the_sharding_rules(preset, tp, ep):
         spec.check_layout(tp, ep)
     except LayoutError:
         pytest.skip(f"{preset} cannot take tp={tp} ep={ep}")
-    layout = Layout(tp=tp, ep=ep, dp=ep)
+    layout = Layout(tp=tp, ep=ep, dp=ep)  # dp = ep: every rank holds a distinct (tp_rank, ep_rank) shard
     entries = logical_tensors(spec.param_specs())
-    for tp_rank in range(tp):
-        for ep_rank in range(ep):
-            with torch.device("meta"):
-                model = build_model(spec, Shard(tp=tp, tp_rank=tp_rank, ep=ep, ep_rank=ep_rank))
-            got = _module_shapes(model)
-            assert set(got) == set(entries)
-            for name, entry in entries.items():
-                boxes = model_parallel_boxes(entry, layout, tp_rank, ep_rank)
-                tp_dim = entry.sharding["tp"]["dim"] if "tp" in entry.sharding else 0
-                want = list(boxes[0].shape)
-                want[tp_dim] = sum(b.shape[tp_dim] for b in boxes)
-                assert got[name] == tuple(want), (name, tp_rank, ep_rank)
+    for rank in range(layout.world):
+        shard = Shard.for_rank(layout, rank)
+        tp_rank, ep_rank = shard.tp_rank, shard.ep_rank
+        with torch.device("meta"):
+            model = build_model(spec, shard)
+        got = _module_shapes(model)
+        assert set(got) == set(entries)
+        for name, entry in entries.items():
+            boxes = model_parallel_boxes(entry, layout, tp_rank, ep_rank)
+            tp_dim = entry.sharding["tp"]["dim"] if "tp" in entry.sharding else 0
+            want = list(boxes[0].shape)
+            want[tp_dim] = sum(b.shape[tp_dim] for b in boxes)
+            assert got[name] == tuple(want), (name, tp_rank, ep_rank)
 
 
 def test_zaya_value_halves_map_to_heads():

@@ -47,6 +47,12 @@ class Shard:
         if not 0 <= self.ep_rank < self.ep:
             raise ValueError(f"ep_rank={self.ep_rank} must be in [0, ep={self.ep})")
 
+    @classmethod
+    def for_rank(cls, layout, rank: int) -> "Shard":
+        """The shard that ``rank`` holds in a :class:`~moeckpt.reshard.layout.Layout` (its TP and EP coordinates)."""
+        c = layout.coords(rank)
+        return cls(tp=layout.tp, tp_rank=c.tp_rank, ep=layout.ep, ep_rank=c.ep_rank)
+
     def tp_range(self, size: int, what: str) -> tuple[int, int]:
         """The ``[start, stop)`` of a dimension of ``size`` split evenly over TP ranks."""
         if size % self.tp:
