@@ -139,8 +139,9 @@ class Router(nn.Module):
         # Layer 0 has no previous router state, hence no scale for it (exactly as transformers).
         self.router_states_scale = empty_param(r) if layer > 0 else None
         self.router_mlp = RouterMLP(r, cfg.num_experts + 1, cfg.rms_norm_eps)
-        # Not trained by gradients (the top-k choice is not differentiable): a load-balancing controller sets it.
-        self.register_buffer("balancing_biases", torch.empty(cfg.num_experts + 1, dtype=torch.float32))
+        # Only steers the top-1 choice, which is not differentiable: a frozen parameter (transformers has a buffer)
+        # so it is listed by named_parameters() and saved with the others; a load-balancing controller may set it.
+        self.balancing_biases = nn.Parameter(torch.empty(cfg.num_experts + 1, dtype=torch.float32), requires_grad=False)
 
     def forward(
         self, x: torch.Tensor, state: torch.Tensor | None
