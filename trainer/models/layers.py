@@ -215,16 +215,18 @@ class Experts(nn.Module):
         token = torch.div(slots, k, rounding_mode="floor")
         x = hidden[token]
         counts = torch.bincount(expert_of, minlength=self.gate_up_proj.shape[0])
-        use_grouped = self.implementation == "grouped" or (
-            self.implementation == "auto" and _grouped_mm_ok(x, self.gate_up_proj, self.down_proj)
-        )
-        if use_grouped:
-            y = self._grouped(x, counts)
-        else:
-            y = self._loop(x, counts)
+        y = self.forward_sorted(x, counts)
         y = y * weights.reshape(-1)[slots, None].to(y.dtype)
         out = torch.zeros_like(hidden)
         return out.index_add(0, token, y.to(out.dtype))
+
+    def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert MLPs of rows already grouped by local expert (``counts[e]`` rows for local expert ``e``, in
+        order), unweighted: what an expert-parallel all-to-all delivers to the rank that owns the experts."""
+        use_grouped = self.implementation == "grouped" or (
+            self.implementation == "auto" and _grouped_mm_ok(x, self.gate_up_proj, self.down_proj)
+        )
+        return self._grouped(x, counts) if use_grouped else self._loop(x, counts)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = torch.cumsum(counts, 0).to(torch.int32)
