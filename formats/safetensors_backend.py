@@ -9,16 +9,14 @@ open the files; reads here go by byte range (header first, then the bytes of the
 from __future__ import annotations
 
 import json
+import os
 import struct
-from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
-import xxhash
 
 from . import dtypes
 from .box import Box
-from .checksum import ALGORITHM as CHECKSUM_ALGORITHM
 from .checksum import checksum
 from .errors import DataFileError
 from .index import FileEntry, TensorEntry
@@ -56,25 +54,33 @@ def encode(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> tuple[by
     plan = _plan(pieces, tensors)
     buffers = [tensor_bytes(_flat_if_scalar(p.data)) for p in plan]
     sums = [block_checksums(b) for b in buffers]
-    return _header(plan, sums), buffers
+    return header_bytes([(p.tensor, p.box, s) for p, s in zip(plan, sums)], tensors), buffers
 
 
 def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> FileEntry:
     """Write (and on local disk fsync) one data file; returns its index entry. The bytes equal :func:`encode`'s.
 
-    Saving is bound by memory traffic, not by the disk, so every byte of data is touched as few times as possible:
-    each checksum block is hashed right before it is written, while it is still in the CPU cache, and a piece that
-    is a strided view of a trainer's local tensor (one block of a fused gate/up) is never copied whole. On local
-    disk the header, whose length does not depend on the checksum values, is written last, over a placeholder of
-    the same length; other storages cannot seek back, so they hash in a first pass and then stream.
+    A save is bound by memory traffic and the disk, not by hashing, so the data is touched as few times as possible:
+    each checksum block is hashed right before it is written, while it is still in the CPU cache; a piece that is a
+    strided view of a trainer's local tensor (one block of a fused gate/up) is written row by row, never copied
+    whole; small pieces are coalesced into large writes; and on local disk the writeback to the device starts while
+    the rest is still being written (:class:`_WritebackKick`). On local disk the header, whose length does not
+    depend on the checksum values, is written last over a placeholder of the same length; other storages cannot
+    seek back, so they hash in a first pass and then stream.
     """
     plan = _plan(pieces, tensors)
+
+    def header(sums: Sequence[Sequence[str]]) -> bytes:
+        return header_bytes([(p.tensor, p.box, s) for p, s in zip(plan, sums)], tensors)
+
     with storage.open_write(relpath) as f:
         if storage.is_local:
-            placeholder = _header(plan, [[_PLACEHOLDER] * _block_count(p.nbytes) for p in plan])
+            placeholder = header([[_CHECKSUM_PLACEHOLDER] * _blocks(p.box, tensors[p.tensor]) for p in plan])
             f.write(placeholder)
-            sums = [_stream_piece(p.data, f.write) for p in plan]
-            head = _header(plan, sums)
+            sink = _Coalescer(f.write, _WritebackKick(f, len(placeholder)))
+            sums = [_stream_piece(p.data, sink.write) for p in plan]
+            sink.flush()
+            head = header(sums)
             if len(head) != len(placeholder):
                 raise DataFileError(
                     f"{storage.path(relpath)}: header length changed from {len(placeholder)} to {len(head)} bytes "
@@ -85,104 +91,51 @@ def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors:
             f.seek(0, 2)
         else:
             sums = [_stream_piece(p.data, None) for p in plan]
-            head = _header(plan, sums)
+            head = header(sums)
             f.write(head)
+            sink = _Coalescer(f.write)
             for p in plan:
-                _stream_piece(p.data, f.write)
-    return FileEntry(path=relpath, size=len(head) + sum(p.nbytes for p in plan), checksum=checksum(head))
+                _stream_piece(p.data, sink.write)
+            sink.flush()
+    data_bytes = sum(p.box.numel * dtypes.itemsize(tensors[p.tensor].dtype) for p in plan)
+    return FileEntry(path=relpath, size=len(head) + data_bytes, checksum=checksum(head))
 
 
-@dataclass(frozen=True)
-class _Planned:
-    """A non-empty piece with its safetensors key, dtype code and byte length."""
-
-    key: str
-    dtype: str
-    shape: list[int]
-    nbytes: int
-    data: torch.Tensor
-
-
-def _plan(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> list[_Planned]:
+def _plan(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> list[Piece]:
+    """The pieces that are stored (non-empty), after checking each dtype against the index."""
     out = []
     for p in pieces:
         entry = tensors[p.tensor]
         if dtypes.from_torch(p.data.dtype) != entry.dtype:
             raise ValueError(f"piece of {p.tensor!r} has dtype {p.data.dtype}, the index says {entry.dtype}")
-        if p.box.is_empty():
-            continue  # empty ZeRO parts are legal in a layout and never stored
-        nbytes = p.box.numel * dtypes.itemsize(entry.dtype)
-        out.append(_Planned(piece_key(p.tensor, p.box), dtypes.to_safetensors(entry.dtype), list(p.box.shape), nbytes, p.data))
+        if not p.box.is_empty():  # empty ZeRO parts are legal in a layout and never stored
+            out.append(p)
     return out
 
 
-def _header(plan: Sequence[_Planned], sums: Sequence[Sequence[str]]) -> bytes:
-    header: dict[str, object] = {}
-    meta = {META_VERSION_KEY: "1", META_BLOCK_KEY: str(CHECKSUM_BLOCK_BYTES)}
-    offset = 0
-    for p, s in zip(plan, sums):
-        header[p.key] = {"dtype": p.dtype, "shape": p.shape, "data_offsets": [offset, offset + p.nbytes]}
-        meta[p.key] = ",".join(s)
-        offset += p.nbytes
-    doc = {"__metadata__": meta, **header}
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # align the data start to 8 bytes, as the safetensors writer does
-    return struct.pack("<Q", len(raw)) + raw
-
-
-#: stands in for a block checksum in the header written before the data (same length as a real one).
-_PLACEHOLDER = "0" * len(checksum(b""))
 #: rows of a strided piece at least this long are written straight from the trainer's tensor; shorter ones are
 #: gathered into a reused buffer first, so that small rows do not turn into many small writes.
-_DIRECT_ROW_BYTES = 256 * 1024
-
-
-def _block_count(nbytes: int) -> int:
-    return max(1, -(-nbytes // CHECKSUM_BLOCK_BYTES))
+_DIRECT_ROW_BYTES = 64 * 1024
 
 
 def _stream_piece(data: torch.Tensor, write: Callable[[memoryview], object] | None) -> list[str]:
     """Hash a piece's bytes block by block, passing each part to ``write`` right after hashing it."""
-    sums: list[str] = []
-    hasher = _BlockHasher(sums)
+    if data.device.type != "cpu":
+        data = data.cpu()
+    if data.is_contiguous() and data.numel() * data.element_size() <= CHECKSUM_BLOCK_BYTES:
+        # Most pieces (norms, biases, small projections) are one contiguous block: skip the machinery below.
+        mv = _contiguous_bytes(data)
+        if write is not None:
+            write(mv)
+        return [checksum(mv)]
+    hasher = BlockHasher()
     for frag in _fragments(data):
         for i in range(0, len(frag), CHECKSUM_BLOCK_BYTES):
             part = frag[i : i + CHECKSUM_BLOCK_BYTES]
             hasher.update(part)
             if write is not None:
                 write(part)
-    hasher.finish()
-    return sums
-
-
-class _BlockHasher:
-    """``block_checksums`` of a byte stream fed in arbitrary parts (same digests as hashing each block whole)."""
-
-    def __init__(self, out: list[str]):
-        self.out = out
-        self.hasher = xxhash.xxh3_64()
-        self.filled = 0
-
-    def update(self, part: memoryview) -> None:
-        if self.filled == 0 and len(part) == CHECKSUM_BLOCK_BYTES:
-            self.out.append(checksum(part))  # the common case: one whole block, hashed in one call
-            return
-        while len(part):
-            take = min(len(part), CHECKSUM_BLOCK_BYTES - self.filled)
-            self.hasher.update(part[:take])
-            self.filled += take
-            part = part[take:]
-            if self.filled == CHECKSUM_BLOCK_BYTES:
-                self._emit()
-
-    def finish(self) -> None:
-        if self.filled or not self.out:
-            self._emit()
-
-    def _emit(self) -> None:
-        self.out.append(f"{CHECKSUM_ALGORITHM}:{self.hasher.hexdigest()}")
-        self.hasher.reset()
-        self.filled = 0
+    return hasher.finish()
 
 
 def _flat_if_scalar(t: torch.Tensor) -> torch.Tensor:
@@ -201,7 +154,7 @@ def _fragments(t: torch.Tensor) -> Iterator[memoryview]:
     if t.numel() == 0:
         return
     if t.is_contiguous():
-        yield tensor_bytes(t)
+        yield _contiguous_bytes(t)
         return
     rows = t.shape[0]
     row_bytes = t[0].numel() * t.element_size()
@@ -214,7 +167,80 @@ def _fragments(t: torch.Tensor) -> Iterator[memoryview]:
     for r0 in range(0, rows, per):
         n = min(per, rows - r0)
         scratch[:n].copy_(t[r0 : r0 + n])
-        yield tensor_bytes(scratch[:n])
+        yield _contiguous_bytes(scratch[:n])
+
+
+def _contiguous_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (a leaner :func:`tensor_bytes` for the hot loop)."""
+    t = _flat_if_scalar(t)
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.detach().view(torch.uint8).numpy()).cast("B")
+
+
+class _Coalescer:
+    """Gathers small writes into one buffer so that hundreds of norm-sized pieces cost a few system calls.
+
+    Large parts bypass the buffer (after flushing it), so big tensors are written straight from their memory.
+    """
+
+    LIMIT = 1 << 20
+
+    def __init__(self, write: Callable[[memoryview], object], kick: "_WritebackKick | None" = None):
+        self._write = write
+        self._kick = kick
+        self._buf = bytearray(self.LIMIT)
+        self._used = 0
+
+    def write(self, part: memoryview) -> None:
+        n = len(part)
+        if n >= self.LIMIT // 16:
+            self.flush()
+            self._write(part)
+            if self._kick is not None:
+                self._kick.wrote(n)
+            return
+        if self._used + n > self.LIMIT:
+            self.flush()
+        self._buf[self._used : self._used + n] = part
+        self._used += n
+
+    def flush(self) -> None:
+        if self._used:
+            self._write(memoryview(self._buf)[: self._used])
+            if self._kick is not None:
+                self._kick.wrote(self._used)
+            self._used = 0
+
+
+class _WritebackKick:
+    """Starts the disk writeback of what was written so far, every ``EVERY`` bytes, without waiting for it.
+
+    The kernel would otherwise keep a checkpoint's pages dirty until the final fsync and only then write them, so
+    the disk idles while we hash and copy and the CPU idles while the disk works. ``POSIX_FADV_DONTNEED`` on a
+    written range submits it for writeback at once (asynchronously); the closing fsync then finds most of the
+    file already on disk. It is only a hint: where it is unavailable the save is merely slower.
+    """
+
+    EVERY = 32 << 20
+
+    def __init__(self, f, start: int):
+        self._f = f
+        self._done = start  # bytes already handed to the kernel for writeback (the header placeholder is not)
+        self._pos = start
+        self._on = hasattr(os, "posix_fadvise")
+
+    def wrote(self, n: int) -> None:
+        self._pos += n
+        if not self._on or self._pos - self._done < self.EVERY:
+            return
+        self._f.flush()
+        try:
+            os.posix_fadvise(self._f.fileno(), self._done, self._pos - self._done, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            self._on = False  # a filesystem that refuses the hint: keep saving, just without the overlap
+            return
+        self._done = self._pos
 
 
 def read_header(storage: Storage, entry: FileEntry, tensors: dict[str, TensorEntry]) -> list[PieceRef]:
