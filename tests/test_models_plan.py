@@ -104,3 +104,23 @@ def test_layout_the_model_cannot_take_is_refused():
         build_model(spec, Shard(tp=4, tp_rank=0))
     with pytest.raises(LayoutError, match="num_experts"):
         build_model(spec, Shard(ep=3, ep_rank=0))
+
+
+def test_resolve_model_reads_a_hugging_face_config_json(tmp_path):
+    """A transformers config.json goes through the architecture's HF mapping (nested rope parameters included)."""
+    import json
+
+    from transformers import ZayaConfig as HfZayaConfig
+
+    from moeckpt.trainer.models import resolve_model
+
+    hf = HfZayaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                      router_hidden_size=16)
+    hf.rope_parameters["hybrid"]["rope_theta"] = 12345.0
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf.to_dict()))
+    spec = resolve_model(str(path))
+    assert spec.arch == "zaya"
+    assert spec.config.num_hidden_layers == 3 and spec.config.vocab_size == 512
+    assert spec.config.rope_theta == 12345.0

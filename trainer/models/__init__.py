@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -73,7 +74,14 @@ def resolve_model(name_or_path: str) -> ModelSpec:
             return ModelSpec.from_json(doc)
         model_type = doc.get("model_type")
         if model_type in HF_MODEL_TYPES:
-            return ModelSpec.from_json({"arch": HF_MODEL_TYPES[model_type], "config": doc})
+            # A Hugging Face config: its own mapping reads nested fields (ZAYA's rope_parameters, Qwen's
+            # num_local_experts) that a plain field-by-field copy would miss.
+            arch = HF_MODEL_TYPES[model_type]
+            hf = importlib.import_module(f"{__name__}.{arch}.hf")
+            try:
+                return ModelSpec(arch, hf.from_hf_config(doc))
+            except (TypeError, ValueError) as e:
+                raise UnknownModelError(f"{name_or_path}: {e}") from None
         raise UnknownModelError(
             f"{name_or_path}: config has no 'arch' and an unsupported model_type {model_type!r}; "
             f"supported: {', '.join(HF_MODEL_TYPES)}"
