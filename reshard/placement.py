@@ -101,7 +101,43 @@ class Placement:
     writer: int
 
 
+@dataclass(frozen=True)
+class Geometry:
+    """The distinct boxes of a tensor in a layout, in box order, with the ranks holding each.
+
+    It depends on the tensor's shape, role and rule, not on its name, so tensors of the same structure (the same
+    parameter in every layer) share one. The holders of box ``i`` are ``dp_rank * tp + tp_rank`` for ``dp_rank``
+    in ``holders[i][1]`` and ``tp_rank`` in ``holders[i][0]`` (a product; sorted by rank, dp_rank major).
+    """
+
+    boxes: tuple[Box, ...]
+    holders: tuple[tuple[Sequence[int], Sequence[int]], ...]
+    tp: int
+
+    def writer(self, i: int, seed: int) -> int:
+        """The writer of box ``i`` for a tensor whose name hashes to ``seed`` (see :func:`placements`)."""
+        tps, dps = self.holders[i]
+        d, t = divmod((seed + i) % (len(tps) * len(dps)), len(tps))
+        return dps[d] * self.tp + tps[t]
+
+
 _CACHE: dict[tuple, tuple[Placement, ...]] = {}
+_GEOMETRY: dict[tuple, Geometry] = {}
+
+
+def name_seed(entry: TensorEntry) -> int:
+    return zlib.crc32(entry.name.encode())
+
+
+def geometry(entry: TensorEntry, layout: Layout) -> Geometry:
+    """The (cached) :class:`Geometry` of ``entry`` in ``layout``."""
+    key = (entry.shape, entry.role in ZERO_ROLES, json.dumps(entry.sharding, sort_keys=True), layout)
+    found = _GEOMETRY.get(key)
+    if found is None:
+        if len(_GEOMETRY) > 10_000:
+            _GEOMETRY.clear()
+        found = _GEOMETRY[key] = _compute_geometry(entry, layout)
+    return found
 
 
 def placements(entry: TensorEntry, layout: Layout) -> list[Placement]:
@@ -114,20 +150,23 @@ def placements(entry: TensorEntry, layout: Layout) -> list[Placement]:
     key = (entry.name, entry.shape, entry.role, json.dumps(entry.sharding, sort_keys=True), layout)
     cached = _CACHE.get(key)
     if cached is None:
-        cached = _CACHE[key] = _compute_placements(entry, layout)
-        if len(_CACHE) > 100_000:
+        geo = geometry(entry, layout)
+        seed = name_seed(entry)
+        cached = tuple(_placement(b, geo.writer(i, seed)) for i, b in enumerate(geo.boxes))
+        if len(_CACHE) > 20_000:
             _CACHE.clear()
+        _CACHE[key] = cached
     return list(cached)
 
 
-def _compute_placements(entry: TensorEntry, layout: Layout) -> tuple[Placement, ...]:
+def _compute_geometry(entry: TensorEntry, layout: Layout) -> Geometry:
     """Distinct boxes with their holders, without visiting every rank.
 
     A rank's boxes depend only on a few of its coordinates: its TP rank (when the rule splits on TP), its EP rank
     (when the tensor has an expert dimension) and its ZeRO part (dp or edp rank, for optimizer roles). So we
     visit one representative per class of equivalent ranks; the holders of a box are then a product
-    ``{dp_rank in D} x {tp_rank in T}``, sorted by rank, and the writer is picked from it arithmetically. This
-    keeps a 1,024-rank layout at the cost of its distinct pieces, not of ``ranks x pieces``.
+    ``{dp_rank in D} x {tp_rank in T}``. This keeps a 1,024-rank layout at the cost of its distinct pieces, not
+    of ``ranks x pieces``.
     """
     rule = rule_of(entry)
     tp, ep, dp = layout.tp, layout.ep, layout.dp
@@ -153,17 +192,11 @@ def _compute_placements(entry: TensorEntry, layout: Layout) -> tuple[Placement, 
                     if 0 in b[1]:
                         continue
                     if b in found:  # two classes share a box: not the product structure; count exactly instead
-                        return _enumerate_placements(entry, layout)
+                        return _enumerate_geometry(entry, layout)
                     found[b] = (tps, dps)
-    seed = zlib.crc32(entry.name.encode())
-    out = []
     # Sorting (offsets, shape) tuples gives the same order as sorting Boxes (dataclass order compares fields).
-    for i, key in enumerate(sorted(found)):
-        tps, dps = found[key]
-        k = (seed + i) % (len(tps) * len(dps))
-        d, t = divmod(k, len(tps))
-        out.append(_placement(_box(*key), dps[d] * tp + tps[t]))
-    return tuple(out)
+    keys = sorted(found)
+    return Geometry(tuple(_box(*k) for k in keys), tuple(found[k] for k in keys), tp)
 
 
 _new = object.__new__
@@ -216,14 +249,29 @@ def _zero_groups(boxes: list[Box], concat_dim: int | None, parts: int, holders) 
     return out
 
 
-def _enumerate_placements(entry: TensorEntry, layout: Layout) -> tuple[Placement, ...]:
+def _enumerate_geometry(entry: TensorEntry, layout: Layout) -> Geometry:
     """The reference definition: visit every rank. Used when the fast path finds no product structure."""
     holders: dict[Box, list[int]] = {}
     for rank in range(layout.world):
         for b in rank_boxes(entry, layout, rank):
             holders.setdefault(b, []).append(rank)
-    seed = zlib.crc32(entry.name.encode())
-    return tuple(Placement(box, ranks[(seed + i) % len(ranks)]) for i, (box, ranks) in enumerate(sorted(holders.items())))
+    boxes = sorted(holders)
+    # tp=1 in the Geometry makes writer() index the explicit rank list directly.
+    return Geometry(tuple(boxes), tuple((tuple(holders[b]), (0,)) for b in boxes), 1)
+
+
+def _enumerate_placements(entry: TensorEntry, layout: Layout) -> tuple[Placement, ...]:
+    """Placements by the rank-by-rank definition (tests pin the fast path against it)."""
+    geo = _enumerate_geometry(entry, layout)
+    seed = name_seed(entry)
+    return tuple(Placement(b, geo.writer(i, seed)) for i, b in enumerate(geo.boxes))
+
+
+def _compute_placements(entry: TensorEntry, layout: Layout) -> tuple[Placement, ...]:
+    """Placements through the fast geometry (uncached)."""
+    geo = _compute_geometry(entry, layout)
+    seed = name_seed(entry)
+    return tuple(Placement(b, geo.writer(i, seed)) for i, b in enumerate(geo.boxes))
 
 
 def pieces_written_by(entry: TensorEntry, layout: Layout, rank: int) -> list[Box]:

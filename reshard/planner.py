@@ -21,6 +21,7 @@ set of chunks; either backend lists the stored pieces of a writer, so one plan s
 from __future__ import annotations
 
 import bisect
+import zlib
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
@@ -30,7 +31,7 @@ from moeckpt.formats.errors import CheckpointIndexError
 from moeckpt.formats.index import Index, TensorEntry
 
 from .layout import Layout
-from .placement import placements, rank_boxes
+from .placement import Geometry, _box, geometry, name_seed, placements, rank_boxes
 from .tensors import check_layout
 
 
@@ -137,8 +138,9 @@ def plan_reshard(
     per_writer: dict[int, list[tuple[TensorEntry, Box]]] = {w: [] for w in range(target.world)}
     for name in sorted(index.tensors):
         entry = index.tensors[name]
-        for p in placements(entry, target):
-            per_writer[p.writer].append((entry, p.box))
+        geo, seed = geometry(entry, target), name_seed(entry)
+        for i, box in enumerate(geo.boxes):
+            per_writer[geo.writer(i, seed)].append((entry, box))
     return _plan(index, target, "reshard", per_writer, sources)
 
 
@@ -169,49 +171,92 @@ def _plan(
     wanted: dict[int, list[tuple[TensorEntry, Box]]],
     sources: Mapping[str, Sequence[SourcePiece]] | None,
 ) -> ReshardPlan:
-    lookups: dict[str, _Lookup] = {}
+    lookups: dict[object, _Lookup] = {}
+    layout = source_layout(index)
+
+    by_name: dict[str, _Lookup] = {}
 
     def lookup(entry: TensorEntry) -> "_Lookup":
-        found = lookups.get(entry.name)
-        if found is None:
-            if sources is not None:
-                pieces = sources.get(entry.name, ())
-            else:
-                pieces = source_pieces(index, [entry.name])[entry.name]
-            found = lookups[entry.name] = _Lookup(entry, pieces)
+        found = by_name.get(entry.name)
+        if found is not None:
+            return found
+        if sources is not None:
+            found = _Lookup.of_pieces(sources.get(entry.name, ()))
+        else:
+            # From the index alone: tensors of one structure share the source geometry and its sorted lookup.
+            geo = geometry(entry, layout)
+            found = lookups.get(id(geo))
+            if found is None:
+                found = lookups[id(geo)] = _Lookup.of_geometry(geo)
+        by_name[entry.name] = found
         return found
 
     ranks = []
     for rank, boxes in wanted.items():
         out = []
         need = 0
-        rows_read: dict[SourcePiece, list[tuple[int, int]]] = {}
+        rows_read: dict[tuple, list[tuple[int, int]]] = {}
         for entry, box in boxes:
             item_bytes = dtypes.itemsize(entry.dtype)
-            reads = lookup(entry).cover(box)
+            reads = lookup(entry).cover(entry, box)
             out.append(TargetPiece(entry.name, box, reads))
             need += box.numel * item_bytes
             for r in reads:
-                rows_read.setdefault(r.source, []).append(r.rows)
+                rows_read.setdefault((r.tensor, r.src_box), []).append(r.rows)
         read = 0
-        for src, spans in rows_read.items():
-            entry = index.tensors[src.tensor]
-            row_bytes = (src.box.numel // src.box.shape[0]) if src.box.ndim and src.box.shape[0] else src.box.numel
-            read += _union_length(spans) * row_bytes * dtypes.itemsize(entry.dtype)
+        for (tensor, src), spans in rows_read.items():
+            row_elems = (src.numel // src.shape[0]) if src.ndim and src.shape[0] else src.numel
+            read += _union_length(spans) * row_elems * dtypes.itemsize(index.tensors[tensor].dtype)
         ranks.append(RankPlan(rank, tuple(out), need, read))
     return ReshardPlan(source_layout(index), target, kind, tuple(ranks))
 
 
 class _Lookup:
-    """Source pieces of one tensor sorted by their dim-0 start, to find the pieces a box overlaps quickly."""
+    """Source boxes of one tensor (or tensor structure) sorted by box order, to find those a box overlaps quickly."""
 
-    def __init__(self, entry: TensorEntry, pieces: Sequence[SourcePiece]):
-        self.entry = entry
-        self.pieces = sorted(pieces, key=lambda p: (p.box.offsets, p.box.shape))
-        self.starts = [p.box.offsets[0] if p.box.ndim else 0 for p in self.pieces]
-        self.span = max((p.box.shape[0] if p.box.ndim else 1 for p in self.pieces), default=0)
+    def __init__(self, boxes: Sequence[Box], writers: Sequence[int] | None, geo: Geometry | None):
+        self.boxes = boxes
+        self.writers = writers
+        self.geo = geo
+        self.starts = [b.offsets[0] if b.ndim else 0 for b in boxes]
+        self.span = max((b.shape[0] if b.ndim else 1 for b in boxes), default=0)
+        self._memo: dict[Box, tuple[tuple[int, Box], ...]] = {}
+        self._seeds: dict[str, int] = {}
 
-    def cover(self, box: Box) -> tuple[ReadItem, ...]:
+    def _seed(self, name: str) -> int:
+        seed = self._seeds.get(name)
+        if seed is None:
+            seed = self._seeds[name] = zlib.crc32(name.encode())
+        return seed
+
+    @classmethod
+    def of_pieces(cls, pieces: Sequence[SourcePiece]) -> "_Lookup":
+        ordered = sorted(pieces, key=lambda p: (p.box.offsets, p.box.shape))
+        return cls([p.box for p in ordered], [p.writer for p in ordered], None)
+
+    @classmethod
+    def of_geometry(cls, geo: Geometry) -> "_Lookup":
+        return cls(geo.boxes, None, geo)
+
+    def cover(self, entry: TensorEntry, box: Box) -> tuple[ReadItem, ...]:
+        hits = self._memo.get(box)
+        if hits is None:
+            hits = self._memo[box] = self._overlaps(box)
+            filled = sum(region.numel for _, region in hits)
+        else:
+            filled = box.numel  # checked when first memoised
+        if filled != box.numel:
+            raise CheckpointIndexError(
+                f"tensor {entry.name!r}: the source pieces cover {filled} of the {box.numel} elements of box "
+                f"{box.to_json()}; the checkpoint's files do not match its index (run `moeckpt verify`)"
+            )
+        if self.writers is not None:
+            return tuple(ReadItem(entry.name, self.boxes[k], self.writers[k], r, box) for k, r in hits)
+        seed, geo = self._seed(entry.name), self.geo
+        return tuple(ReadItem(entry.name, self.boxes[k], geo.writer(k, seed), r, box) for k, r in hits)
+
+    def _overlaps(self, box: Box) -> tuple[tuple[int, Box], ...]:
+        """(source position, overlap) of every source box overlapping ``box``; shared by same-structure tensors."""
         if box.ndim:
             lo, hi = box.offsets[0], box.offsets[0] + box.shape[0]
         else:
@@ -219,19 +264,24 @@ class _Lookup:
         i = bisect.bisect_left(self.starts, lo - self.span + 1)
         j = bisect.bisect_left(self.starts, hi)
         out = []
-        filled = 0
-        for p in self.pieces[i:j]:
-            region = p.box.intersect(box) if box.ndim else p.box
-            if region is None:
-                continue
-            out.append(ReadItem(p.tensor, p.box, p.writer, region, box))
-            filled += region.numel
-        if filled != box.numel:
-            raise CheckpointIndexError(
-                f"tensor {self.entry.name!r}: the source pieces cover {filled} of the {box.numel} elements of box "
-                f"{box.to_json()}; the checkpoint's files do not match its index (run `moeckpt verify`)"
-            )
+        for k in range(i, j):
+            region = _intersect(self.boxes[k], box) if box.ndim else self.boxes[k]
+            if region is not None:
+                out.append((k, region))
         return tuple(out)
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    """``a.intersect(b)`` on plain tuples (the planner's hot loop at 1,024 ranks)."""
+    lo, size = [], []
+    for ao, an, bo, bn in zip(a.offsets, a.shape, b.offsets, b.shape):
+        start = ao if ao > bo else bo
+        stop = min(ao + an, bo + bn)
+        if stop <= start:
+            return None
+        lo.append(start)
+        size.append(stop - start)
+    return _box(tuple(lo), tuple(size))
 
 
 def _union_length(spans: list[tuple[int, int]]) -> int:
