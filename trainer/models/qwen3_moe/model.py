@@ -91,7 +91,9 @@ class SparseMoeBlock(nn.Module):
         b, t, h = x.shape
         flat = x.reshape(b * t, h)
         _, weights, index = self.gate(flat)
-        return self.comm.tp_sum(self.experts(self.comm.tp_enter(flat), index, weights)).view(b, t, h)
+        # The routing weights scale each TP rank's partial expert output, so their gradient is a TP sum too.
+        out = self.experts(self.comm.tp_enter(flat), index, self.comm.tp_enter(weights))
+        return self.comm.tp_sum(out).view(b, t, h)
 
 
 class DecoderLayer(nn.Module):

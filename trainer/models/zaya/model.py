@@ -168,7 +168,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         _, index, weight, state = self.gate(x, state)
         b, t, h = x.shape
-        out = self.experts(self.comm.tp_enter(x).reshape(b * t, h), index, weight)
+        # The routing weight scales each TP rank's partial expert output, so its gradient is a TP sum too.
+        out = self.experts(self.comm.tp_enter(x).reshape(b * t, h), index, self.comm.tp_enter(weight))
         return self.comm.tp_sum(out).view(b, t, h), state
 
 
