@@ -112,16 +112,19 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     """RMS normalisation computed in fp32 and cast back before the weight, as transformers' ``*RMSNorm``."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, comm: Collectives = SINGLE_PROCESS) -> None:
         super().__init__()
         self.weight = empty_param(size)
         self.eps = eps
+        # A replicated weight applied to TP-split activations (per-head q/k norms) gets only this rank's heads'
+        # gradient; passing the TP collectives makes it enter the TP region, so its gradient is summed over ranks.
+        self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.comm.tp_enter(self.weight) * h.to(dtype)
 
 
 def rotary_cos_sin(

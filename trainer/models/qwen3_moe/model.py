@@ -46,8 +46,8 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.num_kv * hd)
         self.v_proj = Linear(cfg.hidden_size, self.num_kv * hd)
         self.o_proj = Linear(self.num_heads * hd, cfg.hidden_size)
-        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, comm)  # per-head: applied to this rank's heads only
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, comm)
         self.scale = hd**-0.5
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
