@@ -1,0 +1,61 @@
+"""Training metrics as JSON lines in ``<run-dir>/metrics.jsonl``, one object per optimizer step.
+
+Only one rank (global rank 0) writes. A local run directory gets an appended, flushed line per step, so a crash
+loses at most the step in progress; object stores cannot append, so there the whole file is rewritten at each
+:meth:`MetricsLog.flush` (the trainer flushes at every checkpoint and at the end). A resumed run appends after the
+lines of the interrupted one; steps it repeats appear twice and the last line of a step is the one that counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from moeckpt.formats.storage import Storage
+
+__all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
+
+#: file name of the metrics log inside the run directory.
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    """Appends one JSON object per step to the run directory's metrics file (a no-op when ``enabled`` is false)."""
+
+    def __init__(self, run_dir: str, *, enabled: bool = True) -> None:
+        self.run_dir = run_dir
+        self.enabled = enabled
+        self.records: list[dict[str, Any]] = []
+        self._storage = Storage(run_dir)
+        self._remote = not self._storage.is_local
+        self._lines: list[str] = []
+        if enabled and self._remote:
+            if self._storage.exists(METRICS_FILE):
+                self._lines = self._storage.read_bytes(METRICS_FILE).decode().splitlines()
+        elif enabled:
+            os.makedirs(self._storage.location, exist_ok=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if not self.enabled:
+            return
+        line = json.dumps(record, separators=(",", ":"))
+        if self._remote:
+            self._lines.append(line)
+            return
+        with open(self._storage.path(METRICS_FILE), "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+    def flush(self) -> None:
+        """Make every line written so far durable where the run directory lives."""
+        if self.enabled and self._remote:
+            self._storage.write_bytes(METRICS_FILE, ("\n".join(self._lines) + "\n").encode())
+
+
+def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """Every record of a run's metrics file (local or URL), in order; the last record of a step wins on reruns."""
+    storage = Storage(run_dir)
+    if not storage.exists(METRICS_FILE):
+        return []
+    return [json.loads(line) for line in storage.read_bytes(METRICS_FILE).decode().splitlines() if line.strip()]

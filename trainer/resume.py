@@ -1,0 +1,117 @@
+"""Automatic resume: find the newest committed checkpoint of a run and load it into a live model and optimizer.
+
+The checkpoint may come from any layout. :func:`restore` asks the load-time resharder
+(:func:`moeckpt.reshard.load.load_rank_state`) for exactly the boxes this rank holds in its own layout (the model's
+parameters and the ZeRO-1 parts of ``master``, ``exp_avg``, ``exp_avg_sq``), collectively over a gloo group so
+replicated tensors are read from storage once, and copies them into the optimizer's live views. With the same
+layout and dtype the bytes land exactly where they came from, so training continues bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
+from moeckpt.formats.errors import LayoutError, MoeckptError
+from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.load import LoadStats, load_rank_state
+
+from .optim import StatePiece, ZeroAdamW
+
+__all__ = ["ResumeError", "Restored", "latest_checkpoint", "load_pieces", "restore"]
+
+
+class ResumeError(MoeckptError, ValueError):
+    """A run directory whose newest checkpoint cannot continue this run (another model, missing tensors)."""
+
+
+@dataclass
+class Restored:
+    """What :func:`restore` loaded."""
+
+    #: the checkpoint it came from.
+    location: str
+    #: the step the checkpoint was taken at.
+    step: int
+    #: the checkpoint's train state (step, data position, schedule, optimizer counters, seed).
+    train_state: dict[str, Any]
+    #: the layout that wrote the checkpoint.
+    source_layout: Layout
+    #: bytes read and seconds spent on this rank.
+    stats: LoadStats
+
+
+def latest_checkpoint(run_dir: str) -> tuple[int, str] | None:
+    """``(step, location)`` of the newest committed checkpoint in ``run_dir``, or ``None`` for a fresh run."""
+    steps = committed_steps(run_dir)
+    if not steps:
+        return None
+    step, storage = steps[-1]
+    return step, storage.location
+
+
+def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layout, rank: int, *, group=None,
+                stats: LoadStats | None = None) -> set[str]:
+    """Copy the checkpoint's data into ``pieces`` (live views: a rank's boxes in ``layout``); returns the names
+    of the logical tensors that were in the checkpoint (others are left untouched). Collective when ``group``."""
+    present = sorted({p.name for p in pieces if p.name in reader.index.tensors})
+    state = load_rank_state(reader, layout, rank, tensors=present, group=group, stats=stats)
+    by_box = {name: dict(boxes) for name, boxes in state.items()}
+    for piece in pieces:
+        boxes = by_box.get(piece.name)
+        if boxes is None:
+            continue
+        data = boxes.get(piece.box)
+        if data is None:
+            raise LayoutError(
+                f"{reader.location}: the load returned no box {piece.box.to_json()} of {piece.name} for rank {rank}"
+            )
+        piece.tensor.copy_(data.to(device=piece.tensor.device, dtype=piece.tensor.dtype))
+    return set(present)
+
+
+@torch.no_grad()
+def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None) -> Restored:
+    """Load the checkpoint at ``location`` into ``optimizer``'s parameters and state (this rank's boxes).
+
+    ``model_json`` (``ModelSpec.to_json()``) must match the checkpoint's model; ``group`` (a gloo group of the
+    whole world, or ``None`` alone) makes the read collective. Collective over the (expert-)data-parallel groups
+    afterwards too (the fp32 masters are gathered into lower-precision parameters).
+    """
+    reader = CheckpointReader(location)
+    index = reader.index
+    if index.model and index.model != model_json:
+        raise ResumeError(
+            f"{location}: the checkpoint holds model {index.model.get('arch')!r} with another config than this run's "
+            f"{model_json.get('arch')!r}; pass the run's original --model or use a new --run-dir"
+        )
+    groups = optimizer.groups
+    layout, rank = groups.layout, groups.coords.rank
+    stats = LoadStats()
+    params = optimizer.param_pieces()
+    missing = sorted({p.name for p in params} - set(index.tensors))
+    if missing:
+        raise ResumeError(f"{location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
+    state_pieces = optimizer.pieces()
+    loaded = load_pieces(reader, params + state_pieces, layout, rank, group=group, stats=stats)
+    masters = {p.name for p in state_pieces if p.role == "master"}
+    if masters and masters <= loaded:
+        optimizer.load_params_from_master()
+    else:
+        # fp32 parameters are their own master; a checkpoint without masters (or of another dtype) starts them
+        # from the loaded parameters.
+        optimizer.load_master_from_params()
+    train_state = dict(index.train_state or {})
+    opt_state = train_state.get("optimizer")
+    if isinstance(opt_state, dict):
+        optimizer.load_state_dict(opt_state)
+    return Restored(
+        location=reader.location,
+        step=int(index.step),
+        train_state=train_state,
+        source_layout=Layout.from_json(index.layout),
+        stats=stats,
+    )

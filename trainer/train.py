@@ -1,0 +1,346 @@
+"""The training loop: a model shard per rank, ZeRO-1 AdamW, checkpoints through moeckpt, automatic resume.
+
+One process per rank (torchrun, or :func:`moeckpt.trainer.parallel.run_local_world` in tests); each calls
+:func:`train` with the same :class:`TrainConfig`. The layout is ``(tp, ep, dp = world / tp)``. A run directory holds
+``step-XXXXXXXX`` checkpoints and ``metrics.jsonl``; starting :func:`train` on a run directory that already has a
+committed checkpoint continues from the newest one, in whatever layout this invocation has (load-time resharding).
+
+Everything that decides the numbers is a function of the config and the step, never of the layout: the initial
+weights (``(seed, tensor name)``, as ``moeckpt init``), the samples of each step (a global sample counter), the
+learning rate (a pure function of the step). So the same run in another layout gives the same losses up to
+floating-point reduction order, and a resume in the same layout continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.retention import RetentionPolicy
+from moeckpt.reshard.tensors import logical_tensors, tensor_name
+from moeckpt.reshard.local import join_local
+
+from .checkpointing import CheckpointManager
+from .data import BatchLoader, TokenDataset, default_text_path
+from .distributed import build_parallel_model
+from .init_values import initial_value
+from .metrics import MetricsLog
+from .models import ModelSpec, resolve_model
+from .optim import AdamWConfig, ZeroAdamW
+from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
+from .resume import latest_checkpoint, restore
+from .schedule import LRSchedule, ScheduleConfig
+
+__all__ = ["DTYPES", "NonFiniteLossError", "TrainConfig", "Trainer", "train"]
+
+#: ``--dtype`` values and the parameter dtype they select.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class NonFiniteLossError(MoeckptError, FloatingPointError):
+    """The loss became NaN or infinite; the run stops without saving the broken state."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """Everything a training run needs; the ``moeckpt train`` options map one-to-one onto these fields."""
+
+    #: preset name (``zaya-tiny``, ``qwen3moe-tiny``, ...) or a model config.json.
+    model: str
+    #: run directory (local path or fsspec URL): checkpoints and ``metrics.jsonl``.
+    run_dir: str
+    #: token file (``.bin`` uint16, or ``.txt`` bytes); default: the shipped demo text.
+    data: str | None = None
+    #: token dtype of ``data`` (``auto`` from the extension, ``uint16``, ``uint32``, ``bytes``).
+    data_dtype: str = "auto"
+    #: tensor-parallel degree.
+    tp: int = 1
+    #: expert-parallel degree (divides dp = world / tp).
+    ep: int = 1
+    #: total optimizer steps of the run; a resumed run continues up to it.
+    steps: int = 100
+    #: stop this invocation after this step (saving first), although the run's total is ``steps`` (planned
+    #: interruptions, tests); ``None`` runs to ``steps``.
+    stop_at: int | None = None
+    #: save a checkpoint every this many steps (0: only at the end).
+    save_every: int = 0
+    #: checkpoint format: ``safetensors`` or ``zarr``.
+    format: str = "safetensors"
+    #: seed of the initial weights and of the data order.
+    seed: int = 0
+    #: samples per optimizer step over all data-parallel ranks.
+    global_batch: int = 8
+    #: tokens per sample.
+    seq_len: int = 64
+    #: peak learning rate.
+    lr: float = 3e-3
+    #: linear warmup steps.
+    warmup_steps: int = 10
+    #: the cosine decays to ``lr * min_lr_ratio`` at the last step.
+    min_lr_ratio: float = 0.1
+    #: AdamW decoupled weight decay (matrices only).
+    weight_decay: float = 0.1
+    #: gradient clipping by global norm (0 disables).
+    max_grad_norm: float = 1.0
+    #: parameter dtype: ``fp32`` or ``bf16`` (bf16 keeps fp32 master weights in the optimizer).
+    dtype: str = "fp32"
+    #: persist checkpoints in a background thread (training blocks only for the snapshot copy).
+    async_save: bool = True
+    #: keep this many newest checkpoints.
+    keep_last: int = 3
+    #: collective backend override (``gloo``/``nccl``); default from the device.
+    backend: str | None = None
+    #: force the CPU even when a GPU is visible.
+    cpu: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.steps) is not int or self.steps < 1:
+            raise ValueError(f"steps={self.steps!r} must be a positive integer")
+        if self.stop_at is not None and not 0 <= self.stop_at <= self.steps:
+            raise ValueError(f"stop_at={self.stop_at!r} must lie in [0, steps={self.steps}]")
+        if self.save_every < 0:
+            raise ValueError(f"save_every={self.save_every} must be >= 0")
+        if self.format not in ("safetensors", "zarr"):
+            raise ValueError(f"format={self.format!r} must be safetensors or zarr")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        for name in ("tp", "ep", "global_batch", "seq_len", "keep_last"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"train config has unknown fields {sorted(unknown)}")
+        return cls(**value)
+
+
+def setup_world(config: TrainConfig) -> torch.device:
+    """Join the torchrun world when the environment has one (or reuse an initialized one); the device to use."""
+    if dist.is_initialized() or "RANK" in os.environ:
+        device = init_from_env(backend=config.backend)
+    else:
+        from .parallel import default_device
+
+        device = default_device()
+    return torch.device("cpu") if config.cpu else device
+
+
+class Trainer:
+    """One rank's training state: model shard, optimizer, data, schedule, checkpoints and metrics."""
+
+    def __init__(self, config: TrainConfig, *, device: torch.device | None = None) -> None:
+        self.config = config
+        self.spec: ModelSpec = resolve_model(config.model)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        layout = choose_layout(world, tp=config.tp, ep=config.ep, check=self.spec.check_layout)
+        device = device or torch.device("cpu")
+        self.groups: ParallelGroups = build_groups(layout, device=device)
+        self.rank = self.groups.coords.rank
+        self.device = device
+        dtype = DTYPES[config.dtype]
+
+        self.model = build_parallel_model(self.spec, self.groups).to(device=device, dtype=dtype)
+        self.model.train()
+        params = self.spec.param_specs()
+        self.optimizer = ZeroAdamW(
+            self.model.named_parameters(),
+            params,
+            self.groups,
+            AdamWConfig(weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm or None),
+        )
+        self._init_weights(params)
+        warmup = min(config.warmup_steps, config.steps)
+        self.schedule = LRSchedule(
+            ScheduleConfig(lr=config.lr, warmup_steps=warmup, decay_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
+        )
+        vocab = getattr(self.spec.config, "vocab_size", None)
+        dataset = TokenDataset(config.data or default_text_path(), seq_len=config.seq_len, dtype=config.data_dtype,
+                               vocab_size=vocab)
+        self.loader = BatchLoader(
+            dataset,
+            global_batch=config.global_batch,
+            dp_rank=self.groups.coords.dp_rank,
+            dp=layout.dp,
+            seed=config.seed,
+        )
+        param_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+        self.tensors: dict[str, TensorEntry] = logical_tensors(params, param_dtype=param_dtype, with_optimizer=True)
+        self.checkpoints = CheckpointManager(
+            config.run_dir,
+            tensors=self.tensors,
+            layout=layout,
+            model=self.spec.to_json(),
+            backend=config.format,
+            retention=RetentionPolicy(keep_last=config.keep_last),
+            async_save=config.async_save,
+        )
+        self.metrics = MetricsLog(config.run_dir, enabled=self.rank == 0)
+        self.step = 0
+        self.resumed_from: str | None = None
+        self._resume()
+
+    # ------------------------------------------------------------------------------------------- set-up
+
+    @torch.no_grad()
+    def _init_weights(self, params) -> None:
+        """Overwrite the randomly initialised tensors with values that depend on (seed, name) only, so every
+        layout starts from the same model; ones/zeros (and model-specific constants) are layout-free already."""
+        init = {p.name: p.init for p in params}
+        std = getattr(self.spec.config, "initializer_range", 0.02)
+        full: dict[str, torch.Tensor] = {}
+        for piece in self.optimizer.param_pieces():
+            if init[piece.param] != "normal":
+                continue
+            value = full.get(piece.param)
+            if value is None:
+                entry = TensorEntry(name=piece.param, shape=self._shape(params, piece.param), dtype="float32",
+                                    role="param", param=piece.param)
+                value = full[piece.param] = initial_value(entry, seed=self.config.seed, std=std)
+            piece.tensor.copy_(value[piece.box.slices()])
+        self.optimizer.load_master_from_params()
+
+    @staticmethod
+    def _shape(params, name: str) -> tuple[int, ...]:
+        return next(tuple(p.shape) for p in params if p.name == name)
+
+    def _resume(self) -> None:
+        found = latest_checkpoint(self.config.run_dir)
+        if found is None:
+            return
+        restored = restore(found[1], self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group)
+        state = restored.train_state
+        self.step = int(state.get("step", restored.step))
+        if "data" in state:
+            self.loader.load_state_dict(state["data"])
+        else:
+            self.loader.consumed_samples = self.step * self.config.global_batch
+        self.schedule.steps = int(state.get("schedule", {}).get("steps", self.step))
+        self.resumed_from = restored.location
+        self.resume_stats = restored.stats
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def train_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "consumed_samples": self.loader.consumed_samples,
+            "data": self.loader.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "seed": self.config.seed,
+            "global_batch": self.config.global_batch,
+            "seq_len": self.config.seq_len,
+            "layout": self.groups.layout.to_json(),
+        }
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's local tensor of every logical tensor (parameters as they are, ZeRO parts joined)."""
+        out: dict[str, torch.Tensor] = {name: p.detach() for name, p in self.model.named_parameters()}
+        layout, rank = self.groups.layout, self.rank
+        by_name: dict[str, dict] = {}
+        for piece in self.optimizer.pieces():
+            by_name.setdefault(piece.name, {})[piece.box] = piece.tensor
+        for name, entry in self.tensors.items():
+            if entry.role != "param":
+                out[name] = join_local(entry, layout, rank, by_name.get(name, {}))
+        return out
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token cross-entropy of this rank's micro-batch (identical on the ranks of a TP group)."""
+        return self.model.loss(inputs.to(self.device), targets.to(self.device))
+
+    def mean_over_dp(self, value: torch.Tensor) -> float:
+        """The mean of a per-rank scalar over the data-parallel group (the global batch's mean)."""
+        value = value.detach().float().reshape(1).clone()
+        if self.groups.layout.dp > 1:
+            dist.all_reduce(value, group=self.groups.dp)
+            value /= self.groups.layout.dp
+        return float(value)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; returns its metrics record."""
+        t0 = time.perf_counter()
+        inputs, targets = self.loader.next()
+        loss = self.loss(inputs, targets)
+        loss.backward()
+        lr = self.schedule.next()
+        grad_norm = self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        mean_loss = self.mean_over_dp(loss)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step += 1
+        dt = time.perf_counter() - t0
+        tokens = self.config.global_batch * self.config.seq_len
+        return {
+            "step": self.step,
+            "loss": mean_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_s": dt,
+            "tokens_per_s": tokens / dt,
+            "save_blocked_s": 0.0,
+        }
+
+    def save(self) -> float:
+        """Start a checkpoint of the current step; returns the seconds training was blocked."""
+        stats = self.checkpoints.save(self.step, self.local_state(), self.train_state())
+        return stats.blocked_s
+
+    def run(self) -> list[dict[str, Any]]:
+        """Train up to ``stop_at`` (or ``steps``), saving every ``save_every`` steps and at the end."""
+        cfg = self.config
+        stop = cfg.steps if cfg.stop_at is None else cfg.stop_at
+        last_saved = self.step if self.resumed_from else None
+        records = []
+        try:
+            while self.step < stop:
+                record = self.train_step()
+                if not math.isfinite(record["loss"]):
+                    raise NonFiniteLossError(
+                        f"step {self.step}: loss is {record['loss']}; lower --lr or check the data. The last "
+                        f"checkpoint in {cfg.run_dir} is intact"
+                    )
+                if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == stop:
+                    record["save_blocked_s"] = self.save()
+                    last_saved = self.step
+                self.metrics.write(record)
+                records.append(record)
+                if record["save_blocked_s"]:
+                    self.metrics.flush()
+            if last_saved != self.step:
+                self.save()
+            self.checkpoints.wait()
+        finally:
+            self.metrics.flush()
+        return records
+
+    def close(self) -> None:
+        self.checkpoints.close()
+
+
+def train(config: TrainConfig) -> list[dict[str, Any]]:
+    """Run (or continue) training on this rank; every rank of the world calls it. Returns this rank's records."""
+    device = setup_world(config)
+    trainer = Trainer(config, device=device)
+    try:
+        return trainer.run()
+    finally:
+        trainer.close()
