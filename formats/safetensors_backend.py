@@ -13,6 +13,7 @@ import os
 import struct
 from typing import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from . import dtypes
@@ -155,17 +156,37 @@ def _fragments(t: torch.Tensor) -> Iterator[memoryview]:
         return
     if t.is_contiguous():
         yield _contiguous_bytes(t)
+    elif t.stride(-1) == 1:
+        # Rows of a view along a leading dim: walk them as numpy byte arrays, several times cheaper per row than
+        # torch indexing (a fused gate/up block has a few hundred rows per piece).
+        yield from _byte_rows(t.view(torch.uint8).numpy())
+    else:
+        yield from _gathered(t)
+
+
+def _byte_rows(a: np.ndarray) -> Iterator[memoryview]:
+    if a.flags.c_contiguous:
+        yield memoryview(a).cast("B")
         return
-    rows = t.shape[0]
-    row_bytes = t[0].numel() * t.element_size()
-    if row_bytes >= _DIRECT_ROW_BYTES:
-        for r in range(rows):
-            yield from _fragments(t[r])
+    if a[0].nbytes >= _DIRECT_ROW_BYTES:
+        for row in a:
+            yield from _byte_rows(row)
         return
-    per = max(1, (CHECKSUM_BLOCK_BYTES // max(1, row_bytes)))
-    scratch = torch.empty((min(per, rows),) + tuple(t.shape[1:]), dtype=t.dtype)
-    for r0 in range(0, rows, per):
-        n = min(per, rows - r0)
+    per = max(1, CHECKSUM_BLOCK_BYTES // a[0].nbytes)
+    scratch = np.empty((min(per, a.shape[0]),) + a.shape[1:], dtype=np.uint8)
+    for r0 in range(0, a.shape[0], per):
+        n = min(per, a.shape[0] - r0)
+        np.copyto(scratch[:n], a[r0 : r0 + n])
+        yield memoryview(scratch[:n]).cast("B")
+
+
+def _gathered(t: torch.Tensor) -> Iterator[memoryview]:
+    """Any other layout (e.g. a transposed view): copied a block's worth of rows at a time into one buffer."""
+    row_bytes = max(1, t[0].numel() * t.element_size())
+    per = max(1, CHECKSUM_BLOCK_BYTES // row_bytes)
+    scratch = torch.empty((min(per, t.shape[0]),) + tuple(t.shape[1:]), dtype=t.dtype)
+    for r0 in range(0, t.shape[0], per):
+        n = min(per, t.shape[0] - r0)
         scratch[:n].copy_(t[r0 : r0 + n])
         yield _contiguous_bytes(scratch[:n])
 

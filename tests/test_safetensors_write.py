@@ -27,7 +27,9 @@ def _pieces() -> tuple[list[Piece], dict[str, TensorEntry]]:
     large = _entry("large", (CHECKSUM_BLOCK_BYTES // 4 * 2 + 1000,), "float32")  # spans three checksum blocks
     scalar = _entry("scalar", (), "float32")
     empty = _entry("empty", (0, 4), "float32")
-    tensors = {e.name: e for e in (big_rows, small_rows, large, scalar, empty)}
+    inner = _entry("inner", (2, 300, 512), "float32")  # split along the last dim: rows of rows
+    transposed = _entry("transposed", (64, 48), "bfloat16")  # a transposed view: no contiguous rows at all
+    tensors = {e.name: e for e in (big_rows, small_rows, large, scalar, empty, inner, transposed)}
     fb = torch.randn(big_rows.shape, generator=g)
     fs = torch.randn(small_rows.shape, generator=g).to(torch.bfloat16)
     pieces = [
@@ -38,6 +40,8 @@ def _pieces() -> tuple[list[Piece], dict[str, TensorEntry]]:
         Piece("large", Box((0,), large.shape), torch.randn(large.shape, generator=g)),
         Piece("scalar", Box((), ()), torch.tensor(3.5)),
         Piece("empty", Box((0, 0), (0, 4)), torch.empty(0, 4)),
+        Piece("inner", Box((0, 0, 256), (2, 300, 256)), torch.randn(inner.shape, generator=g).narrow(2, 256, 256)),
+        Piece("transposed", Box((0, 0), (64, 48)), torch.randn(48, 64, generator=g).to(torch.bfloat16).t()),
     ]
     return pieces, tensors
 
