@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from itertools import product
 from typing import Any, Callable, Collection, Iterable, Iterator, Sequence, TypeVar
@@ -302,9 +302,12 @@ def _run(fn: Callable[[T], Any], items: Sequence[T], threads: int) -> None:
         for it in items:
             fn(it)
         return
-    with ThreadPoolExecutor(max_workers=min(threads, len(items))) as pool:
-        for _ in pool.map(fn, items):
-            pass
+    pool = ThreadPoolExecutor(max_workers=min(threads, len(items)))
+    try:
+        for fut in as_completed([pool.submit(fn, it) for it in items]):
+            fut.result()  # the first failure ends the whole batch: pending writes are cancelled, not attempted
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _missing(storage: Storage, relpath: str, what: str) -> DataFileError:

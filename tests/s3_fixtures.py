@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
+import struct
+import threading
 
 import pytest
 
@@ -19,8 +22,11 @@ _ENV_DROP = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDP
 
 def start_moto(port: int = 0):
     """A started ``ThreadedMotoServer`` on 127.0.0.1 and its endpoint URL."""
+    import logging
+
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request would flood the output
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     host, real_port = server.get_host_and_port()
@@ -62,3 +68,62 @@ def moto_endpoint():
 def s3_url(moto_endpoint) -> str:
     """A fresh, empty ``s3://`` location for one checkpoint on the moto server."""
     return f"s3://{BUCKET}/{os.getpid()}-{next(_counter)}/ckpt"
+
+
+class FaultyProxy:
+    """A TCP proxy in front of an S3 endpoint that can start resetting every connection, as a dying S3 would.
+
+    ``failing = True``: every new connection is reset at once (clients see connection errors, which botocore,
+    s3fs and moeckpt retry, then give up); ``failing = False``: traffic flows again, with the data intact.
+    """
+
+    def __init__(self, endpoint: str):
+        host, port = endpoint.rsplit("/", 1)[1].split(":")
+        self.target = (host, int(port))
+        self.failing = False
+        self.connections = 0
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            self.connections += 1
+            if self.failing:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = RST
+                conn.close()
+                continue
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.target)
+        except OSError:
+            client.close()
+            return
+        back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+        back.start()
+        _pump(client, upstream)
+        back.join()
+        client.close()
+        upstream.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    try:
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
