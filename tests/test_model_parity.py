@@ -203,3 +203,28 @@ def test_vocab_embedding_zeroes_other_ranks_tokens():
         emb.weight.copy_(torch.arange(16.0).view(4, 4) + 1)
     out = emb(torch.tensor([[0, 4, 7]]))
     assert out[0, 0].abs().sum() == 0 and torch.equal(out[0, 1], emb.weight[0]) and torch.equal(out[0, 2], emb.weight[3])
+
+
+def test_grouped_mm_falls_back_to_the_loop_where_the_build_lacks_it(monkeypatch):
+    """A build whose torch._grouped_mm raises (no kernel for this GPU/dtype) must take the loop, same numbers."""
+    import torch
+
+    from moeckpt.trainer.models import layers
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("grouped gemm is not supported on this device")
+
+    monkeypatch.setattr(torch, "_grouped_mm", broken, raising=False)
+    monkeypatch.setattr(layers, "_GROUPED_MM_WORKS", {})
+    assert not layers.grouped_mm_available(torch.device("cpu"), torch.float32)
+    ex = layers.Experts(4, 16, 32)
+    g = torch.Generator().manual_seed(0)
+    for p in ex.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    x = torch.randn(10, 16, generator=g)
+    idx = torch.randint(0, 4, (10, 1), generator=g)
+    w = torch.rand(10, 1, generator=g)
+    ex.implementation = "auto"
+    auto = ex(x, idx, w)
+    ex.implementation = "loop"
+    assert torch.allclose(auto, ex(x, idx, w))

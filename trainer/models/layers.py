@@ -164,9 +164,33 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(1, 2).reshape(b, t, h * d)
 
 
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs on this device and dtype, probed once with a tiny call.
+
+    The op exists on every recent build but its kernels do not: some CUDA builds have it only for Hopper, ROCm
+    builds only for some GPUs, older CPU builds not at all. A build that lacks a kernel raises at call time, so
+    existence (``hasattr``) is not enough; the loop in :class:`Experts` is the fallback.
+    """
+    key = (str(device), dtype)
+    if key not in _GROUPED_MM_WORKS:
+        ok = hasattr(torch, "_grouped_mm")
+        if ok:
+            try:
+                x = torch.zeros(16, 16, device=device, dtype=dtype)
+                w = torch.zeros(2, 16, 16, device=device, dtype=dtype)
+                torch._grouped_mm(x, w, offs=torch.tensor([8, 16], device=device, dtype=torch.int32))
+            except (RuntimeError, NotImplementedError, TypeError):
+                ok = False
+        _GROUPED_MM_WORKS[key] = ok
+    return _GROUPED_MM_WORKS[key]
+
+
 def _grouped_mm_ok(*tensors: torch.Tensor) -> bool:
     """``torch._grouped_mm`` wants 16-byte aligned strides; tiny or odd shapes take the loop instead."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not grouped_mm_available(tensors[0].device, tensors[0].dtype):
         return False
     for t in tensors:
         item = t.element_size()
