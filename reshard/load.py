@@ -27,7 +27,7 @@ from moeckpt.formats.errors import LayoutError
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef
 
-from .executor import CACHE_BYTES, CHUNK_BYTES, ChunkReader, fill
+from .executor import CACHE_BYTES, CHUNK_BYTES, ChunkReader, fill, single_threaded_torch
 from .layout import Layout
 from .placement import model_parallel_boxes, rule_of
 from .planner import ReshardPlan, SourcePiece, plan_load
@@ -79,11 +79,14 @@ def load_rank_state(
     index = reader.index
     names = _select(index.tensors, roles, tensors)
     stats = stats if stats is not None else LoadStats()
-    if group is None:
-        plan = plan_load(index, layout, [rank], tensors=names)
-        state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes)
-    else:
-        state = _load_collective(reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes)
+    with single_threaded_torch():
+        if group is None:
+            plan = plan_load(index, layout, [rank], tensors=names)
+            state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes)
+        else:
+            state = _load_collective(
+                reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes
+            )
     stats.bytes_needed = sum(t.numel() * t.element_size() for boxes in state.values() for _, t in boxes)
     stats.seconds = time.perf_counter() - started
     return state

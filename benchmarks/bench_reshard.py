@@ -1,0 +1,363 @@
+"""Reshard benchmark, side by side in one run on the same state: moeckpt vs ``cp -r`` and vs torch DCP.
+
+The state is a ZAYA model (``zaya-small`` widened to ``--gb``) with bf16 parameters, fp32 master weights and
+AdamW moments, saved once by moeckpt in the source layout and once by ``torch.distributed.checkpoint`` (DTensors
+on an (edp, ep, tp) CPU mesh with the same global shapes and placements) by 4 gloo ranks. Then:
+
+1. **offline**: ``moeckpt.reshard.executor.reshard`` (in a fresh process; its peak RSS is recorded) into the target
+   layout, against ``cp -r`` of the same checkpoint directory followed by ``sync``. Page cache dropped before each.
+2. **load with reshard into 4 ranks**: every rank loads its state of the target layout, moeckpt collectively over
+   gloo (and alone), DCP with ``dcp.load`` into DTensors of the target sharding. Timed from a barrier to a barrier,
+   page cache dropped before each; bytes read measured per process from ``/proc/self/io`` (``rchar``).
+3. **bytes read / bytes needed at dp = 1, 4, 8** for moeckpt (collective, alone) and DCP; "needed" is the distinct
+   bytes of the new layout (the logical state, each element once).
+
+Results: ``docs/benchmarks/reshard.json`` and ``reshard.png``.
+
+    python benchmarks/bench_reshard.py --gb 1.07        # the full run
+    python benchmarks/bench_reshard.py --gb 0.05        # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.index import TensorEntry
+from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.load import LoadStats, load_rank_state
+from moeckpt.reshard.placement import ZERO_ROLES, rule_of
+from moeckpt.reshard.save import save_full_tensors
+from moeckpt.reshard.tensors import logical_tensors
+from moeckpt.trainer.models import ModelSpec, presets
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def scaled_model(gb: float) -> ModelSpec:
+    """``zaya-small`` widened (multiples of 16: whole heads, even TP splits) until its training state reaches ``gb``."""
+    base = presets()["zaya-small"]
+    for hidden in range(16, 64 * 1024, 16):
+        c = replace(base.config, hidden_size=hidden, head_dim=hidden // base.config.num_attention_heads,
+                    moe_intermediate_size=hidden)
+        spec = ModelSpec(base.arch, c)
+        if sum(e.nbytes for e in state_tensors(spec).values()) >= gb * 1e9:
+            return spec
+    raise ValueError(f"--gb {gb} is too large")
+
+
+def state_tensors(spec: ModelSpec) -> dict[str, TensorEntry]:
+    return logical_tensors(spec.param_specs(), param_dtype="bfloat16", with_optimizer=True)
+
+
+def parse_layout(text: str) -> Layout:
+    vals = dict(kv.split("=") for kv in text.split(","))
+    return Layout(**{k: int(v) for k, v in vals.items()})
+
+
+def settle() -> None:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError:
+        pass
+
+
+def rchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(path) for n in ns)
+
+
+# -- DCP ------------------------------------------------------------------------------------------------------------
+def dcp_state(tensors: dict[str, TensorEntry], layout: Layout, fill: bool):
+    """Every logical tensor as a DTensor on an (edp, ep, tp) mesh, placed as moeckpt's layout places it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = init_device_mesh("cpu", (layout.edp, layout.ep, layout.tp), mesh_dim_names=("edp", "ep", "tp"))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    out = {}
+    for entry in tensors.values():
+        rule = rule_of(entry)
+        zero = entry.role in ZERO_ROLES and len(entry.shape) > 0
+        tp = Shard(rule.tp.dim) if rule.tp is not None else Replicate()
+        if rule.expert_dim is not None:
+            place = [Shard(0) if zero else Replicate(), Shard(rule.expert_dim), tp]
+        else:
+            place = [Shard(0) if zero else Replicate(), Shard(0) if zero else Replicate(), tp]
+        shape, _ = compute_local_shape_and_global_offset(entry.shape, mesh, place)
+        dtype = dtypes.to_torch(entry.dtype)
+        local = torch.randn(shape, generator=g).to(dtype) if fill else torch.empty(shape, dtype=dtype)
+        stride = torch.empty(entry.shape, device="meta").stride()
+        out[entry.name] = DTensor.from_local(local, mesh, place, run_check=False, shape=torch.Size(entry.shape),
+                                             stride=stride)
+    return out
+
+
+# -- workers --------------------------------------------------------------------------------------------------------
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def dcp_save_worker(rank: int, world: int, port: int, gb: float, layout: dict, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    _init(rank, world, port)
+    state = dcp_state(state_tensors(scaled_model(gb)), Layout(**layout), fill=True)
+    dcp.save(state, checkpoint_id=path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: str, dcp_path: str, methods: list,
+                out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    _init(rank, world, port)
+    target = Layout(**layout)
+    tensors = state_tensors(scaled_model(gb))
+    result: dict = {}
+    for method in methods:
+        if rank == 0:
+            settle()
+        dist.barrier()
+        before = rchar()
+        t0 = time.perf_counter()
+        stats = LoadStats()
+        if method == "dcp":
+            state = dcp_state(tensors, target, fill=False)
+            dcp.load(state, checkpoint_id=dcp_path)
+            needed = sum(v.to_local().numel() * v.to_local().element_size() for v in state.values())
+        else:
+            group = dist.group.WORLD if method == "moeckpt" else None
+            state = load_rank_state(src, target, rank, group=group, stats=stats)
+            needed = stats.bytes_needed
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        result[method] = {"s": elapsed, "rchar": rchar() - before, "needed": needed, "data_read": stats.bytes_read}
+        del state
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(gathered, f)
+    dist.destroy_process_group()
+
+
+def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dcp_path: str) -> dict:
+    out = os.path.join(args.dir, f"load-{world}.json")
+    mp.spawn(load_worker, args=(world, free_port(), args.gb, layout.to_json(), src, dcp_path, methods, out),
+             nprocs=world)
+    with open(out) as f:
+        per_rank = json.load(f)
+    summary = {}
+    for m in methods:
+        summary[m] = {
+            "s": max(r[m]["s"] for r in per_rank),
+            "bytes_read": sum(r[m]["rchar"] for r in per_rank),
+            "sum_rank_needs": sum(r[m]["needed"] for r in per_rank),
+        }
+    return summary
+
+
+# -- offline --------------------------------------------------------------------------------------------------------
+OFFLINE_CHILD = """
+import json, sys, time
+from moeckpt.reshard.executor import reshard
+from moeckpt.reshard.layout import Layout
+r = reshard(sys.argv[1], sys.argv[2], Layout(**json.loads(sys.argv[3])), workers=int(sys.argv[4]))
+print(json.dumps({"s": r.seconds, "bytes_read": r.bytes_read, "bytes_written": r.bytes_written}))
+"""
+
+
+def run_offline(args, src: str, target: Layout) -> dict:
+    dst, copy = os.path.join(args.dir, "offline"), os.path.join(args.dir, "copy")
+    results: dict = {"cp": [], "moeckpt": []}
+    for _ in range(args.reps):
+        for method in ("cp", "moeckpt"):
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.rmtree(copy, ignore_errors=True)
+            settle()
+            if method == "cp":
+                t0 = time.perf_counter()
+                subprocess.run(["cp", "-r", src, copy], check=True)
+                subprocess.run(["sync"], check=True)
+                results["cp"].append({"s": time.perf_counter() - t0})
+            else:
+                t0 = time.perf_counter()
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", OFFLINE_CHILD, src, dst, json.dumps(target.to_json()), str(args.workers)],
+                    stdout=subprocess.PIPE, text=True)
+                _, status, usage = os.wait4(proc.pid, 0)
+                wall = time.perf_counter() - t0
+                doc = json.loads(proc.stdout.read())
+                if os.waitstatus_to_exitcode(status) != 0:
+                    raise SystemExit("offline reshard failed")
+                doc.update(wall_with_startup_s=wall, peak_rss_bytes=usage.ru_maxrss * 1024)
+                results["moeckpt"].append(doc)
+    best = {m: min(results[m], key=lambda r: r["s"]) for m in results}
+    return {"runs": results, "best": best}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=1.07, help="size of the training state (GB)")
+    ap.add_argument("--dir", default="/tmp/moeckpt-bench-reshard", help="scratch directory (local disk)")
+    ap.add_argument("--source", default="tp=2,ep=2,dp=2", help="layout the checkpoints are saved in (4 ranks)")
+    ap.add_argument("--target", default="tp=1,ep=4,dp=4", help="layout of the reshard and the 4-rank load")
+    ap.add_argument("--sweep-dp", default="1,4,8", help="dp values of the bytes-read sweep (tp=1)")
+    ap.add_argument("--workers", type=int, default=4, help="offline reshard workers")
+    ap.add_argument("--reps", type=int, default=1, help="repetitions of the offline comparison (best kept)")
+    ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where JSON and PNG go")
+    args = ap.parse_args()
+    source, target = parse_layout(args.source), parse_layout(args.target)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    spec = scaled_model(args.gb)
+    tensors = state_tensors(spec)
+    payload = sum(e.nbytes for e in tensors.values())
+    print(f"state: {payload / 1e9:.3f} GB, {len(tensors)} tensors; source {source}, target {target}", flush=True)
+
+    src = os.path.join(args.dir, "moeckpt-src")
+    g = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    save_full_tensors(src, tensors=tensors, layout=source, model=spec.to_json(), step=100,
+                      values=lambda e: torch.randn(e.shape, generator=g).to(dtypes.to_torch(e.dtype)))
+    print(f"saved moeckpt source in {time.perf_counter() - t0:.1f} s", flush=True)
+    dcp_path = os.path.join(args.dir, "dcp-src")
+    mp.spawn(dcp_save_worker, args=(source.world, free_port(), args.gb, source.to_json(), dcp_path),
+             nprocs=source.world)
+    print("saved DCP source", flush=True)
+
+    offline = run_offline(args, src, target)
+    ob = offline["best"]
+    print(f"offline: cp {ob['cp']['s']:.2f} s, moeckpt {ob['moeckpt']['s']:.2f} s "
+          f"(peak RSS {ob['moeckpt']['peak_rss_bytes'] / 1e6:.0f} MB)", flush=True)
+
+    load4 = run_loads(args, target.world, target, ["moeckpt", "alone", "dcp"], src, dcp_path)
+    print(f"load into {target}: " + ", ".join(f"{m} {v['s']:.2f} s" for m, v in load4.items()), flush=True)
+
+    sweep = {}
+    for dp in (int(x) for x in args.sweep_dp.split(",")):
+        layout = Layout(tp=1, ep=min(dp, 4), dp=dp)
+        res = load4 if layout == target else run_loads(args, layout.world, layout, ["moeckpt", "alone", "dcp"], src,
+                                                       dcp_path)
+        sweep[str(dp)] = {
+            "layout": layout.to_json(),
+            **{f"{m}_read_over_needed": round(v["bytes_read"] / payload, 4) for m, v in res.items()},
+            "sum_of_rank_needs_over_needed": round(res["moeckpt"]["sum_rank_needs"] / payload, 4),
+            "raw": res,
+        }
+        print(f"dp={dp}: " + ", ".join(f"{k}={v}" for k, v in sweep[str(dp)].items() if k.endswith("needed")),
+              flush=True)
+
+    gb = payload / 1e9
+    summary = {
+        "benchmark": "reshard",
+        "command": "python benchmarks/bench_reshard.py " + " ".join(sys.argv[1:]),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"nproc": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()},
+        "payload_gb": round(gb, 4),
+        "checkpoint_bytes_on_disk": {"moeckpt": dir_bytes(src), "dcp": dir_bytes(dcp_path)},
+        "source_layout": source.to_json(),
+        "target_layout": target.to_json(),
+        "offline": {
+            "cp_s": round(ob["cp"]["s"], 3),
+            "moeckpt_s": round(ob["moeckpt"]["s"], 3),
+            "cp_gb_per_s": round(gb / ob["cp"]["s"], 3),
+            "moeckpt_gb_per_s": round(gb / ob["moeckpt"]["s"], 3),
+            "ratio_moeckpt_over_cp": round(ob["cp"]["s"] / ob["moeckpt"]["s"], 3),
+            "moeckpt_peak_rss_mb": round(ob["moeckpt"]["peak_rss_bytes"] / 1e6, 1),
+            "moeckpt_bytes_read": ob["moeckpt"]["bytes_read"],
+            "workers": args.workers,
+            "runs": offline["runs"],
+        },
+        "load_4_ranks": {
+            **{f"{m}_s": round(v["s"], 3) for m, v in load4.items()},
+            **{f"{m}_gb_per_s": round(gb / v["s"], 3) for m, v in load4.items()},
+            "ratio_moeckpt_over_dcp": round(load4["dcp"]["s"] / load4["moeckpt"]["s"], 3),
+            "ratio_alone_over_dcp": round(load4["dcp"]["s"] / load4["alone"]["s"], 3),
+            "raw": load4,
+        },
+        "bytes_read_over_needed": sweep,
+        "targets": {"offline_over_cp": 0.8, "load_over_dcp": 1.8, "read_over_needed": 1.05},
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "reshard.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    plot(summary, os.path.join(args.out, "reshard.png"))
+    print(json.dumps({k: summary[k] for k in ("offline", "load_4_ranks")}, indent=1, default=str)[:3000])
+    shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    off = summary["offline"]
+    ax = axes[0]
+    vals = [off["cp_gb_per_s"], off["moeckpt_gb_per_s"]]
+    ax.bar(["cp -r + sync", "moeckpt reshard"], vals, color=["#999999", "#1f77b4"])
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"offline, {summary['payload_gb']:.2f} GB: ratio {off['ratio_moeckpt_over_cp']:.2f} (target 0.8)",
+                 fontsize=9)
+    ld = summary["load_4_ranks"]
+    ax = axes[1]
+    names = ["moeckpt", "alone", "dcp"]
+    vals = [ld[f"{m}_gb_per_s"] for m in names]
+    ax.bar(["moeckpt\ncollective", "moeckpt\nalone", "DCP"], vals, color=["#1f77b4", "#6baed6", "#999999"])
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+    ax.set_title(f"load with reshard into 4 ranks: {ld['ratio_moeckpt_over_dcp']:.2f}x DCP (target 1.8)", fontsize=9)
+    ax = axes[2]
+    dps = list(summary["bytes_read_over_needed"])
+    width = 0.27
+    for k, (m, color) in enumerate([("moeckpt", "#1f77b4"), ("alone", "#6baed6"), ("dcp", "#999999")]):
+        ys = [summary["bytes_read_over_needed"][d][f"{m}_read_over_needed"] for d in dps]
+        ax.bar([i + (k - 1) * width for i in range(len(dps))], ys, width, label=m, color=color)
+    ax.axhline(1.05, color="red", lw=0.8, ls="--", label="1.05")
+    ax.set_xticks(range(len(dps)), [f"dp={d}" for d in dps])
+    ax.set_ylabel("bytes read / bytes needed")
+    ax.set_title("storage reads on resume", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
