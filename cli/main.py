@@ -19,6 +19,8 @@ COMMAND_MODULES = (
     "export_hf_cmd",
     "import_hf_cmd",
     "reshard_cmd",
+    "train_cmd",
+    "eval_cmd",
 )
 
 

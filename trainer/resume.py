@@ -10,7 +10,7 @@ layout and dtype the bytes land exactly where they came from, so training contin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -22,6 +22,10 @@ from moeckpt.reshard.load import LoadStats, load_rank_state
 from .optim import StatePiece, ZeroAdamW
 
 __all__ = ["ResumeError", "Restored", "latest_checkpoint", "load_pieces", "restore"]
+
+
+#: the roles a training run restores: parameters, fp32 masters and the AdamW moments.
+_ROLES = ("param", "master", "exp_avg", "exp_avg_sq")
 
 
 class ResumeError(MoeckptError, ValueError):
@@ -53,11 +57,16 @@ def latest_checkpoint(run_dir: str) -> tuple[int, str] | None:
     return step, storage.location
 
 
-def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layout, rank: int, *, group=None,
-                stats: LoadStats | None = None) -> set[str]:
+def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layout, rank: int, *,
+                roles: Iterable[str], group=None, stats: LoadStats | None = None) -> set[str]:
     """Copy the checkpoint's data into ``pieces`` (live views: a rank's boxes in ``layout``); returns the names
-    of the logical tensors that were in the checkpoint (others are left untouched). Collective when ``group``."""
-    present = sorted({p.name for p in pieces if p.name in reader.index.tensors})
+    of the checkpoint's logical tensors of ``roles`` (pieces of others are left untouched).
+
+    With ``group`` the read is collective: every rank must pass the same ``roles`` (a rank may hold no box of a
+    tensor, e.g. a TP window split that misses it, so the tensor list comes from the index, not from the pieces).
+    """
+    keep = set(roles)
+    present = sorted(n for n, e in reader.index.tensors.items() if e.role in keep)
     state = load_rank_state(reader, layout, rank, tensors=present, group=group, stats=stats)
     by_box = {name: dict(boxes) for name, boxes in state.items()}
     for piece in pieces:
@@ -96,7 +105,7 @@ def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None
     if missing:
         raise ResumeError(f"{location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
     state_pieces = optimizer.pieces()
-    loaded = load_pieces(reader, params + state_pieces, layout, rank, group=group, stats=stats)
+    loaded = load_pieces(reader, params + state_pieces, layout, rank, roles=_ROLES, group=group, stats=stats)
     masters = {p.name for p in state_pieces if p.role == "master"}
     if masters and masters <= loaded:
         optimizer.load_params_from_master()

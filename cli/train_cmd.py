@@ -1,0 +1,67 @@
+"""``moeckpt train``: train a bundled MoE model, checkpointing through moeckpt and resuming automatically."""
+
+from __future__ import annotations
+
+import click
+
+from moeckpt.trainer.launch import run_torchrun, under_torchrun
+from moeckpt.trainer.metrics import read_metrics
+from moeckpt.trainer.train import DTYPES, TrainConfig, train
+
+
+@click.command("train")
+@click.option("--model", "model", required=True, help="preset name (zaya-tiny, qwen3moe-tiny, ...) or a config.json")
+@click.option("--data", default=None, help="token file: .bin (uint16) or .txt (bytes)  [default: the shipped demo text]")
+@click.option("--data-dtype", default="auto", show_default=True, help="token dtype of --data: auto, uint16, uint32, bytes")
+@click.option("--run-dir", required=True, help="run directory (local path or s3://...): checkpoints and metrics.jsonl")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="tensor-parallel degree")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="expert-parallel degree (divides dp = nproc / tp)")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="local processes (starts torchrun when > 1)")
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True, help="total steps of the run (a resumed run continues up to it)")
+@click.option("--stop-at", type=click.IntRange(min=0), default=None, help="stop this invocation after this step (saving first)")
+@click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True, help="checkpoint every K steps (0: only at the end)")
+@click.option("--format", "fmt", type=click.Choice(["safetensors", "zarr"]), default="safetensors", show_default=True, help="checkpoint format")
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the initial weights and the data order")
+@click.option("--global-batch", type=click.IntRange(min=1), default=8, show_default=True, help="samples per step over all ranks")
+@click.option("--seq-len", type=click.IntRange(min=1), default=64, show_default=True, help="tokens per sample")
+@click.option("--lr", type=float, default=3e-3, show_default=True, help="peak learning rate")
+@click.option("--warmup-steps", type=click.IntRange(min=0), default=10, show_default=True, help="linear warmup steps")
+@click.option("--weight-decay", type=float, default=0.1, show_default=True, help="AdamW weight decay")
+@click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="clip the global gradient norm (0: off)")
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="fp32", show_default=True, help="parameter dtype")
+@click.option("--sync-save", is_flag=True, help="persist checkpoints in the training thread (default: background)")
+@click.option("--keep-last", type=click.IntRange(min=1), default=3, show_default=True, help="checkpoints kept")
+@click.option("--cpu", is_flag=True, help="run on the CPU even when a GPU is visible")
+def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, save_every, fmt, seed, global_batch, seq_len,
+            lr, warmup_steps, weight_decay, max_grad_norm, dtype, sync_save, keep_last, cpu) -> None:
+    """Train MODEL in layout (tp, ep, dp = nproc / tp), resuming from the newest checkpoint in RUN_DIR.
+
+    Metrics (step, loss, lr, grad_norm, tokens_per_s, save_blocked_s) go to RUN_DIR/metrics.jsonl.
+    """
+    try:
+        config = TrainConfig(
+            model=model, data=data, data_dtype=data_dtype, run_dir=run_dir, tp=tp, ep=ep, steps=steps,
+            stop_at=stop_at, save_every=save_every, format=fmt, seed=seed, global_batch=global_batch,
+            seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay,
+            max_grad_norm=max_grad_norm, dtype=dtype, async_save=not sync_save, keep_last=keep_last, cpu=cpu,
+        )
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if nproc > 1 and not under_torchrun():
+        run_torchrun("train", config.to_json(), nproc)
+        records = read_metrics(run_dir)
+    else:
+        records = train(config)
+        if not _is_rank0():
+            return
+    if records:
+        last = records[-1]
+        click.echo(f"{model}: step {last['step']}/{steps}, loss {last['loss']:.4f}; checkpoints in {run_dir}")
+    else:
+        click.echo(f"{model}: nothing to do, {run_dir} is already at step {steps}")
+
+
+def _is_rank0() -> bool:
+    import os
+
+    return os.environ.get("RANK", "0") == "0"
