@@ -70,13 +70,20 @@ def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors:
     seek back, so they hash in a first pass and then stream.
     """
     plan = _plan(pieces, tensors)
+    # The header document is built once; only its checksums change between the placeholder and the final one.
+    doc = _header_doc(
+        [(p.tensor, p.box, [_CHECKSUM_PLACEHOLDER] * _blocks(p.box, tensors[p.tensor])) for p in plan], tensors
+    )
+    keys = [k for k in doc if k != "__metadata__"]
 
     def header(sums: Sequence[Sequence[str]]) -> bytes:
-        return header_bytes([(p.tensor, p.box, s) for p, s in zip(plan, sums)], tensors)
+        for key, s in zip(keys, sums):
+            doc["__metadata__"][key] = ",".join(s)
+        return _dump_header(doc)
 
     with storage.open_write(relpath) as f:
         if storage.is_local:
-            placeholder = header([[_CHECKSUM_PLACEHOLDER] * _blocks(p.box, tensors[p.tensor]) for p in plan])
+            placeholder = _dump_header(doc)
             f.write(placeholder)
             sink = _Coalescer(f.write, _WritebackKick(f, len(placeholder)))
             sums = [_stream_piece(p.data, sink.write) for p in plan]
@@ -98,7 +105,7 @@ def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors:
             for p in plan:
                 _stream_piece(p.data, sink.write)
             sink.flush()
-    data_bytes = sum(p.box.numel * dtypes.itemsize(tensors[p.tensor].dtype) for p in plan)
+    data_bytes = doc[keys[-1]]["data_offsets"][1] if keys else 0
     return FileEntry(path=relpath, size=len(head) + data_bytes, checksum=checksum(head))
 
 
@@ -390,6 +397,11 @@ def header_bytes(layout: Sequence[tuple[str, Box, Sequence[str]]], tensors: dict
 
     Byte-identical to what :func:`encode` writes for the same pieces; empty boxes are skipped as there.
     """
+    return _dump_header(_header_doc(layout, tensors))
+
+
+def _header_doc(layout: Sequence[tuple[str, Box, Sequence[str]]], tensors: dict[str, TensorEntry]) -> dict:
+    """The header as a JSON document; ``write_file`` fills in the checksums of ``__metadata__`` afterwards."""
     header: dict[str, object] = {}
     meta = {META_VERSION_KEY: "1", META_BLOCK_KEY: str(CHECKSUM_BLOCK_BYTES)}
     offset = 0
@@ -406,8 +418,12 @@ def header_bytes(layout: Sequence[tuple[str, Box, Sequence[str]]], tensors: dict
         }
         meta[key] = ",".join(sums)
         offset += nbytes
-    raw = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
+    return {"__metadata__": meta, **header}
+
+
+def _dump_header(doc: dict) -> bytes:
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # align the data start to 8 bytes, as the safetensors writer does
     return struct.pack("<Q", len(raw)) + raw
 
 
