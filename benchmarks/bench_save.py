@@ -212,15 +212,13 @@ def clear(path: str) -> None:
     shutil.rmtree(os.path.join(parent, f".{name}.partial"), ignore_errors=True)
 
 
-def settle() -> bool:
-    """Flush dirty pages of earlier writes so no method pays for another's writeback; drop clean caches if allowed."""
+def settle() -> None:
+    """Flush the dirty pages of earlier writes, so that no method pays for another's writeback.
+
+    Clean page cache is left alone: it does not slow writes down, and dropping it on a shared machine would make
+    other jobs re-read their files from the same disk during the timed runs.
+    """
     os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def worker(rank: int, args, port: int, result_path: str) -> None:
@@ -240,7 +238,6 @@ def worker(rank: int, args, port: int, result_path: str) -> None:
     disk: dict[str, int] = {}
     phases: dict[str, list[float]] = {}
     verified = None
-    dropped = False
     for rep in range(-args.warmup, args.reps):
         # Rotate the order so that no method always runs first (or always right after another's writeback).
         shift = rep % len(args.methods)
@@ -249,7 +246,7 @@ def worker(rank: int, args, port: int, result_path: str) -> None:
             path = os.path.join(args.dir, method)
             if rank == 0:
                 clear(path)
-                dropped = settle()
+                settle()
             dist.barrier()
             prof = cProfile.Profile() if args.profile and rank == 0 else None
             if prof is not None:
@@ -291,7 +288,6 @@ def worker(rank: int, args, port: int, result_path: str) -> None:
             "moeckpt_phases_s": {
                 f"rank{r}": {k: [round(x, 4) for x in v] for k, v in ph.items()} for r, ph in enumerate(all_phases)
             },
-            "page_cache_dropped": dropped,
             "moeckpt_verified": verified,
             "model": model.to_json(),
             "num_tensors": len(tensors),
@@ -436,8 +432,8 @@ def readme_section(summary: dict) -> str:
             f"Python {m['python']}, Linux {m['kernel']}; data on {disk_desc}, a virtio disk of a VM. The machine is "
             "shared with other engineers' jobs, so single repetitions vary by up to 2x: the order of the methods "
             "rotates every repetition and medians are compared. Each timed run starts after the previous output "
-            f"is deleted and `sync` has run (plus `drop_caches`: {summary['page_cache_dropped']}), at a barrier "
-            "where every rank holds its state in memory, and ends at a barrier after the last rank finished."
+            "is deleted and `sync` has flushed every dirty page, at a barrier where every rank holds its state in "
+            "memory, and ends at a barrier after the last rank finished."
         ),
         "What each method does (`benchmarks/bench_save.py`):",
         "\n".join(
