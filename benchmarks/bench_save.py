@@ -406,6 +406,10 @@ def readme_section(summary: dict) -> str:
         for name in summary["gb_per_s"]
     ]
 
+    rank0 = summary["moeckpt_phases_s"].get("rank0", {})
+    fixed = [sum(v) for v in zip(*(rank0.get(k, []) for k in ("begin_save", "gather", "commit")))]
+    fixed_ms = 1000 * statistics.median(fixed) if fixed else float("nan")
+
     def para(text: str, bullet: bool = False) -> str:
         if bullet:
             return textwrap.fill(text, 116, initial_indent="* ", subsequent_indent="  ")
@@ -466,14 +470,17 @@ def readme_section(summary: dict) -> str:
             ]
         ),
         para(
-            "Why moeckpt keeps up with raw I/O although it also hashes every byte and writes a header and an "
-            "index: its writer hashes each 4 MiB block just before writing it (cache-hot), writes strided pieces "
-            "row by row instead of copying them, coalesces small pieces into 1 MiB writes, and asks the kernel "
-            "every 32 MiB to start writing back what it has (`posix_fadvise(POSIX_FADV_DONTNEED)`), so the disk "
-            "works while the CPU hashes; a plain write+fsync leaves every page dirty until the final fsync. The "
-            "fixed costs of a save (begin, gathering file entries, committing the index) are 30-60 ms here, which "
-            "is why the ratio to raw is lower for small states (`--gb 0.1`). `--profile` writes cProfile output "
-            "of rank 0; the JSON has per-rank phase timings of every moeckpt save."
+            "Where moeckpt's time goes. Beyond writing the bytes it hashes every one (xxh3, 4 MiB blocks) and writes a "
+            "header per file and an index. Its writer hashes each block just before writing it (cache-hot), writes "
+            "strided pieces row by row instead of copying them, coalesces small pieces into 1 MiB writes, and asks "
+            "the kernel every 32 MiB to start writing back what it has (`posix_fadvise(POSIX_FADV_DONTNEED)`), so "
+            "the disk works while the CPU hashes; a plain write+fsync leaves every page dirty until the final "
+            "fsync. Measured on rank 0's 146 MB share at `--gb 0.5` (thread CPU time, one process): the kernel's "
+            "copy into the page cache costs 41 ms for raw, moeckpt adds 7 ms of hashing, about 5 ms of Python per "
+            "piece and row, and 2 ms of header JSON. The fixed costs of one save (begin, gathering the file "
+            f"entries, committing the index; median over this run on rank 0) were {fixed_ms:.0f} ms, which is why "
+            "the ratio to raw is lower for small states (`--gb 0.1`). `--profile` writes cProfile output of rank "
+            "0, and the JSON has per-rank phase timings of every timed moeckpt save."
         ),
     ]
     return "\n\n".join(parts) + "\n"

@@ -81,3 +81,12 @@ def test_written_pieces_read_back(tmp_path):
             continue
         got = st.read_piece(storage, by_key[(p.tensor, p.box.offsets)])
         assert torch.equal(got, p.data)
+
+
+def test_early_writeback_keeps_the_bytes(tmp_path, monkeypatch):
+    # Kick the writeback after every few KiB (normally every 32 MiB), so that it runs many times on a small file.
+    monkeypatch.setattr(st._WritebackKick, "EVERY", 4096)
+    pieces, tensors = _pieces()
+    storage = Storage(str(tmp_path))
+    st.write_file(storage, "rank-00000.safetensors", pieces, tensors)
+    assert (tmp_path / "rank-00000.safetensors").read_bytes() == _reference(pieces, tensors)
