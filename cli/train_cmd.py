@@ -6,7 +6,7 @@ import click
 
 from moeckpt.trainer.launch import run_torchrun, under_torchrun
 from moeckpt.trainer.metrics import read_metrics
-from moeckpt.trainer.train import DTYPES, TrainConfig, train
+from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, train
 
 
 @click.command("train")
@@ -48,6 +48,7 @@ def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, sav
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if nproc > 1 and not under_torchrun():
+        check_launch(config, nproc)
         run_torchrun("train", config.to_json(), nproc)
         records = read_metrics(run_dir)
     else:

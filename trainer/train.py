@@ -39,7 +39,7 @@ from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
 from .resume import latest_checkpoint, restore
 from .schedule import LRSchedule, ScheduleConfig
 
-__all__ = ["DTYPES", "NonFiniteLossError", "TrainConfig", "Trainer", "train"]
+__all__ = ["DTYPES", "NonFiniteLossError", "TrainConfig", "Trainer", "check_launch", "train"]
 
 #: ``--dtype`` values and the parameter dtype they select.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -129,6 +129,15 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"train config has unknown fields {sorted(unknown)}")
         return cls(**value)
+
+
+def check_launch(config: TrainConfig, nproc: int) -> None:
+    """Refuse, before any process starts, a model, layout or data file that cannot work with ``nproc`` processes
+    (each worker would otherwise fail alone, behind torchrun's generic exit code)."""
+    spec = resolve_model(config.model)
+    choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
+    TokenDataset(config.data or default_text_path(), seq_len=config.seq_len, dtype=config.data_dtype,
+                 vocab_size=getattr(spec.config, "vocab_size", None))
 
 
 def setup_world(config: TrainConfig) -> torch.device:
