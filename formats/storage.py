@@ -15,6 +15,7 @@ import errno
 import os
 import random
 import shutil
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -252,12 +253,8 @@ class Storage:
         if self.is_local:
             out = []
             for relpath, start, end in ranges:
-                if start is None and end is None:
-                    out.append(bytearray(self.read_bytes(relpath)))
-                else:
-                    lo = start or 0
-                    hi = end if end is not None else self.size(relpath)
-                    out.append(self.read_range(relpath, lo, hi))
+                hi = end if end is not None else self.size(relpath)
+                out.append(self.read_range(relpath, start or 0, hi))  # readinto: no copy after the read
             return out
         paths = [self._fspath(r) for r, _, _ in ranges]
         starts = [s for _, s, _ in ranges]
@@ -310,6 +307,14 @@ class Storage:
                     yield f
                     f.flush()
                     os.fsync(f.fileno())
+            elif self.location.startswith(("s3://", "s3a://")):
+                # Spool to a local temporary file, then upload it with s3fs put_file: a multipart upload whose
+                # parts go up concurrently (fs.open would send them one by one), retried whole on a transient
+                # error, with memory bounded whatever the file size.
+                with tempfile.NamedTemporaryFile(prefix="moeckpt-upload-", dir=os.environ.get("MOECKPT_SPOOL_DIR")) as f:
+                    yield f
+                    f.flush()
+                    self._remote(lambda: self.fs.put_file(f.name, self._fspath(relpath)), "uploading", relpath)
             else:
                 with self.fs.open(self._fspath(relpath), "wb") as f:
                     yield f

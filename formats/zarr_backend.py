@@ -347,10 +347,20 @@ def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = N
         return torch.empty((0,) + shape[1:], dtype=torch_dtype)
     k0, k1 = b0 * per_band, b1 * per_band
     try:
-        index_raw, data = storage.read_ranges([(ref.file, 0, head), (ref.file, head + k0 * chunk, head + k1 * chunk)])
+        if (k0, k1) == (0, n):  # the whole shard: one request instead of two
+            (data,) = storage.read_ranges([(ref.file, None, None)])
+            if len(data) != head + n * chunk:
+                raise DataFileError(
+                    f"{where}: shard of tensor {ref.tensor!r} has {len(data)} bytes, expected {head + n * chunk}: "
+                    "the object is truncated or replaced"
+                )
+            index_raw, base = data[:head], head
+        else:
+            index_raw, data = storage.read_ranges([(ref.file, 0, head), (ref.file, head + k0 * chunk, head + k1 * chunk)])
+            base = 0
     except FileNotFoundError:
         raise _missing(storage, ref.file, f"shard of tensor {ref.tensor!r}") from None
-    if len(index_raw) != head or len(data) != (k1 - k0) * chunk:
+    if len(index_raw) != head or len(data) != base + (k1 - k0) * chunk:
         raise DataFileError(f"{where}: shard of tensor {ref.tensor!r} ends early: the object is truncated")
     _check_crc(index_raw, 0, head - _CRC_BYTES, ref, where, "shard index")
     index = np.frombuffer(bytes(index_raw[: head - _CRC_BYTES]), dtype="<u8").reshape(n, 2)
@@ -359,7 +369,7 @@ def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = N
         raise DataFileError(f"{where}: shard index of tensor {ref.tensor!r} is not in the layout moeckpt writes")
     out = torch.empty((out_rows,) + shape[1:], dtype=torch_dtype)
     for j in range(k1 - k0):
-        off = j * chunk
+        off = base + j * chunk
         _check_crc(data, off, data_bytes, ref, where, f"inner chunk {k0 + j}")
         coords = np.unravel_index(k0 + j, grid)
         dst = (slice((int(coords[0]) - b0) * inner[0], (int(coords[0]) - b0 + 1) * inner[0]),) + tuple(
