@@ -1,0 +1,29 @@
+"""Automatic resume in one process: over S3 (moto) bit for bit, and refusals of a run directory of another model."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeckpt.formats.checkpoint import committed_steps
+from moeckpt.trainer.metrics import read_metrics
+from moeckpt.trainer.resume import ResumeError
+from moeckpt.trainer.train import TrainConfig, train
+
+BASE = dict(model="zaya-tiny", steps=6, seq_len=32, global_batch=4, warmup_steps=2, cpu=True)
+
+
+def test_resume_from_s3_is_bit_exact(tmp_path, s3_url):
+    straight = train(TrainConfig(run_dir=str(tmp_path / "local"), **BASE))
+    first = train(TrainConfig(run_dir=s3_url, stop_at=3, **BASE))  # async save to S3, then "interrupted"
+    second = train(TrainConfig(run_dir=s3_url, **BASE))
+    assert [r["step"] for r in first + second] == list(range(1, 7))
+    assert [r["loss"] for r in first + second] == [r["loss"] for r in straight]
+    assert [s for s, _ in committed_steps(s3_url)] == [3, 6]
+    assert [r["step"] for r in read_metrics(s3_url)] == list(range(1, 7))  # rewritten whole on object stores
+
+
+def test_resume_refuses_another_model(tmp_path):
+    run_dir = str(tmp_path / "run")
+    train(TrainConfig(run_dir=run_dir, **{**BASE, "steps": 1}))
+    with pytest.raises(ResumeError, match="another config"):
+        train(TrainConfig(run_dir=run_dir, **{**BASE, "model": "qwen3moe-tiny"}))
