@@ -186,6 +186,7 @@ def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dc
             "s": max(r[m]["s"] for r in per_rank),
             "bytes_read": sum(r[m]["rchar"] for r in per_rank),
             "sum_rank_needs": sum(r[m]["needed"] for r in per_rank),
+            "moeckpt_data_bytes_read": sum(r[m]["data_read"] for r in per_rank),
         }
     return summary
 
@@ -196,7 +197,13 @@ import json, sys, time
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
 r = reshard(sys.argv[1], sys.argv[2], Layout(**json.loads(sys.argv[3])), workers=int(sys.argv[4]))
-print(json.dumps({"s": r.seconds, "bytes_read": r.bytes_read, "bytes_written": r.bytes_written}))
+# VmHWM, not getrusage: ru_maxrss would include the parent's pages between fork and exec.
+hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(json.dumps({"s": r.seconds, "bytes_read": r.bytes_read, "bytes_written": r.bytes_written, "peak_rss_bytes": hwm}))
+"""
+BASELINE_CHILD = """
+import torch, moeckpt.reshard.executor
+print(next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:")))
 """
 
 
@@ -218,15 +225,17 @@ def run_offline(args, src: str, target: Layout) -> dict:
                 proc = subprocess.Popen(
                     [sys.executable, "-c", OFFLINE_CHILD, src, dst, json.dumps(target.to_json()), str(args.workers)],
                     stdout=subprocess.PIPE, text=True)
-                _, status, usage = os.wait4(proc.pid, 0)
+                out, _ = proc.communicate()
                 wall = time.perf_counter() - t0
-                doc = json.loads(proc.stdout.read())
-                if os.waitstatus_to_exitcode(status) != 0:
+                if proc.returncode != 0:
                     raise SystemExit("offline reshard failed")
-                doc.update(wall_with_startup_s=wall, peak_rss_bytes=usage.ru_maxrss * 1024)
+                doc = json.loads(out)
+                doc.update(wall_with_startup_s=wall)
                 results["moeckpt"].append(doc)
     best = {m: min(results[m], key=lambda r: r["s"]) for m in results}
-    return {"runs": results, "best": best}
+    # What the interpreter with torch and moeckpt imported takes before any work, to read the peak RSS against.
+    base = subprocess.run([sys.executable, "-c", BASELINE_CHILD], capture_output=True, text=True, check=True)
+    return {"runs": results, "best": best, "baseline_rss_bytes": int(base.stdout)}
 
 
 def main() -> None:
@@ -298,6 +307,7 @@ def main() -> None:
             "moeckpt_gb_per_s": round(gb / ob["moeckpt"]["s"], 3),
             "ratio_moeckpt_over_cp": round(ob["cp"]["s"] / ob["moeckpt"]["s"], 3),
             "moeckpt_peak_rss_mb": round(ob["moeckpt"]["peak_rss_bytes"] / 1e6, 1),
+            "interpreter_baseline_rss_mb": round(offline["baseline_rss_bytes"] / 1e6, 1),
             "moeckpt_bytes_read": ob["moeckpt"]["bytes_read"],
             "workers": args.workers,
             "runs": offline["runs"],

@@ -22,9 +22,9 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.backend import get_backend
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit
-from moeckpt.formats.errors import CheckpointIndexError, DestinationNotEmptyError
+from moeckpt.formats.errors import CheckpointIndexError, DataFileError, DestinationNotEmptyError, StorageError
 from moeckpt.formats.index import Index
-from moeckpt.formats.pieces import Piece, PieceRef, tensor_bytes
+from moeckpt.formats.pieces import Piece, PieceRef, tensor_bytes, verify_blocks
 from moeckpt.formats.storage import Storage
 
 from .layout import Layout
@@ -69,6 +69,31 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cached = 0
+        self._local_safetensors = reader.index.backend == "safetensors" and reader.storage.is_local
+
+    def _read_local(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of a safetensors piece on local disk, read straight into an uninitialised tensor.
+
+        The same bytes and checks as the backend's ``read_piece`` (whole checksum blocks, each verified), minus
+        the zero-filled ``bytearray`` it reads into: at load time that memset was a quarter of the wall time.
+        """
+        row = ref.nbytes // ref.box.shape[0] if ref.box.shape[0] else 0
+        a, b = lo * row, hi * row
+        block = ref.block_bytes
+        b0 = a // block
+        read_lo, read_hi = b0 * block, min(-(-b // block) * block if b else block, ref.nbytes)
+        buf = torch.empty(read_hi - read_lo, dtype=torch.uint8)
+        where = self.reader.storage.path(ref.file)
+        try:
+            with open(where, "rb", buffering=0) as f:
+                f.seek(ref.start + read_lo)
+                got = f.readinto(memoryview(buf.numpy())) if len(buf) else 0
+        except OSError as e:
+            raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
+        if got != read_hi - read_lo:
+            raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
+        verify_blocks(memoryview(buf.numpy()), b0, ref, where)
+        return buf[a - read_lo : b - read_lo].view(dtypes.to_torch(ref.dtype)).reshape((hi - lo,) + ref.box.shape[1:])
 
     def ref(self, tensor: str, box: Box) -> PieceRef:
         try:
@@ -114,7 +139,10 @@ class ChunkReader:
         if not owner:
             return fut.result()
         try:
-            data = self.reader.read_piece(ref, None if not ref.box.ndim else (lo, hi))
+            if self._local_safetensors and ref.box.ndim and ref.nbytes:
+                data = self._read_local(ref, lo, hi)
+            else:
+                data = self.reader.read_piece(ref, None if not ref.box.ndim else (lo, hi))
         except BaseException as e:
             with self._lock:
                 self._cache.pop(key, None)

@@ -137,11 +137,28 @@ def _load_alone(reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, c
     chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes)
     state: RankState = {}
     for piece in rank_plan.pieces:
-        out = torch.empty(piece.box.shape, dtype=dtypes.to_torch(reader.index.tensors[piece.tensor].dtype))
-        fill(out, piece.box, piece.reads, chunks)
+        out = _whole_chunk(piece, chunks)
+        if out is None:
+            out = torch.empty(piece.box.shape, dtype=dtypes.to_torch(reader.index.tensors[piece.tensor].dtype))
+            fill(out, piece.box, piece.reads, chunks)
         state.setdefault(piece.tensor, []).append((piece.box, out))
     stats.bytes_read += chunks.bytes_read
     return state
+
+
+def _whole_chunk(piece, chunks: ChunkReader) -> torch.Tensor | None:
+    """The read buffer itself when a box is exactly one whole read chunk of a stored piece (no copy)."""
+    if len(piece.reads) != 1 or not piece.box.ndim:
+        return None
+    r = piece.reads[0]
+    src = r.src_box
+    if r.region != piece.box or src.offsets[1:] != piece.box.offsets[1:] or src.shape[1:] != piece.box.shape[1:]:
+        return None
+    r0, r1 = r.rows
+    per = chunks.chunk_rows(chunks.ref(r.tensor, src))
+    if r0 % per or (r1 != src.shape[0] and r1 - r0 != per) or r1 - r0 > per:
+        return None  # a part of a chunk: a view would pin the rest of it in memory
+    return chunks.rows(r.tensor, src, r0, r1)
 
 
 def chunk_rows(box: Box, dtype: str, chunk_bytes: int = CHUNK_BYTES, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> int:
