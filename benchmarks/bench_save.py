@@ -28,6 +28,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
@@ -240,7 +241,8 @@ def worker(rank: int, args, port: int, result_path: str) -> None:
     phases: dict[str, list[float]] = {}
     verified = None
     for rep in range(-args.warmup, args.reps):
-        # Rotate the order so that no method always runs first (or always right after another's writeback).
+        # Rotate the order so that no method always runs first or right after another (use a multiple of the
+        # number of methods as --reps for a balanced rotation).
         shift = rep % len(args.methods)
         order = args.methods[shift:] + args.methods[:shift]
         for method in order:
@@ -307,27 +309,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def machine() -> dict:
-    def run(cmd: list[str]) -> str:
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip()
-        except OSError:
-            return ""
+def machine(data_dir: str) -> dict:
+    """What the numbers were measured on (Linux; fields are empty where a tool is missing)."""
 
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
+    def sh(cmd: str) -> str:
+        return subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, check=False).stdout.strip()
+
     return {
         "nproc": os.cpu_count(),
-        "cpu": cpu,
-        "mem_total": run(["sh", "-c", "grep MemTotal /proc/meminfo"]),
+        "cpu": sh("grep -m1 'model name' /proc/cpuinfo | cut -d: -f2").strip(),
+        "mem_total": sh("grep MemTotal /proc/meminfo"),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "kernel": platform.release(),
-        "disk": run(["sh", "-c", "df -hT /tmp | tail -1"]),
+        "disk": sh(f"df -hT {shlex.quote(data_dir)} | tail -1"),
     }
 
 
@@ -339,7 +334,7 @@ def summarize(raw: dict, args) -> dict:
         "benchmark": "save",
         "command": "python benchmarks/bench_save.py " + " ".join(sys.argv[1:]),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": machine(),
+        "machine": machine(args.dir),
         "writers": args.tp * args.dp,
         "layout": {"tp": args.tp, "ep": args.ep, "dp": args.dp},
         "reps": args.reps,
@@ -521,7 +516,7 @@ def update_readme(path: str, section: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gb", type=float, default=1.07, help="size of the whole training state in GB (1e9 bytes)")
-    ap.add_argument("--reps", type=int, default=5, help="repetitions; the median is reported")
+    ap.add_argument("--reps", type=int, default=6, help="repetitions; the median is reported")
     ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions of every method before the timed ones")
     ap.add_argument("--dir", default="/tmp/moeckpt-bench-save", help="where the checkpoints are written")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where save.json/.png go")
