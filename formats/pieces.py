@@ -46,6 +46,9 @@ class PieceRef:
     #: zarr only: the inner chunk shape of the shard object ``file`` (each inner chunk carries its own crc32c, so
     #: ``checksums`` is empty); ``None`` when the piece is one plain chunk object (data + crc32c) or not zarr.
     chunks: tuple[int, ...] | None = None
+    #: zarr only: the shape the object ``file`` stores; a cell at the array's end is stored padded to the full
+    #: chunk shape (zarr's rule for edge chunks), so it can be larger than ``box.shape``. ``None``: ``box.shape``.
+    stored_shape: tuple[int, ...] | None = None
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -80,14 +80,22 @@ def crc32c(data: bytes | bytearray | memoryview) -> bytes:
 
 
 def grid_shape(shape: Sequence[int], boxes: Iterable[Box]) -> tuple[int, ...]:
-    """Per dimension, the gcd of every box boundary: the largest regular grid of which each box is a union."""
+    """Per dimension, the gcd of the box boundaries inside the tensor: the coarsest regular grid of which every
+    box is a union of cells.
+
+    The tensor's end is not a boundary the grid must hit: zarr lets the last chunk of a dimension overhang the
+    array. That is what keeps ZeRO's ``ceil(n / dp)``-row parts one chunk each when dp does not divide n (with
+    the end counted, rows 683/1366/2048 would give 1-row chunks).
+    """
     out = []
     boxes = list(boxes)
     for d, n in enumerate(shape):
-        g = n
+        g = 0
         for b in boxes:
-            g = math.gcd(g, b.offsets[d], b.end[d])
-        out.append(max(g, 1))
+            for edge in (b.offsets[d], b.end[d]):
+                if 0 < edge < n:
+                    g = math.gcd(g, edge)
+        out.append(g or max(n, 1))
     return tuple(out)
 
 
@@ -159,6 +167,10 @@ class ArrayPlan:
         for offs in product(*ranges):
             yield Box(tuple(offs), tuple(min(s, n - o) for o, s, n in zip(offs, self.shard, self.shape)))
 
+    def stored_shape(self, cell: Box) -> tuple[int, ...] | None:
+        """The padded shape an edge cell is stored with, or ``None`` when the cell is a whole chunk."""
+        return None if cell.shape == self.shard else self.shard
+
     def n_cells(self) -> int:
         return math.prod(-(-n // s) for n, s in zip(self.shape, self.shard))
 
@@ -213,7 +225,7 @@ class ArrayPlan:
                 f"{where}: array has shape {list(shape)} and dtype {dtype}, the index says {list(entry.shape)} "
                 f"{entry.dtype} for tensor {entry.name!r}"
             )
-        if len(shard) != len(shape) or any(s < 1 for s in shard) or (
+        if len(shard) != len(shape) or any(s < 1 for s in shard) or any(s > max(n, 1) for s, n in zip(shard, shape)) or (
             inner is not None and (len(inner) != len(shard) or any(i < 1 or s % i for i, s in zip(inner, shard)))
         ):
             raise DataFileError(f"{where}: chunk grid {list(shard)} / inner chunks {inner} do not fit shape {list(shape)}")
@@ -278,7 +290,14 @@ def _meta_path(group_or_array: str) -> str:
 
 
 def encode_cell(plan: ArrayPlan, data: torch.Tensor) -> list[bytes | memoryview]:
-    """The bytes of one cell's object, as parts to write back to back (views of ``data`` where possible)."""
+    """The bytes of one cell's object, as parts to write back to back (views of ``data`` where possible).
+
+    A cell at the array's end (smaller than the chunk) is padded with zeros (the fill value) to the chunk shape.
+    """
+    if tuple(data.shape) != plan.shard:
+        padded = torch.zeros(plan.shard, dtype=data.dtype)
+        padded[tuple(slice(0, n) for n in data.shape)] = data
+        data = padded
     if plan.inner is None:
         raw = tensor_bytes(data.reshape(-1))  # reshape: tensor_bytes cannot view a 0-d tensor as bytes
         return [raw, crc32c(raw)]
@@ -316,23 +335,34 @@ def _missing(storage: Storage, relpath: str, what: str) -> DataFileError:
 
 def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Read one cell, or rows ``[r0, r1)`` of its dim 0, verifying the crc32c of every chunk read."""
+    box_shape = tuple(ref.box.shape)
+    r0, r1 = (rows if rows is not None and box_shape else (0, box_shape[0] if box_shape else 1))
+    shape = ref.stored_shape or box_shape  # an edge cell is stored padded to the chunk shape
+    data = _read_stored(storage, ref, shape, r0, r1)
+    if shape == box_shape:
+        return data
+    # crop the padding: rows are already cut to [r0, r1); the other dims to the cell
+    return data[(slice(None),) + tuple(slice(0, n) for n in box_shape[1:])]
+
+
+def _read_stored(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of an object that stores an array of ``shape``, every chunk read verified."""
     where = storage.path(ref.file)
-    shape = tuple(ref.box.shape)
     torch_dtype = dtypes.to_torch(ref.dtype)
     item = dtypes.itemsize(ref.dtype)
-    r0, r1 = (rows if rows is not None and shape else (0, shape[0] if shape else 1))
     if ref.chunks is None:
+        nbytes = math.prod(shape) * item
         try:
             (buf,) = storage.read_ranges([(ref.file, None, None)])
         except FileNotFoundError:
             raise _missing(storage, ref.file, f"chunk of tensor {ref.tensor!r}") from None
-        if len(buf) != ref.nbytes + _CRC_BYTES:
+        if len(buf) != nbytes + _CRC_BYTES:
             raise DataFileError(
-                f"{where}: chunk of tensor {ref.tensor!r} has {len(buf)} bytes, expected {ref.nbytes + _CRC_BYTES}: "
+                f"{where}: chunk of tensor {ref.tensor!r} has {len(buf)} bytes, expected {nbytes + _CRC_BYTES}: "
                 "the object is truncated or replaced"
             )
-        _check_crc(buf, 0, ref.nbytes, ref, where, "chunk")
-        full = torch.frombuffer(buf, dtype=torch.uint8, count=ref.nbytes) if ref.nbytes else torch.empty(0, dtype=torch.uint8)
+        _check_crc(buf, 0, nbytes, ref, where, "chunk")
+        full = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         full = full.view(torch_dtype).reshape(shape)
         return full[r0:r1] if shape and (r0, r1) != (0, shape[0]) else full
     inner = ref.chunks
@@ -543,7 +573,9 @@ def _refs(plan: ArrayPlan) -> list[PieceRef]:
     for cell in plan.cells():
         nbytes = cell.numel * item
         block = max(1, band_rows * row_bytes) if plan.shape else max(1, nbytes)
-        out.append(PieceRef(plan.tensor, cell, plan.dtype, plan.key(cell), 0, nbytes, (), block, plan.inner))
+        out.append(
+            PieceRef(plan.tensor, cell, plan.dtype, plan.key(cell), 0, nbytes, (), block, plan.inner, plan.stored_shape(cell))
+        )
     return out
 
 
