@@ -25,8 +25,8 @@ import torch.distributed as dist
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.retention import RetentionPolicy
-from moeckpt.reshard.tensors import logical_tensors, tensor_name
 from moeckpt.reshard.local import join_local
+from moeckpt.reshard.tensors import logical_tensors
 
 from .checkpointing import CheckpointManager
 from .data import BatchLoader, TokenDataset, default_text_path
