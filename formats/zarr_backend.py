@@ -10,10 +10,11 @@ zarr groups)::
     <t>/c/<i>/<j>/...     one object per grid cell, written whole by exactly one writer
 
 Why two writers can never touch one object: :meth:`ZarrBackend.prepare` sees every piece of every tensor before
-anyone writes, and takes as the chunk (shard) size of each dimension the gcd of all piece boundaries along it.
-Every piece is then a union of whole grid cells and every cell lies in exactly one piece; a piece has one writer,
-so every object has one writer, who writes it once, whole, without reading it first (Megatron's zarr backend
-read-modified-wrote shared chunks: slow, and optimizer state was lost when writers collided).
+anyone writes, and takes as the chunk (shard) size of each dimension the gcd of the piece boundaries inside the
+tensor (the last chunk may overhang the array's end, as zarr allows; it is stored padded). Every piece is then a
+union of whole grid cells and every cell lies in exactly one piece; a piece has one writer, so every object has
+one writer, who writes it once, whole, without reading it first (Megatron's zarr backend read-modified-wrote
+shared chunks: slow, and optimizer state was lost when writers collided).
 
 A cell of more than :data:`INNER_CHUNK_BYTES` is stored with the zarr sharding codec: inner chunks of at most that
 size (split along dim 0 first), each followed by its crc32c, behind a crc32c-protected index at the start of the

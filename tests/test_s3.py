@@ -6,6 +6,7 @@ import errno
 
 import fsspec
 import pytest
+import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from moeckpt.formats import errors
@@ -132,7 +133,7 @@ def test_s3_failing_mid_save_commits_nothing_and_is_cleaned(flaky_s3, moeckpt_cl
         assert tensors_equal(reader.read_tensor(name), values(entry)), name
 
 
-def test_s3_save_and_partial_reads_of_both_formats(s3_url):
+def test_s3_save_and_reads_of_both_formats_and_plain_zarr(s3_url, moto_endpoint):
     for fmt in ("safetensors", "zarr"):
         loc = f"{s3_url}-{fmt}"
         save_toy(loc, Layout(tp=2, ep=2, dp=2), fmt)
@@ -140,7 +141,14 @@ def test_s3_save_and_partial_reads_of_both_formats(s3_url):
         assert reader.index.backend == fmt
         assert verify(reader) == []
         entry = reader.index.tensors["exp_avg/moe.experts.gate_up"]
-        assert tensors_equal(reader.read_tensor(entry.name), toy_values()(entry))
+        want = toy_values()(entry)
+        assert tensors_equal(reader.read_tensor(entry.name), want)
+    import zarr
+
+    arr = zarr.open_array(store=f"{s3_url}-zarr", path=entry.name, mode="r",
+                          storage_options={"client_kwargs": {"endpoint_url": moto_endpoint}})
+    assert arr.attrs["moeckpt"]["dtype"] == entry.dtype == "float32"
+    assert tensors_equal(torch.from_numpy(arr[1:3]), want[1:3])
 
 
 # -- retries, on a real fsspec filesystem that fails the way a network does ---------------------------------
