@@ -85,10 +85,10 @@ def is_transient(e: BaseException) -> bool:
         return False
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
-    code = getattr(e, "response", None)
-    if isinstance(code, dict):
-        err = code.get("Error", {}) or {}
-        status = str((code.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode", ""))
+    response = getattr(e, "response", None)  # botocore ClientError: the S3 error code and HTTP status
+    if isinstance(response, dict):
+        err = response.get("Error", {}) or {}
+        status = str((response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode", ""))
         return str(err.get("Code", "")) in _TRANSIENT_CODES or status.startswith("5")
     if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
         return True

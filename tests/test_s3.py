@@ -206,3 +206,20 @@ def test_read_ranges_fetches_many_ranges_at_once(s3_url):
     assert got == [bytearray(range(10, 20)), bytearray(100), bytearray(range(250, 256))]
     with pytest.raises(FileNotFoundError):
         s.read_ranges([("missing.bin", 0, 1)])
+
+
+def test_error_classification_of_real_botocore_errors():
+    from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
+
+    def client_error(code: str, status: int) -> ClientError:
+        return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "PutObject")
+
+    assert storage_mod.is_transient(client_error("SlowDown", 503))
+    assert storage_mod.is_transient(client_error("InternalError", 500))
+    assert not storage_mod.is_transient(client_error("NoSuchBucket", 404))
+    assert not storage_mod.is_transient(client_error("AccessDenied", 403))
+    assert storage_mod.is_transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert storage_mod.is_transient(ConnectionClosedError(endpoint_url="http://127.0.0.1:1"))
+    assert not storage_mod.is_transient(PermissionError("denied"))
+    assert not storage_mod.is_transient(FileNotFoundError("gone"))
