@@ -133,6 +133,15 @@ def test_s3_failing_mid_save_commits_nothing_and_is_cleaned(flaky_s3, moeckpt_cl
         assert tensors_equal(reader.read_tensor(name), values(entry)), name
 
 
+def test_cli_on_unreachable_s3_is_one_line_and_exit_2(flaky_s3, moeckpt_cli):
+    down, up = flaky_s3
+    down()
+    code, out, err = moeckpt_cli("init", "s3://flaky/unreachable", "--model", "qwen3moe-tiny", "--format", "zarr")
+    up()
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "s3://flaky/unreachable" in err and "tries" in err, err
+
+
 def test_s3_save_and_reads_of_both_formats_and_plain_zarr(s3_url, moto_endpoint):
     for fmt in ("safetensors", "zarr"):
         loc = f"{s3_url}-{fmt}"
