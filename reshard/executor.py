@@ -36,7 +36,9 @@ CHUNK_BYTES = 64 * 1024 * 1024
 #: target pieces are assembled and written in row slabs of about this size.
 SLAB_BYTES = 64 * 1024 * 1024
 #: default byte budget of the chunk cache shared by all workers.
-CACHE_BYTES = 256 * 1024 * 1024
+CACHE_BYTES = 384 * 1024 * 1024
+#: each offline writer keeps the reads of its next pieces, up to about this many bytes, in flight.
+PREFETCH_BYTES = 32 * 1024 * 1024
 
 
 def _row_elems(box: Box) -> int:
@@ -60,6 +62,7 @@ class ChunkReader:
         *,
         chunk_bytes: int = CHUNK_BYTES,
         cache_bytes: int = CACHE_BYTES,
+        pool: ThreadPoolExecutor | None = None,
     ):
         self.reader = reader
         self.refs = refs
@@ -70,6 +73,10 @@ class ChunkReader:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cached = 0
         self._local_safetensors = reader.index.backend == "safetensors" and reader.storage.is_local
+        #: the most bytes the cache held at once.
+        self.peak_cached = 0
+        #: a thread pool for :meth:`prefetch` (reads ahead of the workers), or None.
+        self.pool: ThreadPoolExecutor | None = pool
 
     def _read_local(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of a safetensors piece on local disk, read straight into an uninitialised tensor.
@@ -120,39 +127,65 @@ class ChunkReader:
             return self._chunk(ref, 0, 0, 1)
         per = self.chunk_rows(ref)
         parts = []
-        for c in range(r0 // per, (r1 - 1) // per + 1):
+        last = (r1 - 1) // per
+        for c in range(r0 // per, last + 1):
             lo, hi = c * per, min((c + 1) * per, box.shape[0])
+            if self.pool is not None and c < last:  # read the next chunk of this request while this one is used
+                self._start(ref, c + 1, hi, min(hi + per, box.shape[0]), background=True)
             data = self._chunk(ref, c, lo, hi)
             parts.append(data[max(r0, lo) - lo : min(r1, hi) - lo])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def prefetch(self, reads: Sequence[ReadItem], budget: int) -> None:
+        """Start reading in the background pool the first chunks ``reads`` will need, up to ``budget`` bytes."""
+        if self.pool is None:
+            return
+        for item in reads:
+            ref = self.ref(item.tensor, item.src_box)
+            if not ref.box.ndim or budget <= 0:
+                continue
+            per = self.chunk_rows(ref)
+            r0, r1 = item.rows
+            c = r0 // per
+            lo, hi = c * per, min((c + 1) * per, ref.box.shape[0])
+            self._start(ref, c, lo, hi, background=True)
+            budget -= (hi - lo) * (ref.nbytes // max(1, ref.box.shape[0]))
+
     def _chunk(self, ref: PieceRef, c: int, lo: int, hi: int) -> torch.Tensor:
+        return self._start(ref, c, lo, hi, background=False).result()
+
+    def _start(self, ref: PieceRef, c: int, lo: int, hi: int, *, background: bool) -> Future:
+        """The future of chunk ``c``: cached, in flight, or started now (inline, or in the pool)."""
         key = (ref.file, ref.start, ref.tensor, c)
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
                 self._cache.move_to_end(key)
-                owner = False
-            else:
-                fut = self._cache[key] = Future()
-                owner = True
-        if not owner:
-            return fut.result()
+                return fut
+            fut = self._cache[key] = Future()
+        if background:
+            self.pool.submit(self._read_into, fut, key, ref, lo, hi)
+        else:
+            self._read_into(fut, key, ref, lo, hi)
+        return fut
+
+    def _read_into(self, fut: Future, key: tuple, ref: PieceRef, lo: int, hi: int) -> None:
         try:
             if self._local_safetensors and ref.box.ndim and ref.nbytes:
                 data = self._read_local(ref, lo, hi)
             else:
                 data = self.reader.read_piece(ref, None if not ref.box.ndim else (lo, hi))
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chunk, and raised there
             with self._lock:
                 self._cache.pop(key, None)
             fut.set_exception(e)
-            raise
+            return
         fut.set_result(data)
         nbytes = data.numel() * data.element_size()
         with self._lock:
             self.bytes_read += _widened(ref, lo, hi)
             self._cached += nbytes
+            self.peak_cached = max(self.peak_cached, self._cached)
             while self._cached > self.cache_bytes and len(self._cache) > 1:
                 old_key, old = next(iter(self._cache.items()))
                 if not old.done():
@@ -161,7 +194,10 @@ class ChunkReader:
                 if old.exception() is None:
                     t = old.result()
                     self._cached -= t.numel() * t.element_size()
-        return data
+
+
+def _nbytes(piece: TargetPiece, index: Index) -> int:
+    return piece.box.numel * dtypes.itemsize(index.tensors[piece.tensor].dtype)
 
 
 def _widened(ref: PieceRef, lo: int, hi: int) -> int:
@@ -317,7 +353,8 @@ def reshard(
         by_key[(ref.tensor, ref.box)] = ref
         sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, -1))
     plan = plan_reshard(index, target, sources=sources)
-    chunks = ChunkReader(reader, by_key, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes)
+    readers = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="moeckpt-read")
+    chunks = ChunkReader(reader, by_key, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=readers)
     new_index = replace(index, backend=fmt, layout=target.to_json(), files={})
     storage = begin_save(dst, overwrite=overwrite)
     out_backend.prepare(
@@ -341,6 +378,13 @@ def reshard(
 
             def stream():
                 for pos, piece in enumerate(pieces):
+                    # While this piece is assembled and written, the first chunks of the next ones are read.
+                    budget = PREFETCH_BYTES
+                    for nxt in pieces[pos + 1 : pos + 9]:
+                        chunks.prefetch(nxt.reads, budget)
+                        budget -= _nbytes(nxt, index)
+                        if budget <= 0:
+                            break
                     for slab in slabs(piece, index.tensors[piece.tensor].dtype, chunks, slab_bytes, reuse=True):
                         data = tensor_bytes(slab)
                         yield pos, data
@@ -358,7 +402,7 @@ def reshard(
             count(data.numel() * data.element_size())
         return out_backend.write(storage, rank_plan.rank, whole, index.tensors)
 
-    with single_threaded_torch(), ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    with single_threaded_torch(), readers, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         entries = [e for es in pool.map(write_writer, plan.ranks) for e in es]
     entries = out_backend.finish(storage, entries, index.tensors)
     new_index = replace(new_index, files={e.path: e for e in entries})
