@@ -65,6 +65,10 @@ class RetryPolicy:
         return d * (0.5 + random.random() / 2)  # jitter: many ranks retrying must not hit the store in lockstep
 
 
+#: remote objects up to this size are uploaded from one joined buffer; larger ones are spooled through a
+#: temporary file (see :meth:`Storage.open_write`), so memory stays bounded by concurrent uploads x this.
+JOIN_LIMIT_BYTES = 64 * 2**20
+
 #: the policy every :class:`Storage` uses unless given another (tests shorten it).
 DEFAULT_RETRY = RetryPolicy()
 
@@ -346,6 +350,12 @@ class Storage:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise _storage_error(e, "writing", target) from e
+            return
+        if sum(memoryview(p).nbytes for p in parts) > JOIN_LIMIT_BYTES:
+            # A large object is not joined in memory (16 uploads in flight would hold 16 copies): spool it.
+            with self.open_write(relpath) as f:
+                for p in parts:
+                    f.write(p)
             return
         data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
         try:
