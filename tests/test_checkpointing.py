@@ -65,3 +65,24 @@ def test_async_distributed_save(tmp_path, fail_rank):
     if fail_rank >= 0:
         leftovers = [n for n in os.listdir(run_dir) if "00000020" in n]
         assert leftovers and all(n.startswith(".") for n in leftovers)  # staging only, never committed
+
+
+def _killed_worker(rank: int, run_dir: str) -> None:
+    from moeckpt.trainer.checkpointing import CheckpointManager
+    from moeckpt.trainer.faults import FaultInjector, parse_fault
+
+    faults = FaultInjector([parse_fault("kill-during-save:rank=1,step=10")], rank=rank, marker_dir=run_dir)
+    mgr = CheckpointManager(run_dir, tensors=toy_tensors(), layout=LAYOUT, model={"arch": "toy", "config": {}},
+                            faults=faults)
+    for step in (5, 10):
+        mgr.save(step, _local_state(rank), {"step": step})
+        mgr.wait()
+
+
+def test_process_killed_during_save_leaves_previous_checkpoint(tmp_path):
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(Exception):
+        run_local_world(_killed_worker, LAYOUT.world, run_dir, timeout_s=90)
+    assert [s for s, _ in committed_steps(run_dir)] == [5]  # the torn step 10 was never committed
+    assert CheckpointReader(run_dir).index.step == 5
+    assert any(n.startswith(".step-00000010") for n in os.listdir(run_dir))

@@ -24,12 +24,13 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import FileEntry, Index, TensorEntry
 from moeckpt.formats.pieces import Piece
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
-from moeckpt.formats.storage import join
+from moeckpt.formats.storage import Storage, join
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.local import split_local
 from moeckpt.reshard.placement import placements
 
 from . import collectives
+from .faults import FaultInjector
 
 
 class SaveFailedError(MoeckptError, RuntimeError):
@@ -68,6 +69,7 @@ class CheckpointManager:
         backend: str = "safetensors",
         retention: RetentionPolicy | None = None,
         async_save: bool = True,
+        faults: "FaultInjector | None" = None,
     ):
         self.run_dir = run_dir
         self.tensors = tensors
@@ -77,6 +79,8 @@ class CheckpointManager:
         self.backend = get_backend(backend)
         self.retention = retention or RetentionPolicy()
         self.async_save = async_save
+        #: injected faults (tests, demo): a kill after this rank's file is written, a corrupted file after commit.
+        self.faults = faults
         self.rank = collectives.rank()
         if collectives.world_size() != layout.world:
             raise MoeckptError(f"layout {layout} needs {layout.world} ranks, the process group has {collectives.world_size()}")
@@ -179,6 +183,8 @@ class CheckpointManager:
         entries: list[dict] = []
         try:
             written = self.backend.write(staging_storage(location), self.rank, pieces, self.tensors)
+            if self.faults is not None:
+                self.faults.during_save(step)  # dies here: its file is written, nothing is committed
             entries = [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in written]
             mine = {"ok": True, "files": entries}
         except Exception as e:  # noqa: BLE001 - every rank must learn of it, or rank 0 would commit a torn checkpoint
@@ -203,6 +209,8 @@ class CheckpointManager:
             apply_gc(self.run_dir, replace(plan_gc(self.run_dir, self.retention), remove_uncommitted=[]))
         collectives.barrier(self.group)
         stats.committed = True
+        if self.faults is not None and Storage(location).is_local:
+            self.faults.after_commit(step, Storage(location).location)
         stats.persist_s = time.perf_counter() - t0
 
     # -- resuming -------------------------------------------------------------------------------------------
