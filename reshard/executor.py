@@ -73,7 +73,7 @@ class ChunkReader:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cached = 0
         self._local_safetensors = reader.index.backend == "safetensors" and reader.storage.is_local
-        #: the most bytes the cache held at once.
+        #: the most bytes the cache kept at once (checked after each read's evictions).
         self.peak_cached = 0
         #: a thread pool for :meth:`prefetch` (reads ahead of the workers), or None.
         self.pool: ThreadPoolExecutor | None = pool
@@ -185,7 +185,6 @@ class ChunkReader:
         with self._lock:
             self.bytes_read += _widened(ref, lo, hi)
             self._cached += nbytes
-            self.peak_cached = max(self.peak_cached, self._cached)
             while self._cached > self.cache_bytes and len(self._cache) > 1:
                 old_key, old = next(iter(self._cache.items()))
                 if not old.done():
@@ -194,6 +193,7 @@ class ChunkReader:
                 if old.exception() is None:
                     t = old.result()
                     self._cached -= t.numel() * t.element_size()
+            self.peak_cached = max(self.peak_cached, self._cached)
 
 
 def _nbytes(piece: TargetPiece, index: Index) -> int:

@@ -215,7 +215,7 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_byt
     owner: dict[tuple, int] = {}
     for key in order:
         needers = sorted({g for g, _, _ in units[key]})
-        pick = min(needers, key=lambda g: (load[g], (g - hash_key(key)) % size))
+        pick = min(needers, key=lambda g: (load[g], (g - _unit_seed(key)) % size))
         owner[key] = pick
         load[pick] += unit_bytes[key]
     # Rounds of bounded size: cut the global order whenever one rank would read more than round_bytes.
@@ -236,46 +236,59 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_byt
     owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
     chunks = ChunkReader(reader, _refs_for(reader, owned_sources), chunk_bytes=chunk_bytes, cache_bytes=cache_bytes)
     for keys in rounds:
-        send: list[list[torch.Tensor]] = [[] for _ in range(size)]
-        recv_sizes = [0] * size
-        recv_plan: list[tuple[int, int, Box, int]] = []  # (source, piece position, sub-region, nbytes) in order
+        # Sizes first (every transfer padded to 8 bytes, so each slot can be viewed as its dtype), then one copy of
+        # each region straight into its slot of the send buffer.
+        in_sizes, recv_sizes = [0] * size, [0] * size
+        sends: list[tuple[int, int, tuple, Box]] = []  # (destination, offset in its part, unit key, sub-region)
+        recvs: list[tuple[int, int, int, Box]] = []  # (source, offset in its part, piece position, sub-region)
         for key in keys:
-            tensor, offs, shape, _, c = key
-            src = Box(offs, shape)
             o = owner[key]
+            item_bytes = dtypes.itemsize(index.tensors[key[0]].dtype)
             for g, pos, sub in units[key]:
+                if o == g:
+                    continue
+                nbytes = _padded(sub.numel * item_bytes)
                 if o == me:
-                    data = _extract(chunks, tensor, src, sub)
-                    if g == me:
-                        box = mine.pieces[pos].box
-                        state_list[pos][sub.relative_to(box).slices()] = data
-                    else:
-                        send[g].append(data.contiguous().reshape(-1).view(torch.uint8))
+                    sends.append((g, in_sizes[g], key, sub))
+                    in_sizes[g] += nbytes
                 elif g == me:
-                    nbytes = sub.numel * dtypes.itemsize(index.tensors[tensor].dtype)
+                    recvs.append((o, recv_sizes[o], pos, sub))
                     recv_sizes[o] += nbytes
-                    recv_plan.append((o, pos, sub, nbytes))
-        in_sizes = [sum(t.numel() for t in s) for s in send]
-        # Every rank takes part in every round (rounds are global), even with nothing to send or receive.
-        flat_in = torch.cat([t for s in send for t in s]) if any(in_sizes) else torch.empty(0, dtype=torch.uint8)
+        in_starts = [sum(in_sizes[:g]) for g in range(size)]
+        flat_in = torch.empty(sum(in_sizes), dtype=torch.uint8)
+        for key in keys:  # what stays on this rank
+            if owner[key] != me:
+                continue
+            src = Box(key[1], key[2])
+            for g, pos, sub in units[key]:
+                if g == me:
+                    state_list[pos][sub.relative_to(mine.pieces[pos].box).slices()] = _extract(chunks, key[0], src, sub)
+        for g, off, key, sub in sends:
+            dtype = dtypes.to_torch(index.tensors[key[0]].dtype)
+            start = in_starts[g] + off
+            slot = flat_in[start : start + sub.numel * dtypes.itemsize(index.tensors[key[0]].dtype)]
+            slot.view(dtype).view(sub.shape).copy_(_extract(chunks, key[0], Box(key[1], key[2]), sub))
         flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        # Every rank takes part in every round (rounds are global), even with nothing to send or receive.
         dist.all_to_all_single(flat_out, flat_in, recv_sizes, in_sizes, group=group)
         stats.rounds += 1
         stats.bytes_received += flat_out.numel()
-        starts = [sum(recv_sizes[:o]) for o in range(size)]
-        for o, pos, sub, nbytes in recv_plan:
+        out_starts = [sum(recv_sizes[:o]) for o in range(size)]
+        for o, off, pos, sub in recvs:
             piece = mine.pieces[pos]
-            dtype = dtypes.to_torch(index.tensors[piece.tensor].dtype)
-            raw = flat_out[starts[o] : starts[o] + nbytes]
-            if starts[o] % raw.new_empty(0, dtype=dtype).element_size():
-                raw = raw.clone()  # bf16 and fp32 pieces share one byte stream: realign before viewing
-            starts[o] += nbytes
-            state_list[pos][sub.relative_to(piece.box).slices()] = raw.view(dtype).reshape(sub.shape)
+            entry = index.tensors[piece.tensor]
+            start = out_starts[o] + off
+            raw = flat_out[start : start + sub.numel * dtypes.itemsize(entry.dtype)]
+            state_list[pos][sub.relative_to(piece.box).slices()] = raw.view(dtypes.to_torch(entry.dtype)).view(sub.shape)
     stats.bytes_read += chunks.bytes_read
     state: RankState = {}
     for piece, t in zip(mine.pieces, state_list):
         state.setdefault(piece.tensor, []).append((piece.box, t))
     return state
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
 
 
 def _extract(chunks: ChunkReader, tensor: str, src: Box, sub: Box) -> torch.Tensor:
@@ -286,6 +299,6 @@ def _extract(chunks: ChunkReader, tensor: str, src: Box, sub: Box) -> torch.Tens
     return data[(slice(None),) + rel.slices()[1:]]
 
 
-def hash_key(key: tuple) -> int:
+def _unit_seed(key: tuple) -> int:
     """A stable small integer per unit (Python's ``hash`` of str is salted per process; ranks must agree)."""
     return zlib.crc32(repr(key).encode())
