@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -27,11 +28,13 @@ from moeckpt.formats.errors import LayoutError
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef
 
-from .executor import CACHE_BYTES, CHUNK_BYTES, ChunkReader, fill, single_threaded_torch
+from .executor import CACHE_BYTES, CHUNK_BYTES, PREFETCH_BYTES, ChunkReader, fill, single_threaded_torch
 from .layout import Layout
 from .placement import model_parallel_boxes, rule_of
 from .planner import ReshardPlan, SourcePiece, plan_load
 
+#: threads reading ahead of a loading rank.
+READ_THREADS = 2
 #: collective loads exchange at most about this many bytes per rank per round.
 ROUND_BYTES = 128 * 1024 * 1024
 
@@ -134,15 +137,28 @@ def _refs_for(reader: CheckpointReader, sources: set) -> dict[tuple[str, Box], P
 def _load_alone(reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, chunk_bytes: int, cache_bytes: int) -> RankState:
     (rank_plan,) = plan.ranks
     refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads})
-    chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes)
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moeckpt-read") as pool:
+        chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool)
+        state = _fill_alone(rank_plan, reader, chunks)
+    stats.bytes_read += chunks.bytes_read
+    return state
+
+
+def _fill_alone(rank_plan, reader: CheckpointReader, chunks: ChunkReader) -> RankState:
     state: RankState = {}
-    for piece in rank_plan.pieces:
+    pieces = rank_plan.pieces
+    for pos, piece in enumerate(pieces):
+        budget = PREFETCH_BYTES  # the next pieces' first chunks are read while this one is filled
+        for nxt in pieces[pos + 1 : pos + 9]:
+            chunks.prefetch(nxt.reads, budget)
+            budget -= nxt.box.numel * dtypes.itemsize(reader.index.tensors[nxt.tensor].dtype)
+            if budget <= 0:
+                break
         out = _whole_chunk(piece, chunks)
         if out is None:
             out = torch.empty(piece.box.shape, dtype=dtypes.to_torch(reader.index.tensors[piece.tensor].dtype))
             fill(out, piece.box, piece.reads, chunks)
         state.setdefault(piece.tensor, []).append((piece.box, out))
-    stats.bytes_read += chunks.bytes_read
     return state
 
 
@@ -234,8 +250,29 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_byt
         torch.empty(p.box.shape, dtype=dtypes.to_torch(index.tensors[p.tensor].dtype)) for p in mine.pieces
     ]
     owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
-    chunks = ChunkReader(reader, _refs_for(reader, owned_sources), chunk_bytes=chunk_bytes, cache_bytes=cache_bytes)
+    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moeckpt-read") as pool:
+        chunks = ChunkReader(
+            reader, _refs_for(reader, owned_sources), chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool
+        )
+        _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats)
+    stats.bytes_read += chunks.bytes_read
+    state: RankState = {}
+    for piece, t in zip(mine.pieces, state_list):
+        state.setdefault(piece.tensor, []).append((piece.box, t))
+    return state
+
+
+def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats) -> None:
+    """Run the rounds: read owned chunks (ahead, in the pool), keep local regions, all_to_all the rest."""
+    import torch.distributed as dist
+
     for keys in rounds:
+        for key in keys:
+            if owner[key] == me and key[2]:
+                ref = chunks.ref(key[0], Box(key[1], key[2]))
+                per = chunks.chunk_rows(ref)
+                c = key[4]
+                chunks._start(ref, c, c * per, min((c + 1) * per, ref.box.shape[0]), background=True)
         # Sizes first (every transfer padded to 8 bytes, so each slot can be viewed as its dtype), then one copy of
         # each region straight into its slot of the send buffer.
         in_sizes, recv_sizes = [0] * size, [0] * size
@@ -280,11 +317,6 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_byt
             start = out_starts[o] + off
             raw = flat_out[start : start + sub.numel * dtypes.itemsize(entry.dtype)]
             state_list[pos][sub.relative_to(piece.box).slices()] = raw.view(dtypes.to_torch(entry.dtype)).view(sub.shape)
-    stats.bytes_read += chunks.bytes_read
-    state: RankState = {}
-    for piece, t in zip(mine.pieces, state_list):
-        state.setdefault(piece.tensor, []).append((piece.box, t))
-    return state
 
 
 def _padded(nbytes: int) -> int:
