@@ -17,17 +17,17 @@ def test_train_nproc2_then_resume_in_another_layout(tmp_path, moeckpt_cli):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "moeckpt.cli.main", "train", *ARGS, "--run-dir", str(run_dir), "--nproc", "2",
-         "--ep", "2", "--stop-at", "4", "--save-every", "2"],
+         "--ep", "2", "--stop-at", "4", "--save-every", "2", "--format", "zarr"],
         capture_output=True, text=True, env=env, timeout=180,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 4/6" in proc.stdout
     assert [s for s, _ in committed_steps(str(run_dir))] == [2, 4]
     index = CheckpointReader(str(run_dir)).index
-    assert index.layout == {"tp": 1, "ep": 2, "dp": 2} and index.backend == "safetensors"
+    assert index.layout == {"tp": 1, "ep": 2, "dp": 2} and index.backend == "zarr"
     assert index.train_state["step"] == 4 and index.train_state["consumed_samples"] == 16
     # Same command, one process: resumes at step 4 from the (1,2,2) checkpoint and finishes the run.
-    code, out, err = moeckpt_cli("train", *ARGS, "--run-dir", run_dir)
+    code, out, err = moeckpt_cli("train", *ARGS, "--run-dir", run_dir, "--format", "zarr")
     assert code == 0, err
     assert "step 6/6" in out
     steps = [r["step"] for r in read_metrics(str(run_dir))]
