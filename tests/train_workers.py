@@ -25,3 +25,58 @@ def eval_run(rank: int, config: dict, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"loss": loss}, f)
+
+
+def expert_dispatch_check(rank: int, routes: tuple[str, ...]) -> None:
+    for route in routes:
+        _expert_dispatch_check(rank, route)
+
+
+def _expert_dispatch_check(rank: int, route: str) -> None:
+    """EP dispatch over 2 ranks equals one process's ``Experts.forward`` on both ranks' tokens, forward and backward.
+
+    ``route="rank0"`` sends every token (and the skip expert) to rank 0's experts, so rank 1 receives nothing and
+    must still take part in the backward all-to-all.
+    """
+    import torch.distributed as dist
+
+    from moeckpt.trainer.distributed import expert_parallel_forward
+    from moeckpt.trainer.models.layers import Experts, Shard
+
+    torch.manual_seed(0)
+    num, hidden, inter, tokens, k = 4, 16, 8, 6, 2
+    full = Experts(num, hidden, inter)
+    with torch.no_grad():
+        full.gate_up_proj.normal_()
+        full.down_proj.normal_()
+    xs = [torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(10 + r)) for r in range(2)]
+    if route == "rank0":
+        idx = [torch.tensor([[0, 1], [1, 4], [0, 4], [1, 0], [4, 1], [0, 1]]) for _ in range(2)]
+    else:
+        idx = [torch.randint(0, num + 1, (tokens, k), generator=torch.Generator().manual_seed(20 + r)) for r in range(2)]
+    ws = [torch.rand(tokens, k, generator=torch.Generator().manual_seed(30 + r)) for r in range(2)]
+
+    # Reference: one process, both ranks' tokens.
+    x_ref = torch.cat(xs).requires_grad_()
+    w_ref = torch.cat(ws).requires_grad_()
+    out_ref = full(x_ref, torch.cat(idx), w_ref)
+    (out_ref * torch.arange(out_ref.numel()).view_as(out_ref).sin()).sum().backward()
+
+    local = Experts(num, hidden, inter, Shard(ep=2, ep_rank=rank))
+    lo, hi = local.expert_start, local.expert_stop
+    with torch.no_grad():
+        local.gate_up_proj.copy_(full.gate_up_proj[lo:hi])
+        local.down_proj.copy_(full.down_proj[lo:hi])
+    x = xs[rank].clone().requires_grad_()
+    w = ws[rank].clone().requires_grad_()
+    out = expert_parallel_forward(local, x, idx[rank], w, group=dist.group.WORLD, ep=2)
+    rows = slice(rank * tokens, (rank + 1) * tokens)
+    weight = torch.arange(out_ref.numel()).view_as(out_ref).sin()[rows]
+    (out * weight).sum().backward()
+    torch.testing.assert_close(out, out_ref[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, x_ref.grad[rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, w_ref.grad[rows], rtol=1e-5, atol=1e-5)
+    # Expert gradients already sum every rank's tokens (the all-to-all backward), as ZeroAdamW expects.
+    for mine, ref in ((local.gate_up_proj, full.gate_up_proj), (local.down_proj, full.down_proj)):
+        got = mine.grad if mine.grad is not None else torch.zeros_like(mine)
+        torch.testing.assert_close(got, ref.grad[lo:hi], rtol=1e-5, atol=1e-5)

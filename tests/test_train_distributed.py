@@ -1,0 +1,11 @@
+"""Expert-parallel dispatch against the single-process expert block, including a rank that receives no tokens."""
+
+from __future__ import annotations
+
+from moeckpt.trainer.parallel import run_local_world
+
+from .train_workers import expert_dispatch_check
+
+
+def test_expert_dispatch_matches_one_process_forward_and_backward():
+    run_local_world(expert_dispatch_check, 2, ("random", "rank0"), timeout_s=120)
