@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -243,6 +244,15 @@ class Trainer:
         self.schedule.steps = int(state.get("schedule", {}).get("steps", self.step))
         self.resumed_from = restored.location
         self.resume_stats = restored.stats
+        if self.rank == 0:
+            st = restored.stats
+            print(
+                f"moeckpt: resumed {restored.location} (step {self.step}, written in layout {restored.source_layout}) "
+                f"into layout {self.groups.layout}: rank 0 read {st.bytes_read / 1e6:.2f} MB for "
+                f"{st.bytes_needed / 1e6:.2f} MB of state in {st.seconds:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -306,6 +316,8 @@ class Trainer:
             "step_s": dt,
             "tokens_per_s": tokens / dt,
             "save_blocked_s": 0.0,
+            "world": self.groups.layout.world,
+            "layout": self.groups.layout.to_json(),
         }
 
     def save(self) -> float:
