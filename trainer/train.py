@@ -29,6 +29,7 @@ from moeckpt.formats.retention import RetentionPolicy
 from moeckpt.reshard.local import join_local
 from moeckpt.reshard.tensors import logical_tensors
 
+from . import collectives
 from .checkpointing import CheckpointManager
 from .data import BatchLoader, TokenDataset, default_text_path
 from .distributed import build_parallel_model
@@ -48,6 +49,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 class NonFiniteLossError(MoeckptError, FloatingPointError):
     """The loss became NaN or infinite; the run stops without saving the broken state."""
+
+    exit_code = 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -212,26 +215,24 @@ class Trainer:
     def _init_weights(self, params) -> None:
         """Overwrite the randomly initialised tensors with values that depend on (seed, name) only, so every
         layout starts from the same model; ones/zeros (and model-specific constants) are layout-free already."""
-        init = {p.name: p.init for p in params}
+        specs = {p.name: p for p in params}
         std = getattr(self.spec.config, "initializer_range", 0.02)
-        full: dict[str, torch.Tensor] = {}
+        current: tuple[str, torch.Tensor] | None = None  # one full tensor at a time: pieces come grouped by param
         for piece in self.optimizer.param_pieces():
-            if init[piece.param] != "normal":
+            spec = specs[piece.param]
+            if spec.init != "normal":
                 continue
-            value = full.get(piece.param)
-            if value is None:
-                entry = TensorEntry(name=piece.param, shape=self._shape(params, piece.param), dtype="float32",
-                                    role="param", param=piece.param)
-                value = full[piece.param] = initial_value(entry, seed=self.config.seed, std=std)
-            piece.tensor.copy_(value[piece.box.slices()])
+            if current is None or current[0] != piece.param:
+                entry = TensorEntry(name=spec.name, shape=tuple(spec.shape), dtype="float32", role="param",
+                                    param=spec.name)
+                current = (piece.param, initial_value(entry, seed=self.config.seed, std=std))
+            piece.tensor.copy_(current[1][piece.box.slices()])
         self.optimizer.load_master_from_params()
 
-    @staticmethod
-    def _shape(params, name: str) -> tuple[int, ...]:
-        return next(tuple(p.shape) for p in params if p.name == name)
-
     def _resume(self) -> None:
-        found = latest_checkpoint(self.config.run_dir)
+        # Rank 0 decides, so every rank loads the same step even if a listing (S3) differs between ranks.
+        found = collectives.broadcast_json(latest_checkpoint(self.config.run_dir) if self.rank == 0 else None, 0,
+                                           self.checkpoints.group)
         if found is None:
             return
         restored = restore(found[1], self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group)
