@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import asdict
 
 import click
 
-from moeckpt.trainer.evaluate import EvalConfig, evaluate
-from moeckpt.trainer.launch import run_torchrun, under_torchrun
+from moeckpt.trainer.evaluate import EvalConfig, check_launch, evaluate
+from moeckpt.trainer.launch import LaunchFailedError, run_torchrun, under_torchrun
 
 
 @click.command("eval")
@@ -36,12 +38,15 @@ def command(ckpt, data, data_dtype, tp, ep, nproc, seq_len, batch_size, batches,
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if nproc > 1 and not under_torchrun():
-        # The workers print the loss (rank 0, as JSON); nothing to add here.
-        run_torchrun("eval", config.__dict__, nproc)
-        return
-    loss = evaluate(config)
-    import os
-
-    if os.environ.get("RANK", "0") != "0":
-        return
+        check_launch(config, nproc)
+        # Rank 0 of the workers prints {"loss": ...} as its last line of output.
+        out = run_torchrun("eval", asdict(config), nproc, capture_stdout=True) or ""
+        lines = [line for line in out.splitlines() if line.startswith('{"loss"')]
+        if not lines:
+            raise LaunchFailedError(f"the {nproc} eval workers reported no loss; their output was: {out[-500:]!r}")
+        loss = json.loads(lines[-1])["loss"]
+    else:
+        loss = evaluate(config)
+        if os.environ.get("RANK", "0") != "0":
+            return
     click.echo(json.dumps({"loss": loss}) if as_json else f"{ckpt}: mean token cross-entropy {loss:.6f} nats")

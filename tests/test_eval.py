@@ -63,3 +63,6 @@ def test_eval_bad_input(moeckpt_cli, tmp_path, run):
     assert code == 2 and "moeckpt: error" in err
     code, _, err = moeckpt_cli("eval", run[0], "--data", tmp_path / "missing.txt")
     assert code == 2 and "missing.txt" in err
+    # Checked before torchrun would start any worker.
+    code, _, err = moeckpt_cli("eval", run[0], "--data", default_text_path(), "--nproc", 3, "--tp", 3)
+    assert code == 2 and "tp=3" in err

@@ -26,7 +26,7 @@ from .optim import StatePiece
 from .parallel import build_groups, choose_layout, default_device, init_from_env
 from .resume import ResumeError, load_pieces
 
-__all__ = ["EvalConfig", "evaluate"]
+__all__ = ["EvalConfig", "check_launch", "evaluate"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +66,15 @@ class EvalConfig:
         for name in ("tp", "ep"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+
+
+def check_launch(config: EvalConfig, nproc: int) -> None:
+    """Refuse, before any process starts, a checkpoint, layout or data file that cannot work with ``nproc``."""
+    reader = CheckpointReader(config.checkpoint)
+    spec = ModelSpec.from_json(reader.index.model)
+    choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
+    seq_len = config.seq_len or int((reader.index.train_state or {}).get("seq_len", 64))
+    TokenDataset(config.data, seq_len=seq_len, dtype=config.data_dtype, vocab_size=getattr(spec.config, "vocab_size", None))
 
 
 def _param_pieces(model: torch.nn.Module, specs, layout, rank: int) -> list[StatePiece]:

@@ -49,14 +49,20 @@ def torchrun_command(job: str, config: dict[str, Any], nproc: int, *, extra: Seq
     ]
 
 
-def run_torchrun(job: str, config: dict[str, Any], nproc: int, *, timeout_s: float | None = None) -> None:
-    """Run ``job`` in ``nproc`` local workers under torchrun and wait; raises :class:`LaunchFailedError`."""
+def run_torchrun(job: str, config: dict[str, Any], nproc: int, *, timeout_s: float | None = None,
+                 capture_stdout: bool = False) -> str | None:
+    """Run ``job`` in ``nproc`` local workers under torchrun and wait; raises :class:`LaunchFailedError`.
+
+    With ``capture_stdout`` the workers' standard output is returned instead of printed (stderr passes through).
+    """
     env = dict(os.environ)
     # Workers share the host's cores: without a cap each would start one thread per core and thrash.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    proc = subprocess.run(torchrun_command(job, config, nproc), env=env, timeout=timeout_s, check=False)
+    proc = subprocess.run(torchrun_command(job, config, nproc), env=env, timeout=timeout_s, check=False,
+                          stdout=subprocess.PIPE if capture_stdout else None, text=True)
     if proc.returncode:
         raise LaunchFailedError(f"torchrun with {nproc} workers running {job} exited with code {proc.returncode}")
+    return proc.stdout if capture_stdout else None
 
 
 def worker(job: str, config: dict[str, Any]) -> Any:
