@@ -28,11 +28,15 @@ from moeckpt.formats.errors import LayoutError
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef
 
-from .executor import CACHE_BYTES, CHUNK_BYTES, PREFETCH_BYTES, ChunkReader, fill, single_threaded_torch
+from .executor import PREFETCH_BYTES, ChunkReader, fill, single_threaded_torch
 from .layout import Layout
 from .placement import model_parallel_boxes, rule_of
 from .planner import ReshardPlan, SourcePiece, plan_load
 
+#: a load reads in larger chunks than the offline executor: a box that is one whole chunk is kept without a copy.
+CHUNK_BYTES = 64 * 1024 * 1024
+#: byte budget of a loading rank's chunk cache (beyond the state it returns).
+CACHE_BYTES = 256 * 1024 * 1024
 #: threads reading ahead of a loading rank.
 READ_THREADS = 2
 #: collective loads exchange at most about this many bytes per rank per round.
