@@ -27,3 +27,16 @@ def test_resume_refuses_another_model(tmp_path):
     train(TrainConfig(run_dir=run_dir, **{**BASE, "steps": 1}))
     with pytest.raises(ResumeError, match="another config"):
         train(TrainConfig(run_dir=run_dir, **{**BASE, "model": "qwen3moe-tiny"}))
+
+
+def test_should_stop_saves_and_returns_early(tmp_path):
+    from moeckpt.trainer.train import Trainer
+
+    run_dir = str(tmp_path / "run")
+    trainer = Trainer(TrainConfig(run_dir=run_dir, **BASE))
+    try:
+        records = trainer.run(should_stop=lambda: trainer.step >= 2)
+    finally:
+        trainer.close()
+    assert [r["step"] for r in records] == [1, 2]
+    assert [s for s, _ in committed_steps(run_dir)] == [2]

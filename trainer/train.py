@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -326,8 +326,13 @@ class Trainer:
         stats = self.checkpoints.save(self.step, self.local_state(), self.train_state())
         return stats.blocked_s
 
-    def run(self) -> list[dict[str, Any]]:
-        """Train up to ``stop_at`` (or ``steps``), saving every ``save_every`` steps and at the end."""
+    def run(self, *, should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+        """Train up to ``stop_at`` (or ``steps``), saving every ``save_every`` steps and at the end.
+
+        ``should_stop`` is asked after every step; ``True`` saves and returns early (a SIGTERM handler's flag, say).
+        It must answer the same on every rank at the same step (agree with an all-reduce first), since saving is
+        collective.
+        """
         cfg = self.config
         stop = cfg.steps if cfg.stop_at is None else cfg.stop_at
         last_saved = self.step if self.resumed_from else None
@@ -347,6 +352,8 @@ class Trainer:
                 records.append(record)
                 if record["save_blocked_s"]:
                     self.metrics.flush()
+                if should_stop is not None and self.step < stop and should_stop():
+                    break
             if last_saved != self.step:
                 self.save()
             self.checkpoints.wait()
