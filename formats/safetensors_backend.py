@@ -19,7 +19,7 @@ import torch
 from . import dtypes
 from .box import Box
 from .checksum import checksum
-from .errors import DataFileError
+from .errors import DataFileError, MoeckptError
 from .index import FileEntry, TensorEntry
 from .pieces import CHECKSUM_BLOCK_BYTES, Piece, PieceRef, block_checksums, tensor_bytes, verify_blocks
 from .storage import Storage
@@ -478,7 +478,17 @@ def write_file_stream(
     sizes = [b.numel * dtypes.itemsize(tensors[t].dtype) for t, b in layout]
     written = [0] * len(layout)
 
+    failed: list[MoeckptError] = []
+
     def feed(sink) -> None:
+        try:
+            _feed(sink)
+        except MoeckptError as e:
+            # A failure of the data source (a corrupt input piece), not of the write: re-raised as itself below,
+            # outside the storage's "writing failed" wrapper.
+            failed.append(e)
+
+    def _feed(sink) -> None:
         for pos, data in chunks:
             mv = memoryview(data).cast("B")
             written[pos] += len(mv)
@@ -501,20 +511,24 @@ def write_file_stream(
         with storage.open_write(relpath) as f:
             f.seek(head_len)
             feed(f)
-            head = final_header()
-            f.seek(0)
-            f.write(head)
+            if not failed:
+                head = final_header()
+                f.seek(0)
+                f.write(head)
     else:
         import shutil
         import tempfile
 
         with tempfile.TemporaryFile() as spool:
             feed(spool)
-            head = final_header()
-            spool.seek(0)
-            with storage.open_write(relpath) as f:
-                f.write(head)
-                shutil.copyfileobj(spool, f, 16 * 1024 * 1024)
+            if not failed:
+                head = final_header()
+                spool.seek(0)
+                with storage.open_write(relpath) as f:
+                    f.write(head)
+                    shutil.copyfileobj(spool, f, 16 * 1024 * 1024)
+    if failed:
+        raise failed[0]
     return FileEntry(path=relpath, size=head_len + sum(sizes), checksum=checksum(head))
 
 

@@ -359,6 +359,22 @@ def reshard(
     chunks = ChunkReader(reader, by_key, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=readers)
     new_index = replace(index, backend=fmt, layout=target.to_json(), files={})
     storage = begin_save(dst, overwrite=overwrite)
+    try:
+        new_index = _write_all(
+            index, plan, chunks, storage, out_backend, fmt, target, new_index, workers, slab_bytes, on_bytes, readers
+        )
+    except BaseException:
+        # Leave nothing behind that looks like a save in progress: the staging data of a failed reshard goes.
+        if storage.is_local:
+            storage.remove()
+        raise
+    commit(dst, new_index)
+    # _write_all checked that every byte of the state was written exactly once.
+    return ReshardResult(new_index, plan, chunks.bytes_read, index.nbytes, time.perf_counter() - started)
+
+
+def _write_all(index, plan, chunks, storage, out_backend, fmt, target, new_index, workers, slab_bytes, on_bytes, readers):
+    """Write every target writer's file (``workers`` at a time) and return the index to commit."""
     out_backend.prepare(
         storage,
         index.tensors,
@@ -407,6 +423,6 @@ def reshard(
     with single_threaded_torch(), readers, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         entries = [e for es in pool.map(write_writer, plan.ranks) for e in es]
     entries = out_backend.finish(storage, entries, index.tensors)
-    new_index = replace(new_index, files={e.path: e for e in entries})
-    commit(dst, new_index)
-    return ReshardResult(new_index, plan, chunks.bytes_read, written[0], time.perf_counter() - started)
+    if written[0] != index.nbytes:
+        raise CheckpointIndexError(f"reshard wrote {written[0]} bytes of {index.nbytes}: the plan is incomplete")
+    return replace(new_index, files={e.path: e for e in entries})

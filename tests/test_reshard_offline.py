@@ -133,3 +133,20 @@ def test_streaming_writer_to_object_store(tmp_path, dst_kind):
     assert verify(reader) == []
     for name, full in values.items():
         assert torch.equal(reader.read_tensor(name), full), name
+
+
+def test_corrupt_or_missing_source_fails_cleanly(tmp_path, moeckpt_cli):
+    spec = presets()["zaya-tiny"]
+    save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))
+    victim = tmp_path / "a" / "rank-00002.safetensors"
+    raw = bytearray(victim.read_bytes())
+    raw[-100] ^= 0xFF  # one flipped bit pattern inside the data, the header intact
+    victim.write_bytes(bytes(raw))
+    code, _, err = moeckpt_cli("reshard", tmp_path / "a", tmp_path / "out", "--tp", 1)
+    assert code == 1 and "rank-00002.safetensors" in err and "checksum mismatch" in err
+    assert len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # no output, no staging directory left
+    victim.unlink()
+    code, _, err = moeckpt_cli("reshard", tmp_path / "a", tmp_path / "out", "--tp", 1)
+    assert code == 2 and "rank-00002.safetensors" in err and "missing" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"]
