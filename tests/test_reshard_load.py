@@ -111,3 +111,16 @@ def test_collective_load_reads_the_checkpoint_about_once(tmp_path):
     assert together <= 1.05 * total  # storage read once, whatever the number of replicas
     assert alone > 1.5 * total  # each rank alone re-reads the replicated parameters
     assert sum(r["needed"] for r in results) > total
+
+
+def test_load_from_zarr_source(tmp_path):
+    spec = presets()["qwen3moe-tiny"]
+    _, values = save_model(str(tmp_path / "z"), spec, Layout(tp=1, ep=2, dp=2), backend="zarr")
+    target = Layout(tp=2, ep=1, dp=2)
+    for rank in range(target.world):
+        stats = LoadStats()
+        state = load_rank_state(str(tmp_path / "z"), target, rank, stats=stats)
+        assert stats.bytes_read >= stats.bytes_needed > 0
+        for name, boxes in state.items():
+            for box, t in boxes:
+                assert torch.equal(t, values[name][box.slices()]), (name, rank)
