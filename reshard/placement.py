@@ -78,8 +78,22 @@ def zero_part(boxes: list[Box], concat_dim: int | None, parts: int, part: int) -
     return out
 
 
+_RANK_CACHE: dict[tuple, tuple[Box, ...]] = {}
+
+
 def rank_boxes(entry: TensorEntry, layout: Layout, rank: int) -> list[Box]:
     """Every box of ``entry`` that ``rank`` holds in ``layout`` (its local tensor, as boxes)."""
+    # Same-structure tensors (one parameter in every layer) hold the same boxes: computed once, shared.
+    key = (entry.shape, entry.role in ZERO_ROLES, json.dumps(entry.sharding, sort_keys=True), layout, rank)
+    found = _RANK_CACHE.get(key)
+    if found is None:
+        if len(_RANK_CACHE) > 200_000:
+            _RANK_CACHE.clear()
+        found = _RANK_CACHE[key] = tuple(_rank_boxes(entry, layout, rank))
+    return list(found)
+
+
+def _rank_boxes(entry: TensorEntry, layout: Layout, rank: int) -> list[Box]:
     c = layout.coords(rank)
     rule = rule_of(entry)
     boxes = model_parallel_boxes(entry, layout, c.tp_rank, c.ep_rank)
