@@ -32,8 +32,15 @@ from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, train
 @click.option("--sync-save", is_flag=True, help="persist checkpoints in the training thread (default: background)")
 @click.option("--keep-last", type=click.IntRange(min=1), default=3, show_default=True, help="checkpoints kept")
 @click.option("--cpu", is_flag=True, help="run on the CPU even when a GPU is visible")
+@click.option("--inject", multiple=True, metavar="FAULT",
+              help="inject a fault (repeatable): kill|hang|nan|kill-during-save|corrupt-file:rank=R,step=S[,signal=TERM]")
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=0, show_default=True,
+              help="end a worker whose step makes no progress for this many seconds (0: off)")
+@click.option("--max-nan-rollbacks", type=click.IntRange(min=0), default=3, show_default=True,
+              help="NaN/Inf loss: roll back to the last checkpoint and skip the batches since, this many times")
 def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, save_every, fmt, seed, global_batch, seq_len,
-            lr, warmup_steps, weight_decay, max_grad_norm, dtype, sync_save, keep_last, cpu) -> None:
+            lr, warmup_steps, weight_decay, max_grad_norm, dtype, sync_save, keep_last, cpu, inject, hang_timeout,
+            max_nan_rollbacks) -> None:
     """Train MODEL in layout (tp, ep, dp = nproc / tp), resuming from the newest checkpoint in RUN_DIR.
 
     Metrics (step, loss, lr, grad_norm, tokens_per_s, save_blocked_s) go to RUN_DIR/metrics.jsonl.
@@ -44,6 +51,7 @@ def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, sav
             stop_at=stop_at, save_every=save_every, format=fmt, seed=seed, global_batch=global_batch,
             seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, dtype=dtype, async_save=not sync_save, keep_last=keep_last, cpu=cpu,
+            inject=tuple(inject), hang_timeout_s=hang_timeout, max_nan_rollbacks=max_nan_rollbacks,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
@@ -55,6 +63,7 @@ def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, sav
         records = train(config)
         if not _is_rank0():
             return
+    records = [r for r in records if "loss" in r]  # events (a NaN rollback) carry no loss
     if records:
         last = records[-1]
         click.echo(f"{model}: step {last['step']}/{steps}, loss {last['loss']:.4f}; checkpoints in {run_dir}")

@@ -26,11 +26,15 @@ import torch.distributed as dist
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.retention import RetentionPolicy
+from moeckpt.formats.storage import is_url
 from moeckpt.reshard.local import join_local
 from moeckpt.reshard.tensors import logical_tensors
 
 from . import collectives
 from .checkpointing import CheckpointManager
+from .faults import FaultInjector, parse_fault
+from .preemption import PreemptionFlag
+from .watchdog import Watchdog
 from .data import BatchLoader, TokenDataset, default_text_path
 from .distributed import build_parallel_model
 from .init_values import initial_value
@@ -104,6 +108,12 @@ class TrainConfig:
     backend: str | None = None
     #: force the CPU even when a GPU is visible.
     cpu: bool = False
+    #: injected faults for tests and the demo, e.g. ``("kill:rank=1,step=12",)`` (see ``trainer/faults.py``).
+    inject: tuple[str, ...] = ()
+    #: end a worker whose step makes no progress for this many seconds, with a report (0: no watchdog).
+    hang_timeout_s: float = 0.0
+    #: NaN/Inf loss: roll back to the last checkpoint and skip the batches since, at most this many times.
+    max_nan_rollbacks: int = 3
 
     def __post_init__(self) -> None:
         if type(self.steps) is not int or self.steps < 1:
@@ -118,6 +128,10 @@ class TrainConfig:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
+        for spec in self.inject:
+            parse_fault(spec)
+        if self.hang_timeout_s < 0 or self.max_nan_rollbacks < 0:
+            raise ValueError("hang_timeout_s and max_nan_rollbacks must be >= 0")
         for name in ("tp", "ep", "global_batch", "seq_len", "keep_last"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
@@ -132,6 +146,8 @@ class TrainConfig:
         unknown = set(value) - known
         if unknown:
             raise ValueError(f"train config has unknown fields {sorted(unknown)}")
+        value = dict(value)
+        value["inject"] = tuple(value.get("inject", ()))  # JSON has lists
         return cls(**value)
 
 
@@ -203,8 +219,10 @@ class Trainer:
             backend=config.format,
             retention=RetentionPolicy(keep_last=config.keep_last),
             async_save=config.async_save,
+            faults=self._faults(config),
         )
         self.metrics = MetricsLog(config.run_dir, enabled=self.rank == 0)
+        self.nan_rollbacks = 0
         self.step = 0
         self.resumed_from: str | None = None
         self._resume()
@@ -294,11 +312,17 @@ class Trainer:
             value /= self.groups.layout.dp
         return float(value)
 
+    def _faults(self, config: TrainConfig) -> FaultInjector:
+        marker_dir = None if is_url(config.run_dir) else config.run_dir
+        return FaultInjector([parse_fault(f) for f in config.inject], rank=self.rank, marker_dir=marker_dir)
+
     def train_step(self) -> dict[str, Any]:
         """One optimizer step; returns its metrics record."""
         t0 = time.perf_counter()
+        faults = self.checkpoints.faults
+        faults.before_step(self.step + 1)
         inputs, targets = self.loader.next()
-        loss = self.loss(inputs, targets)
+        loss = faults.loss(self.step + 1, self.loss(inputs, targets))
         loss.backward()
         lr = self.schedule.next()
         grad_norm = self.optimizer.step(lr)
@@ -337,14 +361,18 @@ class Trainer:
         stop = cfg.steps if cfg.stop_at is None else cfg.stop_at
         last_saved = self.step if self.resumed_from else None
         records = []
+        watchdog = None
+        if cfg.hang_timeout_s:
+            report = None if is_url(cfg.run_dir) else os.path.join(cfg.run_dir, f"hang-rank{self.rank}.txt")
+            watchdog = Watchdog(cfg.hang_timeout_s, report_path=report).start()
         try:
             while self.step < stop:
                 record = self.train_step()
+                if watchdog is not None:
+                    watchdog.beat(f"step {self.step}")
                 if not math.isfinite(record["loss"]):
-                    raise NonFiniteLossError(
-                        f"step {self.step}: loss is {record['loss']}; lower --lr or check the data. The last "
-                        f"checkpoint in {cfg.run_dir} is intact"
-                    )
+                    self.roll_back(record["loss"])
+                    continue
                 if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == stop:
                     record["save_blocked_s"] = self.save()
                     last_saved = self.step
@@ -358,8 +386,36 @@ class Trainer:
                 self.save()
             self.checkpoints.wait()
         finally:
+            if watchdog is not None:
+                watchdog.stop()
             self.metrics.flush()
         return records
+
+    def roll_back(self, loss: float) -> None:
+        """NaN/Inf loss: reload the last checkpoint but keep the data position, so the batches since it are
+        skipped (a bad batch window is the usual cause); stop with a report after ``max_nan_rollbacks`` tries."""
+        cfg = self.config
+        self.nan_rollbacks += 1
+        self.checkpoints.wait()
+        found = collectives.broadcast_json(latest_checkpoint(cfg.run_dir) if self.rank == 0 else None, 0,
+                                           self.checkpoints.group)
+        if found is None or self.nan_rollbacks > cfg.max_nan_rollbacks:
+            why = "no checkpoint to roll back to" if found is None else f"{cfg.max_nan_rollbacks} rollbacks did not help"
+            raise NonFiniteLossError(
+                f"step {self.step}: loss is {loss} and {why}; lower --lr or check the data near sample "
+                f"{self.loader.consumed_samples}. The checkpoints in {cfg.run_dir} are intact"
+            )
+        position = self.loader.state_dict()
+        restored = restore(found[1], self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group)
+        self.step = int(restored.train_state.get("step", restored.step))
+        self.schedule.steps = int(restored.train_state.get("schedule", {}).get("steps", self.step))
+        self.loader.load_state_dict(position)  # skip the window: continue after the bad batch
+        if self.rank == 0:
+            print(f"moeckpt: loss {loss} at step {self.step}: rolled back to {found[1]} (step {self.step}), "
+                  f"skipping to sample {self.loader.consumed_samples} (rollback {self.nan_rollbacks} of "
+                  f"{cfg.max_nan_rollbacks})", file=sys.stderr, flush=True)
+        self.metrics.write({"step": self.step, "event": "nan_rollback", "bad_loss": str(loss),
+                            "consumed_samples": self.loader.consumed_samples})
 
     def close(self) -> None:
         self.checkpoints.close()
@@ -369,7 +425,11 @@ def train(config: TrainConfig) -> list[dict[str, Any]]:
     """Run (or continue) training on this rank; every rank of the world calls it. Returns this rank's records."""
     device = setup_world(config)
     trainer = Trainer(config, device=device)
+    preempted = PreemptionFlag()  # SIGTERM: save at the next step boundary, then exit 0
+    # Its own CPU group: the checkpoint group is busy with background saves, and the training group may be NCCL.
+    control = dist.new_group(backend="gloo") if dist.is_initialized() else None
     try:
-        return trainer.run()
+        return trainer.run(should_stop=lambda: preempted.agreed(control))
     finally:
+        preempted.restore()
         trainer.close()
