@@ -480,15 +480,16 @@ def write_file_stream(
 
     failed: list[MoeckptError] = []
 
-    def feed(sink) -> None:
+    def feed(sink, writeback: bool) -> None:
         try:
-            _feed(sink)
+            _feed(sink, _writeback_fd(sink) if writeback else None)
         except MoeckptError as e:
             # A failure of the data source (a corrupt input piece), not of the write: re-raised as itself below,
             # outside the storage's "writing failed" wrapper.
             failed.append(e)
 
-    def _feed(sink) -> None:
+    def _feed(sink, fd: int | None) -> None:
+        pending = 0
         for pos, data in chunks:
             mv = memoryview(data).cast("B")
             written[pos] += len(mv)
@@ -496,6 +497,12 @@ def write_file_stream(
                 raise ValueError(f"{relpath}: piece {layout[pos][0]!r} {layout[pos][1].to_json()} got too many bytes")
             hashers[pos].update(mv)
             sink.write(mv)
+            pending += len(mv)
+            if fd is not None and pending >= _WRITEBACK_BYTES:
+                # Start writing back what is written so far, so the final fsync waits for the tail only.
+                sink.flush()
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                pending = 0
         for pos, (t, b) in enumerate(layout):
             if written[pos] != sizes[pos]:
                 raise ValueError(f"{relpath}: piece {t!r} {b.to_json()} got {written[pos]} of {sizes[pos]} bytes")
@@ -510,7 +517,7 @@ def write_file_stream(
     if storage.is_local:
         with storage.open_write(relpath) as f:
             f.seek(head_len)
-            feed(f)
+            feed(f, writeback=True)
             if not failed:
                 head = final_header()
                 f.seek(0)
@@ -520,7 +527,7 @@ def write_file_stream(
         import tempfile
 
         with tempfile.TemporaryFile() as spool:
-            feed(spool)
+            feed(spool, writeback=False)  # the spool is read back right away: keep it cached
             if not failed:
                 head = final_header()
                 spool.seek(0)
@@ -530,6 +537,20 @@ def write_file_stream(
     if failed:
         raise failed[0]
     return FileEntry(path=relpath, size=head_len + sum(sizes), checksum=checksum(head))
+
+
+#: a streamed local file starts writeback every this many bytes.
+_WRITEBACK_BYTES = 64 * 1024 * 1024
+
+
+def _writeback_fd(sink) -> int | None:
+    """The descriptor of a local file to start writeback on, or None (platforms without fadvise)."""
+    if not hasattr(os, "posix_fadvise") or not hasattr(sink, "fileno"):
+        return None
+    try:
+        return sink.fileno()
+    except (OSError, ValueError):
+        return None
 
 
 def _blocks(box: Box, entry: TensorEntry) -> int:
