@@ -18,7 +18,7 @@ def test_train_nproc2_then_resume_in_another_layout(tmp_path, moeckpt_cli):
     proc = subprocess.run(
         [sys.executable, "-m", "moeckpt.cli.main", "train", *ARGS, "--run-dir", str(run_dir), "--nproc", "2",
          "--ep", "2", "--stop-at", "4", "--save-every", "2", "--format", "zarr"],
-        capture_output=True, text=True, env=env, timeout=180,
+        capture_output=True, text=True, env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 4/6" in proc.stdout
