@@ -41,5 +41,7 @@ def test_train_bad_input(tmp_path, moeckpt_cli):
     assert code == 2 and "no-such-model" in err
     code, _, err = moeckpt_cli("train", *ARGS, "--run-dir", tmp_path / "r", "--tp", "3", "--nproc", "3")
     assert code == 2 and "tp=3" in err
+    code, _, err = moeckpt_cli("train", *ARGS, "--run-dir", tmp_path / "r", "--nproc", "8")
+    assert code == 2 and "global_batch=4" in err
     code, _, err = moeckpt_cli("train", *ARGS, "--run-dir", tmp_path / "r", "--stop-at", "9")
     assert code == 2 and "stop_at" in err

@@ -35,7 +35,7 @@ from .checkpointing import CheckpointManager
 from .faults import FaultInjector, parse_fault
 from .preemption import PreemptionFlag
 from .watchdog import Watchdog
-from .data import BatchLoader, TokenDataset, default_text_path
+from .data import BatchLoader, DataError, TokenDataset, default_text_path
 from .distributed import build_parallel_model
 from .init_values import initial_value
 from .metrics import MetricsLog
@@ -155,7 +155,12 @@ def check_launch(config: TrainConfig, nproc: int) -> None:
     """Refuse, before any process starts, a model, layout or data file that cannot work with ``nproc`` processes
     (each worker would otherwise fail alone, behind torchrun's generic exit code)."""
     spec = resolve_model(config.model)
-    choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
+    layout = choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
+    if config.global_batch % layout.dp:
+        raise DataError(
+            f"global_batch={config.global_batch} is not divisible by dp = nproc / tp = {layout.dp}: every "
+            "data-parallel rank must read the same number of samples"
+        )
     TokenDataset(config.data or default_text_path(), seq_len=config.seq_len, dtype=config.data_dtype,
                  vocab_size=getattr(spec.config, "vocab_size", None))
 
@@ -263,6 +268,16 @@ class Trainer:
         self.schedule.steps = int(state.get("schedule", {}).get("steps", self.step))
         self.resumed_from = restored.location
         self.resume_stats = restored.stats
+        everyone = collectives.all_gather_json(
+            [restored.stats.bytes_read, restored.stats.bytes_needed, restored.stats.seconds], self.checkpoints.group
+        )
+        self.metrics.write({
+            "event": "resume", "step": self.step, "from_layout": restored.source_layout,
+            "to_layout": self.groups.layout.to_json(),
+            # storage reads of all ranks against the bytes the new layout holds (replicas counted once per rank)
+            "bytes_read": sum(r[0] for r in everyone), "bytes_needed": sum(r[1] for r in everyone),
+            "seconds": max(r[2] for r in everyone),
+        })
         if self.rank == 0:
             st = restored.stats
             print(
