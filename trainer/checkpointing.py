@@ -26,8 +26,8 @@ from moeckpt.formats.pieces import Piece
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
 from moeckpt.formats.storage import Storage, join
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.local import split_local
-from moeckpt.reshard.placement import placements
+from moeckpt.reshard.local import concat_dim, local_shape
+from moeckpt.reshard.placement import placements, rank_boxes
 
 from . import collectives
 from .faults import FaultInjector
@@ -87,9 +87,16 @@ class CheckpointManager:
         # A separate gloo group: the background thread's coordination never interleaves with training collectives
         # (which may be NCCL/RCCL on GPUs).
         self.group = dist.new_group(backend="gloo") if collectives.is_distributed() else None
-        self._writes = {
-            name: {p.box for p in placements(e, layout) if p.writer == self.rank} for name, e in tensors.items()
-        }
+        # Which views of each local tensor this rank writes, computed once: a save then only slices and copies.
+        self._plan: dict[str, tuple[tuple[int, ...], list[tuple[Box, int, int, int]]]] = {}
+        for name, e in tensors.items():
+            wanted = {p.box for p in placements(e, layout) if p.writer == self.rank}
+            dim, start, views = concat_dim(e), 0, []
+            for box in rank_boxes(e, layout, self.rank):
+                if box in wanted:
+                    views.append((box, dim, start, box.shape[dim] if box.ndim else 0))
+                start += box.shape[dim] if box.ndim else 0
+            self._plan[name] = (local_shape(e, layout, self.rank), views)
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
         self._inflight: _InFlight | None = None
         self.history: list[SaveStats] = []
@@ -138,13 +145,15 @@ class CheckpointManager:
             raise MoeckptError(f"save: the state lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         pieces = []
         copies = []
-        for name, entry in self.tensors.items():
-            wanted = self._writes[name]
-            if not wanted:
-                continue
-            for box, view in split_local(entry, self.layout, self.rank, local_state[name].detach()):
-                if box not in wanted:
-                    continue
+        for name, (shape, views) in self._plan.items():
+            local = local_state[name].detach()
+            if tuple(local.shape) != shape:
+                raise MoeckptError(
+                    f"save: {name}: rank {self.rank} holds a local tensor of shape {tuple(local.shape)}, "
+                    f"layout {self.layout} expects {shape}"
+                )
+            for box, dim, start, length in views:
+                view = local.narrow(dim, start, length) if box.ndim else local
                 buf = self._buffers.get((name, box))
                 if buf is None:
                     pin = view.device.type != "cpu" and torch.cuda.is_available()
