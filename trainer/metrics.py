@@ -53,9 +53,13 @@ class MetricsLog:
             self._storage.write_bytes(METRICS_FILE, ("\n".join(self._lines) + "\n").encode())
 
 
-def read_metrics(run_dir: str) -> list[dict[str, Any]]:
-    """Every record of a run's metrics file (local or URL), in order; the last record of a step wins on reruns."""
+def read_metrics(run_dir: str, *, events: bool = False) -> list[dict[str, Any]]:
+    """The step records of a run's metrics file (local or URL), in order; the last record of a step wins on reruns.
+
+    With ``events=True`` also the event records (``{"event": "resume" | "nan_rollback", ...}``) between them.
+    """
     storage = Storage(run_dir)
     if not storage.exists(METRICS_FILE):
         return []
-    return [json.loads(line) for line in storage.read_bytes(METRICS_FILE).decode().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in storage.read_bytes(METRICS_FILE).decode().splitlines() if line.strip()]
+    return rows if events else [r for r in rows if "event" not in r]

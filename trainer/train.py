@@ -272,10 +272,11 @@ class Trainer:
             [restored.stats.bytes_read, restored.stats.bytes_needed, restored.stats.seconds], self.checkpoints.group
         )
         self.metrics.write({
-            "event": "resume", "step": self.step, "from_layout": restored.source_layout,
+            "event": "resume", "step": self.step, "from_layout": restored.source_layout.to_json(),
             "to_layout": self.groups.layout.to_json(),
             # storage reads of all ranks against the bytes the new layout holds (replicas counted once per rank)
             "bytes_read": sum(r[0] for r in everyone), "bytes_needed": sum(r[1] for r in everyone),
+            "state_bytes": sum(e.nbytes for e in self.tensors.values()), "time": time.time(),
             "seconds": max(r[2] for r in everyone),
         })
         if self.rank == 0:
@@ -357,6 +358,7 @@ class Trainer:
             "tokens_per_s": tokens / dt,
             "save_blocked_s": 0.0,
             "world": self.groups.layout.world,
+            "time": time.time(),
             "layout": self.groups.layout.to_json(),
         }
 
