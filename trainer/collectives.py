@@ -1,7 +1,8 @@
-"""Small collectives for coordination: JSON values over a process group, without pickle.
+"""Small collectives for coordination: JSON values over a process group.
 
-``torch.distributed.all_gather_object`` pickles; a checkpoint layer that promises no pickle anywhere must not
-unpickle what another process sent. These helpers send UTF-8 JSON in uint8 tensors over a (gloo) group.
+``torch.distributed.all_gather_object`` serialises arbitrary Python objects, and reading them back can run code;
+a checkpoint layer that promises data-only formats must not do that with what another process sent. These
+helpers send UTF-8 JSON in uint8 tensors over a (gloo) group.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 torchrun's elastic agent gives every worker ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` (c10d rendezvous),
 and each worker runs :func:`moeckpt.trainer.train.train` with the same config. Multi-node runs call torchrun
 directly with the same module and arguments (``--nnodes``, ``--rdzv-endpoint`` ...): there is no launcher protocol
-of our own. The config travels as JSON on the command line, never pickled.
+of our own. The config travels as JSON on the command line, never as serialised Python objects.
 """
 
 from __future__ import annotations
