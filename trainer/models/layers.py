@@ -343,6 +343,35 @@ def init_from_plan(module: nn.Module, specs, *, std: float, generator: torch.Gen
                 t.normal_(0.0, std, generator=generator)
 
 
+class CausalLM(nn.Module):
+    """A decoder body (``self.model``) and its vocabulary-parallel head, tied to the embedding or separate.
+
+    Every architecture's ``*ForCausalLM`` is this with its own body: ``forward(input_ids)`` gives logits (this rank's
+    vocabulary slice under TP), ``loss`` the mean next-token cross-entropy.
+    """
+
+    def __init__(self, cfg, body: nn.Module, shard: Shard, comm: Collectives) -> None:
+        super().__init__()
+        self.config = cfg
+        self.shard = shard
+        self.comm = comm
+        self.model = body
+        # Tied embeddings (ZAYA1's default) have no separate head tensor in the state dict.
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, body.embed_tokens.weight.shape[0])
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return vocab_logits(self.model(input_ids), self.head_weight, self.comm)
+
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean next-token cross-entropy; ``targets`` default to ``input_ids`` shifted left."""
+        targets = next_token_targets(input_ids) if targets is None else targets
+        return cross_entropy(self(input_ids), targets, vocab_start=self.model.embed_tokens.vocab_start, comm=self.comm)
+
+
 def build_model(spec, shard: Shard = Shard(), comm: Collectives = SINGLE_PROCESS) -> nn.Module:
     """The training module of a :class:`~moeckpt.trainer.models.ModelSpec` holding ``shard``, freshly initialised.
 

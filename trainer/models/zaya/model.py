@@ -14,6 +14,7 @@ from torch import nn
 
 from ..layers import (
     SINGLE_PROCESS,
+    CausalLM,
     Collectives,
     Experts,
     Linear,
@@ -22,12 +23,9 @@ from ..layers import (
     VocabEmbedding,
     apply_rotary,
     causal_attention,
-    cross_entropy,
     empty_param,
     init_from_plan,
-    next_token_targets,
     rotary_cos_sin,
-    vocab_logits,
 )
 from .config import ZayaConfig
 from .plan import param_specs
@@ -232,29 +230,11 @@ class ZayaModel(nn.Module):
         return self.norm(h.to(self.norm.weight.dtype))
 
 
-class ZayaForCausalLM(nn.Module):
+class ZayaForCausalLM(CausalLM):
     """ZAYA1 language model: ``forward(input_ids) -> logits`` (this rank's vocabulary slice with TP)."""
 
     def __init__(self, cfg: ZayaConfig, shard: Shard = Shard(), comm: Collectives = SINGLE_PROCESS) -> None:
-        super().__init__()
-        self.config = cfg
-        self.shard = shard
-        self.comm = comm
-        self.model = ZayaModel(cfg, shard, comm)
-        # Tied embeddings (ZAYA1's default) have no separate head tensor in the state dict.
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, self.model.embed_tokens.weight.shape[0])
-
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return vocab_logits(self.model(input_ids), self.head_weight, self.comm)
-
-    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean next-token cross-entropy; ``targets`` default to ``input_ids`` shifted left."""
-        targets = next_token_targets(input_ids) if targets is None else targets
-        return cross_entropy(self(input_ids), targets, vocab_start=self.model.embed_tokens.vocab_start, comm=self.comm)
+        super().__init__(cfg, ZayaModel(cfg, shard, comm), shard, comm)
 
     def init_weights(self, generator: torch.Generator | None = None) -> None:
         """Fill parameters as the plan says (normal with the config's std, ones, zeros); balancing biases favour
