@@ -22,7 +22,7 @@ from typing import Callable
 
 import click
 
-from moeckpt.formats.checkpoint import CheckpointReader, committed_steps, verify
+from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
 from moeckpt.formats.errors import MoeckptError
 
 TRAIN = ["--model", "zaya-tiny", "--steps", "30", "--save-every", "5", "--global-batch", "8", "--seq-len", "64",
