@@ -59,7 +59,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()).cast("B")
+    # Flatten before the dtype view: viewing a 0-d tensor as another element size is refused by torch.
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def block_checksums(data: memoryview | bytes | bytearray, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> list[str]:
