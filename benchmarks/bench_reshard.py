@@ -39,10 +39,11 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.index import TensorEntry
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
-from moeckpt.reshard.placement import ZERO_ROLES, rule_of
 from moeckpt.reshard.save import save_full_tensors
 from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.models import ModelSpec, presets
+
+from dcp_state import dcp_state  # benchmarks/ is on sys.path when a script here runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -95,33 +96,6 @@ def dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(path) for n in ns)
 
 
-# -- DCP ------------------------------------------------------------------------------------------------------------
-def dcp_state(tensors: dict[str, TensorEntry], layout: Layout, fill: bool):
-    """Every logical tensor as a DTensor on an (edp, ep, tp) mesh, placed as moeckpt's layout places it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh = init_device_mesh("cpu", (layout.edp, layout.ep, layout.tp), mesh_dim_names=("edp", "ep", "tp"))
-    g = torch.Generator().manual_seed(dist.get_rank())
-    out = {}
-    for entry in tensors.values():
-        rule = rule_of(entry)
-        zero = entry.role in ZERO_ROLES and len(entry.shape) > 0
-        tp = Shard(rule.tp.dim) if rule.tp is not None else Replicate()
-        if rule.expert_dim is not None:
-            place = [Shard(0) if zero else Replicate(), Shard(rule.expert_dim), tp]
-        else:
-            place = [Shard(0) if zero else Replicate(), Shard(0) if zero else Replicate(), tp]
-        shape, _ = compute_local_shape_and_global_offset(entry.shape, mesh, place)
-        dtype = dtypes.to_torch(entry.dtype)
-        local = torch.randn(shape, generator=g).to(dtype) if fill else torch.empty(shape, dtype=dtype)
-        stride = torch.empty(entry.shape, device="meta").stride()
-        out[entry.name] = DTensor.from_local(local, mesh, place, run_check=False, shape=torch.Size(entry.shape),
-                                             stride=stride)
-    return out
-
-
 # -- workers --------------------------------------------------------------------------------------------------------
 def _init(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -133,7 +107,8 @@ def dcp_save_worker(rank: int, world: int, port: int, gb: float, layout: dict, p
     import torch.distributed.checkpoint as dcp
 
     _init(rank, world, port)
-    state = dcp_state(state_tensors(scaled_model(gb)), Layout(**layout), fill=True)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    state = dcp_state(state_tensors(scaled_model(gb)), Layout(**layout), generator)
     dcp.save(state, checkpoint_id=path)
     dist.barrier()
     dist.destroy_process_group()
@@ -155,7 +130,7 @@ def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: 
         t0 = time.perf_counter()
         stats = LoadStats()
         if method == "dcp":
-            state = dcp_state(tensors, target, fill=False)
+            state = dcp_state(tensors, target, None)
             dcp.load(state, checkpoint_id=dcp_path)
             needed = sum(v.to_local().numel() * v.to_local().element_size() for v in state.values())
         else:

@@ -49,9 +49,11 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index, TensorEntry
 from moeckpt.formats.pieces import Piece
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.placement import ZERO_ROLES, pieces_written_by, rank_boxes, rule_of
+from moeckpt.reshard.placement import pieces_written_by, rank_boxes, rule_of
 from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.models import ModelSpec, presets
+
+from dcp_state import dcp_state  # benchmarks/ is on sys.path when a script here runs
 
 METHODS = ("moeckpt", "dcp", "raw")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -167,32 +169,6 @@ def save_raw(path: str, rank: int, local, pieces, whole) -> None:
         os.fsync(f.fileno())
 
 
-def dcp_state(tensors: dict[str, TensorEntry], layout: Layout, rank: int, seed: int):
-    """The same logical tensors as DTensors on a (edp, ep, tp) mesh: rank order matches ``Layout.coords``."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    mesh = init_device_mesh("cpu", (layout.edp, layout.ep, layout.tp), mesh_dim_names=("edp", "ep", "tp"))
-    g = torch.Generator().manual_seed(seed * 1000 + 500 + rank)
-    out = {}
-    for entry in tensors.values():
-        rule = rule_of(entry)
-        zero = entry.role in ZERO_ROLES and len(entry.shape) > 0
-        tp = Shard(rule.tp.dim) if rule.tp is not None else Replicate()
-        if rule.expert_dim is not None:
-            placements = [Shard(0) if zero else Replicate(), Shard(rule.expert_dim), tp]
-        else:
-            placements = [Shard(0) if zero else Replicate(), Shard(0) if zero else Replicate(), tp]
-        local_shape, _ = compute_local_shape_and_global_offset(entry.shape, mesh, placements)
-        local = torch.randn(local_shape, generator=g).to(dtypes.to_torch(entry.dtype))
-        stride = torch.empty(entry.shape, device="meta").stride()
-        out[entry.name] = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=torch.Size(entry.shape), stride=stride
-        )
-    return out
-
-
 def save_dcp(path: str, state) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -232,7 +208,8 @@ def worker(rank: int, args, port: int, result_path: str) -> None:
     model = scaled_model(args.gb)
     tensors = state_tensors(model)
     local, pieces, whole = local_state(tensors, layout, rank, args.seed)
-    dcp_sd = dcp_state(tensors, layout, rank, args.seed) if "dcp" in args.methods else None
+    dcp_gen = torch.Generator().manual_seed(args.seed * 1000 + 500 + rank)
+    dcp_sd = dcp_state(tensors, layout, dcp_gen) if "dcp" in args.methods else None
     my_bytes = sum(p.data.numel() * p.data.element_size() for p in pieces)
     dist.barrier()
 
