@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from moeckpt.trainer.launch import run_torchrun, under_torchrun
+from moeckpt.trainer.launch import Elastic, run_torchrun, under_torchrun
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, train
 
@@ -33,15 +33,28 @@ from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, train
 @click.option("--keep-last", type=click.IntRange(min=1), default=3, show_default=True, help="checkpoints kept")
 @click.option("--cpu", is_flag=True, help="run on the CPU even when a GPU is visible")
 @click.option("--inject", multiple=True, metavar="FAULT",
-              help="inject a fault (repeatable): kill|hang|nan|kill-during-save|corrupt-file:rank=R,step=S[,signal=TERM]")
+              help="inject a fault (repeatable): kill|hang|nan|kill-during-save|corrupt-file|slow:rank=R,step=S"
+                   "[,signal=TERM][,seconds=X]")
 @click.option("--hang-timeout", type=click.FloatRange(min=0), default=0, show_default=True,
               help="end a worker whose step makes no progress for this many seconds (0: off)")
 @click.option("--max-nan-rollbacks", type=click.IntRange(min=0), default=3, show_default=True,
               help="NaN/Inf loss: roll back to the last checkpoint and skip the batches since, this many times")
+@click.option("--nnodes", default=None, metavar="MIN:MAX",
+              help="elastic run: this node is one of MIN..MAX nodes (torchrun elastic agent, c10d rendezvous)")
+@click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+              help="elastic run: the rendezvous, the same on every node; the node on HOST keeps its store")
+@click.option("--rdzv-id", default="moeckpt", show_default=True, help="elastic run: the job's rendezvous id")
+@click.option("--rdzv-conf", default="", help="elastic run: torchrun --rdzv-conf, e.g. last_call_timeout=5")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
+              help="elastic run: how often this node's agent restarts its workers (each node loss or join is one)")
 def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, save_every, fmt, seed, global_batch, seq_len,
             lr, warmup_steps, weight_decay, max_grad_norm, dtype, sync_save, keep_last, cpu, inject, hang_timeout,
-            max_nan_rollbacks) -> None:
-    """Train MODEL in layout (tp, ep, dp = nproc / tp), resuming from the newest checkpoint in RUN_DIR.
+            max_nan_rollbacks, nnodes, rdzv_endpoint, rdzv_id, rdzv_conf, max_restarts) -> None:
+    """Train MODEL in layout (tp, ep, dp = world / tp), resuming from the newest checkpoint in RUN_DIR.
+
+    World = nproc on one machine; with --nnodes MIN:MAX --rdzv-endpoint HOST:PORT (the same command on every
+    node) it is nproc times the nodes alive: a lost node shrinks the world, a new node grows it, and each new
+    world resumes from the newest checkpoint, resharded to the layout it can run.
 
     Metrics (step, loss, lr, grad_norm, tokens_per_s, save_blocked_s) go to RUN_DIR/metrics.jsonl.
     """
@@ -55,7 +68,16 @@ def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, sav
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    if nproc > 1 and not under_torchrun():
+    elastic = None
+    if nnodes is not None or rdzv_endpoint is not None:
+        elastic = Elastic.parse(nnodes or "1", rdzv_endpoint, run_id=rdzv_id, max_restarts=max_restarts,
+                                conf=rdzv_conf)
+    if elastic is not None and not under_torchrun():
+        for nodes in range(elastic.min_nodes, elastic.max_nodes + 1):  # every world the job may shrink or grow to
+            check_launch(config, nproc * nodes)
+        run_torchrun("train", config.to_json(), nproc, elastic=elastic)
+        records = read_metrics(run_dir)
+    elif nproc > 1 and not under_torchrun():
         check_launch(config, nproc)
         run_torchrun("train", config.to_json(), nproc)
         records = read_metrics(run_dir)

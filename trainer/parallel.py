@@ -77,12 +77,34 @@ def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> to
         )
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    warning = shared_store_warning(os.environ)
+    if warning and os.environ.get("RANK") == "0":
+        import sys
+
+        print(f"moeckpt: warning: {warning}", file=sys.stderr, flush=True)
     dist.init_process_group(
         backend=backend or default_backend(device),
         init_method="env://",
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return device
+
+
+def shared_store_warning(env: dict[str, str] | os._Environ) -> str | None:
+    """Why a restartable torchrun job may fail to re-form its world, or ``None``.
+
+    torch's c10d rendezvous shares one TCP store with the workers for the agent's life; after a restart the new
+    workers find the previous world's keys there and gloo connects to dead ports. ``moeckpt train`` opts out;
+    a job started with torchrun by hand may not have.
+    """
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) < 1:
+        return None
+    return (
+        "torchrun shares its rendezvous store with the workers and this job may restart "
+        f"(--max-restarts {env.get('TORCHELASTIC_MAX_RESTARTS')}): a restarted world can read the previous "
+        "world's addresses and fail to connect. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun "
+        "(moeckpt train --nnodes does)"
+    )
 
 
 def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:

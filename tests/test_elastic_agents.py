@@ -1,0 +1,79 @@
+"""Elastic resume on torchrun's own elastic agent: two nodes of 2 workers, one node dies, the survivor finishes
+alone, a new node joins and the world grows back to 4 (issue 7). Real agents, real c10d rendezvous, gloo, CPU."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
+from moeckpt.trainer.elastic_drill import run_shrink_grow_drill
+from moeckpt.trainer.launch import Elastic, ElasticSpecError
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the drill walks /proc to kill a node")
+
+STEPS = 80
+KILL_AT = 17  # between checkpoints (every 5 steps): the steps after 15 are lost and trained again
+
+
+def test_elastic_spec_parsing():
+    e = Elastic.parse("1:2", "head:29500", max_restarts=5, conf="last_call_timeout=5")
+    assert e.torchrun_args() == ["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=head:29500",
+                                 "--rdzv-id=moeckpt", "--max-restarts=5", "--rdzv-conf=last_call_timeout=5"]
+    assert (Elastic.parse("3", "h:1").min_nodes, Elastic.parse("3", "h:1").max_nodes) == (3, 3)
+    for nnodes, endpoint in (("2:1", "h:1"), ("0:2", "h:1"), ("x", "h:1"), ("1:2", None), ("1:2", "head")):
+        with pytest.raises(ElasticSpecError):
+            Elastic.parse(nnodes, endpoint)
+
+
+def test_a_lost_node_shrinks_the_world_and_a_new_node_grows_it_back(tmp_path, moeckpt_cli):
+    run = str(tmp_path / "run")
+    args = ["--model", "zaya-tiny", "--run-dir", run, "--steps", str(STEPS), "--save-every", "5", "--ep", "2",
+            "--seed", "1", "--warmup-steps", "3", "--cpu", "--hang-timeout", "60",
+            # a straggler on every rank keeps this tiny run going while nodes come and go
+            "--inject", "slow:step=1,seconds=0.15"]
+    result = run_shrink_grow_drill(run, args, nproc=2, kill_at_step=KILL_AT, timeout_s=400)
+    logs = "\n".join(f"--- node {n}\n{text[-4000:]}" for n, text in result.logs.items())
+    assert result.exit_codes == {"A": 0, "C": 0}, logs
+
+    # 4 workers, then 2 after the loss of node B, then 4 again once node C joined; the run reached its last step.
+    worlds = result.worlds()
+    assert [w for _, w in worlds] == [4, 2, 4], (worlds, logs)
+    steps = result.steps()
+    assert steps[-1]["step"] == STEPS and steps[-1]["world"] == 4
+
+    # Each change resumed from a committed checkpoint resharded into the new world's layout.
+    resumes = [e for e in result.events() if e["event"] == "resume"]
+    assert [(r["from_layout"]["dp"], r["to_layout"]["dp"]) for r in resumes] == [(4, 2), (2, 4)], resumes
+    shrink, grow = resumes
+    assert shrink["step"] % 5 == 0 and shrink["step"] < KILL_AT
+    assert worlds[1][0] == shrink["step"] + 1 and worlds[2][0] == grow["step"] + 1
+
+    # The loss curve continues: the steps lost with node B are trained again by 2 workers from the same weights on
+    # the same samples, and give the losses the 4 workers had computed.
+    first = {r["step"]: r["loss"] for r in steps if r["world"] == 4 and r["step"] <= worlds[1][0]}
+    again = {r["step"]: r["loss"] for r in steps if r["world"] == 2 and r["step"] in first}
+    assert again, (first, worlds)
+    for step, loss in again.items():
+        assert loss == pytest.approx(first[step], abs=1e-4), (step, loss, first[step])
+
+    # The last checkpoint is complete, in the grown layout, and every checksum holds.
+    last_step, _ = committed_steps(run)[-1]
+    assert last_step == STEPS
+    reader = CheckpointReader(run)
+    assert (reader.index.layout["ep"], reader.index.layout["dp"]) == (2, 4)
+    code, out, err = moeckpt_cli("verify", run)
+    assert code == 0, (out, err)
+
+
+def test_workers_warn_when_an_elastic_job_shares_the_agent_store():
+    from moeckpt.trainer.launch import torchrun_env
+    from moeckpt.trainer.parallel import shared_store_warning
+
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared_store_warning(
+        {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"})
+    assert shared_store_warning({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
+    assert shared_store_warning({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"}) is None
+    # and our launcher opts out, so its workers never see the shared store
+    assert torchrun_env(2, base={})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"

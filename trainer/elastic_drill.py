@@ -1,0 +1,229 @@
+"""An elastic drill on one machine: ``moeckpt train --nnodes`` agents play the nodes of one job.
+
+A node is a torchrun elastic agent and its workers. The drill starts two nodes, kills one of them outright (agent
+and workers, as a lost machine), lets the survivor carry on in the smaller world, then starts a fresh node that
+the running job takes in, and waits for the run to finish. Tests and ``benchmarks/elastic_agents.py`` run it;
+on a real cluster the same ``moeckpt train --nnodes MIN:MAX --rdzv-endpoint HOST:PORT`` runs once per machine.
+
+The first node started binds the rendezvous endpoint and keeps the c10d store, so it is the one that survives:
+losing the store's host ends the job (use a store outside the training nodes for that, see
+``docs/fault-tolerance.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from moeckpt.formats.errors import MoeckptError
+
+__all__ = ["DrillError", "DrillResult", "LocalNode", "kill_node", "run_shrink_grow_drill", "start_node"]
+
+#: rendezvous timing for a drill on one machine: a dead node's heartbeat expires after 3 s, and a round closes
+#: 3 s after the minimum number of nodes joined (torch's defaults, 15 s and 30 s, suit real clusters).
+DRILL_RDZV_CONF = "join_timeout=300,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+
+
+class DrillError(MoeckptError, RuntimeError):
+    """The drill did not get where it should have (a node did not start, the run did not shrink or grow)."""
+
+    exit_code = 1
+
+
+@dataclass
+class LocalNode:
+    """One node of the drill: the agent process (``moeckpt train --nnodes ...``) and where its output goes."""
+
+    name: str
+    proc: subprocess.Popen
+    log_path: str
+    started: float = field(default_factory=time.time)
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def free_local_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_node(name: str, train_args: Sequence[str], *, nproc: int, nnodes: str, endpoint: str, log_dir: str,
+               max_restarts: int = 4, rdzv_conf: str = DRILL_RDZV_CONF) -> LocalNode:
+    """Start one node: ``moeckpt train TRAIN_ARGS --nproc N --nnodes MIN:MAX --rdzv-endpoint ...`` in the
+    background, its output in ``log_dir/node-NAME.log``."""
+    os.makedirs(log_dir, exist_ok=True)
+    log_path = os.path.join(log_dir, f"node-{name}.log")
+    cmd = [sys.executable, "-m", "moeckpt.cli.main", "train", *train_args, "--nproc", str(nproc),
+           "--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-conf", rdzv_conf,
+           "--max-restarts", str(max_restarts)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        # Its own session, so that killing the node can never reach the drill's process group.
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return LocalNode(name=name, proc=proc, log_path=log_path)
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the process ended while we looked
+        kids.setdefault(ppid, []).append(int(entry))
+    return kids
+
+
+def kill_node(node: LocalNode) -> list[int]:
+    """SIGKILL the node's agent and every process under it, as when a machine dies; returns the pids killed.
+
+    torchrun starts each worker in a session of its own, so a process-group kill of the agent would leave the
+    workers running as orphans still holding their sockets: the whole process tree is walked instead (Linux
+    ``/proc``). The tree is collected before anything is killed, so no worker is re-parented away first.
+    """
+    kids = _children()
+    tree, todo = [], [node.proc.pid]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(kids.get(pid, []))
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    node.proc.wait(timeout=30)
+    return tree
+
+
+def _wait_for_port(host: str, port: int, node: LocalNode, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if node.proc.poll() is not None:
+            raise DrillError(f"node {node.name} exited with {node.proc.returncode} before hosting the rendezvous:\n"
+                             f"{node.log()[-3000:]}")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.1)
+    raise DrillError(f"node {node.name} did not open the rendezvous {host}:{port} within {timeout_s:.0f} s")
+
+
+def read_records(run_dir: str) -> list[dict]:
+    """The run's metrics lines so far (a line being written is skipped)."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return out
+
+
+@dataclass
+class DrillResult:
+    """What the drill saw: every metrics record, when it acted, and how the nodes ended."""
+
+    run_dir: str
+    records: list[dict]
+    #: (seconds since the start, what happened), e.g. (12.3, "killed node B at step 15, world 4").
+    timeline: list[tuple[float, str]]
+    #: exit codes of the nodes that were not killed, by name.
+    exit_codes: dict[str, int]
+    logs: dict[str, str]
+
+    def steps(self) -> list[dict]:
+        return [r for r in self.records if "loss" in r]
+
+    def events(self) -> list[dict]:
+        return [r for r in self.records if "event" in r]
+
+    def worlds(self) -> list[tuple[int, int]]:
+        """``(first step, world size)`` of each stretch of training at one world size."""
+        out: list[tuple[int, int]] = []
+        for r in self.steps():
+            if not out or out[-1][1] != r["world"]:
+                out.append((r["step"], r["world"]))
+        return out
+
+
+def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int = 2, kill_at_step: int = 15,
+                          timeout_s: float = 300.0,
+                          progress: Callable[[str], None] | None = None) -> DrillResult:
+    """Two nodes of ``nproc`` workers train ``train_args`` (which must include ``--run-dir run_dir``); node B is
+    killed once the 2-node world reached ``kill_at_step``; node C is started once the survivor trains alone; the
+    drill returns when the run ends (raises :class:`DrillError` if it does not within ``timeout_s``)."""
+    t0 = time.monotonic()
+    timeline: list[tuple[float, str]] = []
+
+    def note(what: str) -> None:
+        timeline.append((round(time.monotonic() - t0, 2), what))
+        if progress is not None:
+            progress(f"[{timeline[-1][0]:6.1f} s] {what}")
+
+    port = free_local_port()
+    endpoint = f"127.0.0.1:{port}"
+    logs = os.path.join(run_dir, "drill-logs")
+    start = lambda name: start_node(name, train_args, nproc=nproc, nnodes="1:2", endpoint=endpoint, log_dir=logs)
+    a = start("A")
+    note(f"started node A ({nproc} workers), host of the rendezvous {endpoint}")
+    try:
+        _wait_for_port("127.0.0.1", port, a, timeout_s=60)
+    except DrillError:
+        a.proc.kill()
+        raise
+    b = start("B")
+    note(f"started node B ({nproc} workers)")
+    nodes = {"A": a, "B": b}
+    phase, deadline = "kill", time.monotonic() + timeout_s
+    try:
+        while a.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise DrillError(f"the drill did not finish within {timeout_s:.0f} s (waiting to {phase})")
+            steps = [r for r in read_records(run_dir) if "loss" in r]
+            last = steps[-1] if steps else None
+            if phase == "kill" and last and last["world"] == 2 * nproc and last["step"] >= kill_at_step:
+                kill_node(b)
+                note(f"killed node B (agent and {nproc} workers) at step {last['step']}, world {last['world']}")
+                phase = "see the survivors train alone"
+                seen = len(steps)
+            elif phase == "see the survivors train alone" and any(r["world"] == nproc for r in steps[seen:]):
+                note(f"the survivors train alone at step {last['step']}, world {last['world']}")
+                nodes["C"] = start("C")
+                note(f"started node C ({nproc} workers) to grow the job back")
+                phase = "finish"
+            time.sleep(0.2)
+        note(f"node A exited with {a.proc.returncode}")
+        if "C" in nodes:
+            nodes["C"].proc.wait(timeout=60)
+            note(f"node C exited with {nodes['C'].proc.returncode}")
+    finally:
+        for node in nodes.values():
+            if node.proc.poll() is None:
+                kill_node(node)
+    return DrillResult(
+        run_dir=run_dir,
+        records=read_records(run_dir),
+        timeline=timeline,
+        exit_codes={n: node.proc.returncode for n, node in nodes.items() if n != "B"},
+        logs={n: node.log() for n, node in nodes.items()},
+    )
