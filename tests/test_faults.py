@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -20,9 +21,25 @@ def test_parse_fault_specs():
     assert parse_fault("kill:rank=1,step=12") == Fault(kind="kill", rank=1, step=12)
     assert parse_fault("nan:step=3") == Fault(kind="nan", step=3)
     assert parse_fault("kill:rank=0,step=2,signal=TERM").signal == "TERM"
-    for bad in ("explode:step=1", "kill:rank=1", "kill:step=x", "nan:step=1,signal=TERM", "hang:step=1,when=now"):
+    assert parse_fault("slow:step=5,seconds=0.25") == Fault(kind="slow", step=5, seconds=0.25)
+    for bad in ("explode:step=1", "kill:rank=1", "kill:step=x", "nan:step=1,signal=TERM", "hang:step=1,when=now",
+                "slow:step=1", "slow:step=1,seconds=x", "slow:step=1,seconds=-1", "kill:step=1,seconds=1"):
         with pytest.raises(FaultSpecError):
             parse_fault(bad)
+
+
+def test_slow_fault_delays_every_step_from_its_step_on(tmp_path):
+    inj = FaultInjector([parse_fault("slow:rank=1,step=3,seconds=0.2")], rank=1, marker_dir=str(tmp_path))
+    took = []
+    for step in range(1, 6):
+        t0 = time.perf_counter()
+        inj.before_step(step)
+        took.append(time.perf_counter() - t0)
+    assert all(t < 0.1 for t in took[:2]) and all(t >= 0.2 for t in took[2:]), took
+    other_rank = FaultInjector([parse_fault("slow:rank=1,step=1,seconds=5")], rank=0, marker_dir=str(tmp_path))
+    t0 = time.perf_counter()
+    other_rank.before_step(4)
+    assert time.perf_counter() - t0 < 0.1
 
 
 def test_faults_fire_once_per_run_directory(tmp_path):

@@ -10,8 +10,11 @@ on a laptop. Kinds:
 * ``kill-during-save``: the rank dies in the middle of writing its checkpoint file.
 * ``corrupt-file``: after the checkpoint of that step is committed, one byte of the rank's data file is flipped,
   so the next resume must detect it and fall back to the previous checkpoint.
+* ``slow``: from that step on, the rank sleeps ``seconds`` before every step (a straggler; elastic drills use it to
+  keep a tiny run going while nodes come and go).
 
-Each fault fires once per run directory (a marker file records it), so a restarted worker does not fail again.
+Each fault but ``slow`` fires once per run directory (a marker file records it), so a restarted worker does not
+fail again.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 
 from moeckpt.formats.errors import MoeckptError
 
-KINDS = ("kill", "hang", "nan", "kill-during-save", "corrupt-file")
+KINDS = ("kill", "hang", "nan", "kill-during-save", "corrupt-file", "slow")
 
 
 class FaultSpecError(MoeckptError, ValueError):
@@ -38,6 +41,8 @@ class Fault:
     step: int
     rank: int | None = None
     signal: str | None = None
+    #: ``slow``: the delay before every step.
+    seconds: float = 0.0
 
     @property
     def marker(self) -> str:
@@ -49,15 +54,17 @@ class Fault:
 
 
 def parse_fault(text: str) -> Fault:
-    """``KIND:key=value,...`` with keys ``rank``, ``step`` (required) and ``signal`` (for kill)."""
+    """``KIND:key=value,...`` with keys ``rank``, ``step`` (required), ``signal`` (kill) and ``seconds`` (slow)."""
     kind, _, rest = text.partition(":")
     if kind not in KINDS:
         raise FaultSpecError(f"--inject {text!r}: unknown fault {kind!r}; known: {', '.join(KINDS)}")
     fields: dict[str, str] = {}
     for part in filter(None, rest.split(",")):
         key, eq, value = part.partition("=")
-        if not eq or key not in ("rank", "step", "signal"):
-            raise FaultSpecError(f"--inject {text!r}: expected rank=N, step=N or signal=TERM, got {part!r}")
+        if not eq or key not in ("rank", "step", "signal", "seconds"):
+            raise FaultSpecError(
+                f"--inject {text!r}: expected rank=N, step=N, signal=TERM or seconds=X, got {part!r}"
+            )
         fields[key] = value
     try:
         step = int(fields["step"])
@@ -69,7 +76,15 @@ def parse_fault(text: str) -> Fault:
     sig = fields.get("signal")
     if sig is not None and (kind != "kill" or sig not in ("TERM", "KILL")):
         raise FaultSpecError(f"--inject {text!r}: signal=TERM|KILL only applies to kill")
-    return Fault(kind=kind, step=step, rank=rank, signal=sig)
+    seconds = 0.0
+    if kind == "slow" or "seconds" in fields:
+        try:
+            seconds = float(fields["seconds"])
+        except (KeyError, ValueError):
+            raise FaultSpecError(f"--inject {text!r}: slow needs seconds=X, a number of seconds >= 0") from None
+        if kind != "slow" or not 0 <= seconds <= 3600:
+            raise FaultSpecError(f"--inject {text!r}: seconds=X (0 to 3600) only applies to slow")
+    return Fault(kind=kind, step=step, rank=rank, signal=sig, seconds=seconds)
 
 
 class FaultInjector:
@@ -100,7 +115,10 @@ class FaultInjector:
             os.fsync(f.fileno())
 
     def before_step(self, step: int) -> None:
-        """Kill or hang at the start of ``step``."""
+        """Kill, hang or dawdle at the start of ``step``."""
+        for f in self.faults:
+            if f.kind == "slow" and step >= f.step and (f.rank is None or f.rank == self.rank):
+                time.sleep(f.seconds)
         fault = self._take("kill", step)
         if fault is not None:
             if fault.signal == "TERM":
