@@ -19,41 +19,7 @@ import tempfile
 
 import torch
 
-from moeckpt.trainer.elastic_drill import run_shrink_grow_drill
-
-
-def plot(result, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = result.steps()
-    fig, ax = plt.subplots(figsize=(9, 4))
-    colors = {4: "#1f77b4", 2: "#d62728"}
-    # one line per stretch at one world size, in the order they ran (the lost steps are drawn twice)
-    stretch: list[dict] = []
-    for r in steps + [None]:
-        if stretch and (r is None or r["world"] != stretch[-1]["world"] or r["step"] <= stretch[-1]["step"]):
-            w = stretch[0]["world"]
-            ax.plot([s["step"] for s in stretch], [s["loss"] for s in stretch], color=colors.get(w, "gray"),
-                    marker=".", ms=3, lw=1.2, label=f"{w} workers")
-            stretch = []
-        if r is not None:
-            stretch.append(r)
-    for e in result.events():
-        if e.get("event") == "resume":
-            ax.axvline(e["step"] + 0.5, color="gray", ls=":", lw=1)
-            ax.annotate(f"resume step {e['step']}\ndp {e['from_layout']['dp']} -> {e['to_layout']['dp']}",
-                        (e["step"] + 0.5, ax.get_ylim()[1]), fontsize=8, va="top", ha="left")
-    handles, labels = ax.get_legend_handles_labels()
-    seen = dict(zip(labels, handles))
-    ax.legend(seen.values(), seen.keys())
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("zaya-tiny under torchrun elastic agents: node lost at step 17, node joins later")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+from moeckpt.trainer.elastic_drill import plot_drill, run_shrink_grow_drill
 
 
 def main() -> None:
@@ -81,7 +47,7 @@ def main() -> None:
     }
     with open(os.path.join(args.out, "elastic_agents.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot(result, os.path.join(args.out, "elastic_agents.png"))
+    plot_drill(result, os.path.join(args.out, "elastic_agents.png"))
     shutil.rmtree(work, ignore_errors=True)
 
 

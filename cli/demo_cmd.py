@@ -1,10 +1,11 @@
 """``moeckpt demo``: the whole story on the embedded default (local disk, CPU), with a summary table and a plot.
 
-1. train zaya-tiny with 4 worker processes (torchrun, gloo) in layout tp=1 ep=2 dp=4, async checkpoints;
-2. a worker is killed mid-run (an injected fault): the job dies, the torn state is never committed;
-3. resume on 2 workers: the checkpoint is resharded at load (dp 4 -> 2), training continues;
-4. grow back to 4 workers (resharded again) and finish;
-5. verify, catch a flipped bit, compare layouts with ``diff``, export to Hugging Face and check that transformers
+1. train zaya-tiny on two nodes of 2 worker processes each: two ``moeckpt train --nnodes 1:2`` torchrun elastic
+   agents meeting at a c10d rendezvous on 127.0.0.1, gloo, layout tp=1 ep=2 dp=4, async checkpoints;
+2. node B is killed outright at step 17 (agent and workers, as a lost machine); node A's agent re-forms the
+   world alone and its 2 workers resume from step 15, resharded at load (dp 4 -> 2);
+3. node C joins: the job grows back to 4 workers (resharded again) and finishes;
+4. verify, catch a flipped bit, compare layouts with ``diff``, export to Hugging Face and check that transformers
    computes the same logits as our model.
 """
 
@@ -13,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,11 +21,16 @@ from typing import Callable
 
 import click
 
-from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
+from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import MoeckptError
+from moeckpt.trainer.elastic_drill import DrillResult, plot_drill, run_shrink_grow_drill
 
-TRAIN = ["--model", "zaya-tiny", "--steps", "30", "--save-every", "5", "--global-batch", "8", "--seq-len", "64",
-         "--lr", "3e-3", "--warmup-steps", "3", "--seed", "1", "--cpu"]
+STEPS = 80
+KILL_AT = 17
+TRAIN = ["--model", "zaya-tiny", "--steps", str(STEPS), "--save-every", "5", "--global-batch", "8", "--seq-len", "64",
+         "--lr", "3e-3", "--warmup-steps", "3", "--seed", "1", "--cpu", "--ep", "2", "--hang-timeout", "60",
+         # a 0.15 s straggler delay per step keeps this tiny run going while nodes come and go
+         "--inject", "slow:step=1,seconds=0.15"]
 
 
 @dataclass
@@ -35,13 +39,6 @@ class Step:
     seconds: float
     result: str
     ok: bool
-
-
-def _moeckpt_subprocess(args: list[str]) -> int:
-    """Run a moeckpt command in a fresh process, as a user (or a scheduler) would."""
-    click.echo(click.style("$ moeckpt " + " ".join(args), fg="cyan"))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "moeckpt.cli.main", *args], env=env, check=False).returncode
 
 
 def _moeckpt(args: list[str]) -> int:
@@ -73,7 +70,6 @@ def command(workdir: str | None) -> None:
     run = os.path.join(root, "run")
     shutil.rmtree(run, ignore_errors=True)
     steps: list[Step] = []
-    phases: list[tuple[str, int]] = []  # (label, number of metric rows when the phase ended)
 
     def step(name: str, fn: Callable[[], tuple[str, bool]]) -> None:
         click.echo(click.style(f"\n== {name}", bold=True))
@@ -84,33 +80,25 @@ def command(workdir: str | None) -> None:
             result, ok = f"error: {e}", False
         steps.append(Step(name, time.perf_counter() - t0, result, ok))
 
-    def rows() -> int:
-        return len([r for r in _metrics(run) if "loss" in r]) if os.path.exists(os.path.join(run, "metrics.jsonl")) else 0
+    drills: list[DrillResult] = []
 
-    def phase1() -> tuple[str, bool]:
-        code = _moeckpt_subprocess(["train", *TRAIN, "--run-dir", run, "--nproc", "4", "--ep", "2",
-                                    "--inject", "kill:rank=3,step=13"])
-        phases.append(("4 workers (tp1 ep2 dp4)", rows()))
-        committed = [s for s, _ in committed_steps(run)]
-        ok = code != 0 and committed and committed[-1] == 10
-        return f"worker 3 killed at step 13 (exit {code}); committed steps {committed}", bool(ok)
+    def elastic_run() -> tuple[str, bool]:
+        result = run_shrink_grow_drill(run, [*TRAIN, "--run-dir", run], nproc=2, kill_at_step=KILL_AT,
+                                       timeout_s=600, progress=click.echo)
+        drills.append(result)
+        resumes = [e for e in result.events() if e.get("event") == "resume"]
+        worlds = result.worlds()
+        last = result.steps()[-1] if result.steps() else {}
+        ok = (result.exit_codes == {"A": 0, "C": 0} and [w for _, w in worlds] == [4, 2, 4]
+              and last.get("step") == STEPS and len(resumes) == 2)
+        story = "; ".join(
+            f"{w} workers from step {s}" + (f" (resumed step {r['step']}, dp {r['from_layout']['dp']}->"
+                                           f"{r['to_layout']['dp']})" if r else "")
+            for (s, w), r in zip(worlds, [None, *resumes])
+        )
+        return f"{story}; step {last.get('step')}, loss {last.get('loss', float('nan')):.3f}", ok
 
-    def phase2() -> tuple[str, bool]:
-        code = _moeckpt_subprocess(["train", *TRAIN, "--run-dir", run, "--nproc", "2", "--ep", "2", "--stop-at", "20"])
-        phases.append(("2 workers, resharded (tp1 ep2 dp2)", rows()))
-        reader = CheckpointReader(run)
-        return f"resumed step 10 on 2 workers, now at step {reader.index.step} in {reader.index.layout}", code == 0
-
-    def phase3() -> tuple[str, bool]:
-        code = _moeckpt_subprocess(["train", *TRAIN, "--run-dir", run, "--nproc", "4", "--ep", "2"])
-        phases.append(("4 workers again (tp1 ep2 dp4)", rows()))
-        reader = CheckpointReader(run)
-        last = [r for r in _metrics(run) if "loss" in r][-1]
-        return f"step {reader.index.step}, loss {last['loss']:.3f}, layout {reader.index.layout}", code == 0 and reader.index.step == 30
-
-    step("train on 4 workers; a worker dies at step 13", phase1)
-    step("resume on 2 workers (resharded at load)", phase2)
-    step("grow back to 4 workers (resharded again)", phase3)
+    step(f"2 nodes x 2 workers (elastic agents); node B dies at step {KILL_AT}; node C joins later", elastic_run)
     step("verify every checksum of the last checkpoint", lambda: _expect(_moeckpt(["verify", run]), 0))
 
     single = os.path.join(root, "ckpt-1x1x1")
@@ -135,7 +123,7 @@ def command(workdir: str | None) -> None:
     step("export to Hugging Face", lambda: _expect(_moeckpt(["export-hf", run, hf, "--overwrite"]), 0))
     step("transformers loads it and computes our logits", lambda: _check_transformers(run, hf))
     png = os.path.join(root, "loss.png")
-    step("loss curve across the failure and both layout changes", lambda: _plot(run, phases, png))
+    step("loss curve across the failure and both layout changes", lambda: _plot(drills, png))
 
     click.echo("")
     click.echo(click.style("moeckpt demo summary", bold=True) + f"  (files in {root})")
@@ -173,26 +161,12 @@ def _check_transformers(run: str, hf_dir: str) -> tuple[str, bool]:
     return f"max |logits difference| = {diff:.2e}", diff < 1e-4
 
 
-def _plot(run: str, phases: list[tuple[str, int]], path: str) -> tuple[str, bool]:
-    rows = [r for r in _metrics(run) if "loss" in r]
-    try:
-        import matplotlib
+def _plot(drills: list[DrillResult], path: str) -> tuple[str, bool]:
+    if not drills:
+        return "no run to plot", False
+    import importlib.util
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         return "skipped: matplotlib is not installed", True
-    fig, ax = plt.subplots(figsize=(8, 4))
-    start = 0
-    for label, end in phases:
-        part = rows[start:end]
-        ax.plot([r["step"] for r in part], [r["loss"] for r in part], marker=".", label=label)
-        start = end
-    ax.axvline(13, color="red", linestyle=":", label="worker killed (step 13)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (zaya-tiny)")
-    ax.set_title("moeckpt demo: lose a worker, resume resharded on 2, grow back to 4")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    plot_drill(drills[0], path, title=f"moeckpt demo: node lost at step {KILL_AT}, resumed on 2 workers, grown to 4")
     return path, True

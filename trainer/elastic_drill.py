@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from moeckpt.formats.errors import MoeckptError
 
-__all__ = ["DrillError", "DrillResult", "LocalNode", "kill_node", "run_shrink_grow_drill", "start_node"]
+__all__ = ["DrillError", "DrillResult", "LocalNode", "kill_node", "plot_drill", "run_shrink_grow_drill", "start_node"]
 
 #: rendezvous timing for a drill on one machine: a dead node's heartbeat expires after 3 s, and a round closes
 #: 3 s after the minimum number of nodes joined (torch's defaults, 15 s and 30 s, suit real clusters).
@@ -227,3 +227,38 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
         exit_codes={n: node.proc.returncode for n, node in nodes.items() if n != "B"},
         logs={n: node.log() for n, node in nodes.items()},
     )
+
+
+def plot_drill(result: DrillResult, path: str, title: str | None = None) -> None:
+    """The drill's loss curve: one line per stretch at one world size, the resumes marked (needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = result.steps()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    colors = {4: "#1f77b4", 2: "#d62728"}
+    # one line per stretch at one world size, in the order they ran (the lost steps are drawn twice)
+    stretch: list[dict] = []
+    for r in steps + [None]:
+        if stretch and (r is None or r["world"] != stretch[-1]["world"] or r["step"] <= stretch[-1]["step"]):
+            w = stretch[0]["world"]
+            ax.plot([s["step"] for s in stretch], [s["loss"] for s in stretch], color=colors.get(w, "gray"),
+                    marker=".", ms=3, lw=1.2, label=f"{w} workers")
+            stretch = []
+        if r is not None:
+            stretch.append(r)
+    for e in result.events():
+        if e.get("event") == "resume":
+            ax.axvline(e["step"] + 0.5, color="gray", ls=":", lw=1)
+            ax.annotate(f"resume step {e['step']}\ndp {e['from_layout']['dp']} -> {e['to_layout']['dp']}",
+                        (e["step"] + 0.5, ax.get_ylim()[1]), fontsize=8, va="top", ha="left")
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    ax.legend(seen.values(), seen.keys())
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title or "training under torchrun elastic agents: a node lost, then a node joining")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
