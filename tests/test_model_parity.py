@@ -192,9 +192,9 @@ def test_attention_and_embedding_shards_sum_to_the_whole(preset):
     torch.testing.assert_close(emb, want_emb, rtol=0, atol=0)
     # Vocabulary-parallel loss equals the ordinary one when the slice is the whole vocabulary.
     targets = ids.roll(-1, dims=1)
-    torch.testing.assert_close(
-        cross_entropy(logits, targets), torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
-    )
+    want = torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+    torch.testing.assert_close(cross_entropy(logits, targets, split=True), want)
+    torch.testing.assert_close(cross_entropy(logits, targets), want)
 
 
 def test_vocab_embedding_zeroes_other_ranks_tokens():

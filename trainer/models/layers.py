@@ -121,10 +121,11 @@ class RMSNorm(nn.Module):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.comm.tp_enter(self.weight) * h.to(dtype)
+        # ``F.rms_norm`` without a weight is transformers' ``x.float() * rsqrt(mean(x^2) + eps)`` rounded back to
+        # x's dtype (it computes in fp32 for low-precision inputs), in one fused op instead of seven; the weight is
+        # applied after that rounding, as transformers does.
+        h = F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        return self.comm.tp_enter(self.weight) * h
 
 
 def rotary_cos_sin(
@@ -150,16 +151,43 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
 
 
+def rotary_tables(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos and sin ``[T, rot]`` widened to ``[T, head_dim]`` for :func:`apply_rotary_tables`, or None where the
+    shapes do not allow it (``head_dim`` not a multiple of ``rot``).
+
+    Built once per forward and shared by every layer: cos is 1 on the channels rotary leaves alone, sin is 0 there,
+    and its first half is negated so the rotation needs no ``neg``/``cat``.
+    """
+    rot = cos.shape[-1]
+    if rot == 0 or rot % 2 or head_dim % rot:
+        return None
+    half = rot // 2
+    rest = head_dim - rot
+    cos_e = F.pad(cos, (0, rest), value=1.0)
+    sin_e = F.pad(torch.cat([-sin[..., :half], sin[..., half:]], dim=-1), (0, rest), value=0.0)
+    return cos_e, sin_e
+
+
+def apply_rotary_tables(x: torch.Tensor, cos_e: torch.Tensor, sin_e: torch.Tensor, rot: int) -> torch.Tensor:
+    """:func:`apply_rotary` with :func:`rotary_tables`' tables (broadcast against ``x``), bit for bit.
+
+    ``rotate_half(x_rot) * sin`` is ``cat(x2, x1) * cat(-sin1, sin2)``: swapping the halves of every ``rot``-wide
+    block of channels (one ``flip``) gives ``cat(x2, x1)`` on the rotated channels, and the widened tables make the
+    other channels ``x * 1 + (anything) * 0 = x``. Four kernels instead of seven, over the whole head at once.
+    """
+    swapped = x.unflatten(-1, (x.shape[-1] // rot, 2, rot // 2)).flip(-2).flatten(-3)
+    return x * cos_e + swapped * sin_e
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal grouped-query attention: ``q [B, H, T, D]``, ``k, v [B, KV, T, D]`` -> ``[B, T, H * D]``.
 
-    Heads are local: with TP each rank passes its own query heads and the key/value heads they read.
+    Heads are local: with TP each rank passes its own query heads and the key/value heads they read. The attention
+    kernel reads each key/value head for its group of query heads itself (``enable_gqa``, as transformers' sdpa
+    path does), instead of repeated copies of k and v and a sum of their gradients.
     """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     b, h, t, d = out.shape
     return out.transpose(1, 2).reshape(b, t, h * d)
 
@@ -230,45 +258,87 @@ class Experts(nn.Module):
         """``hidden [T, H]``, ``expert_index [T, k]`` (global ids), ``weights [T, k]`` -> ``[T, H]``.
 
         Assignments to experts this process does not hold (other EP ranks, ZAYA's skip expert) contribute zero.
+
+        The grouped path never waits for the GPU: every one of the ``T * k`` (token, slot) assignments keeps a row,
+        sorted by local expert with the assignments held elsewhere last, and the grouped matmul's offsets come from
+        the sorted ids on the device. Counting rows on the host instead (``nonzero``, ``bincount``, ``tolist``)
+        would stall the CPU at every layer until the GPU caught up, so kernel launches would stop overlapping.
         """
-        flat_expert = expert_index.reshape(-1)
-        local = (flat_expert >= self.expert_start) & (flat_expert < self.expert_stop)
-        # Sort the (token, slot) assignments by expert so each expert sees one contiguous run of rows.
-        slots = local.nonzero().squeeze(-1)
-        expert_of = flat_expert[slots] - self.expert_start
-        order = torch.argsort(expert_of, stable=True)
-        slots, expert_of = slots[order], expert_of[order]
+        num_local = self.gate_up_proj.shape[0]
         k = expert_index.shape[-1]
-        token = torch.div(slots, k, rounding_mode="floor")
-        x = hidden[token]
-        counts = torch.bincount(expert_of, minlength=self.gate_up_proj.shape[0])
-        y = self.forward_sorted(x, counts)
-        y = y * weights.reshape(-1)[slots, None].to(y.dtype)
-        out = torch.zeros_like(hidden)
-        return out.index_add(0, token, y.to(out.dtype))
+        flat = expert_index.reshape(-1)
+        if flat.numel() == 0:
+            return torch.zeros_like(hidden)
+        local = flat - self.expert_start
+        held = (local >= 0) & (local < num_local)
+        # Rows for experts held elsewhere get the id num_local, so the (stable) sort puts them after every group.
+        key = torch.where(held, local, num_local)
+        key, order = torch.sort(key, stable=True)
+        # ends[e]: rows of local experts 0..e, the grouped matmul's offsets (searchsorted needs no host sync).
+        ends = torch.searchsorted(key, torch.arange(1, num_local + 1, device=key.device), out_int32=True)
+        if k == 1:
+            # One slot per token: ``order`` is a permutation, so index_select's backward (index_add) hits every row
+            # once, deterministic, and skips the sort that advanced indexing's accumulating backward does.
+            x = hidden.index_select(0, order)
+        else:
+            x = hidden[torch.div(order, k, rounding_mode="floor")]
+        weight = weights.reshape(-1).index_select(0, order).to(hidden.dtype)
+        if self._use_grouped(x):
+            y = self._grouped_offsets(x, ends, key < num_local)
+        else:
+            counts = torch.diff(ends, prepend=ends.new_zeros(1))
+            y = self._loop(x, counts, rows=flat.numel())
+        y = y * weight[:, None]
+        # Back to (token, slot) order; index_select by the inverse permutation is a gather (no atomics), and the
+        # k slots of a token are summed in a fixed order, so the result is deterministic for any k.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        y = y.index_select(0, inverse)
+        if k > 1:
+            y = y.view(-1, k, y.shape[-1]).sum(dim=1)
+        return y
 
     def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Expert MLPs of rows already grouped by local expert (``counts[e]`` rows for local expert ``e``, in
         order), unweighted: what an expert-parallel all-to-all delivers to the rank that owns the experts."""
-        use_grouped = self.implementation == "grouped" or (
+        if self._use_grouped(x):
+            return self._grouped(x, torch.cumsum(counts, 0).to(torch.int32))
+        return self._loop(x, counts, rows=x.shape[0])
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        return self.implementation == "grouped" or (
             self.implementation == "auto" and _grouped_mm_ok(x, self.gate_up_proj, self.down_proj)
         )
-        return self._grouped(x, counts) if use_grouped else self._loop(x, counts)
 
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+    def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         gate, up = _grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs).chunk(2, dim=-1)
         return _grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _grouped_offsets(self, x: torch.Tensor, offs: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """:meth:`_grouped` on rows whose tail (``valid`` false, past ``offs[-1]``) belongs to no local expert.
+
+        The grouped matmul leaves such rows of its output, and of its input gradient, unwritten (uninitialised
+        memory, possibly NaN). Zeroing the tail of the output hides it from the forward; zeroing the tail of the
+        input makes the backward of that fill drop the tail's input gradient before it reaches ``hidden``.
+        """
+        valid = valid[:, None]
+        y = self._grouped(x.masked_fill(~valid, 0), offs)
+        return y.masked_fill(~valid, 0)
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+        """One pair of matmuls per local expert with rows; the fallback where no grouped matmul kernel exists.
+
+        Reads ``counts`` on the host (one sync). Rows past ``counts.sum()`` (assignments to experts held
+        elsewhere) come out zero; ``rows`` is ``x``'s row count.
+        """
+        sizes = counts.tolist()
         outs = []
-        for e, rows in enumerate(torch.split(x, counts.tolist())):
-            if rows.shape[0] == 0:
-                continue
-            gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        if not outs:
-            return x.new_zeros(0, self.down_proj.shape[1])
+        for e, chunk in enumerate(torch.split(x, [*sizes, rows - sum(sizes)])):
+            if e == len(sizes):
+                outs.append(chunk.new_zeros(chunk.shape[0], self.down_proj.shape[1]))
+            elif chunk.shape[0]:
+                gate, up = F.linear(chunk, self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
         return torch.cat(outs)
 
 
@@ -299,16 +369,30 @@ def vocab_logits(hidden: torch.Tensor, weight: torch.Tensor, comm: Collectives =
 
 
 def cross_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int = 0, comm: Collectives = SINGLE_PROCESS
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start: int = 0,
+    comm: Collectives = SINGLE_PROCESS,
+    split: bool | None = None,
 ) -> torch.Tensor:
-    """Mean token cross-entropy in fp32 over targets that are not :data:`IGNORE_INDEX`.
+    """Mean token cross-entropy in fp32 over targets that are not :data:`IGNORE_INDEX` (0 when there are none).
 
-    ``logits`` may be one rank's vocabulary slice starting at ``vocab_start``: the log-sum-exp and the target
-    logit are then assembled with ``comm`` (the vocabulary-parallel loss), so the full logits never exist.
+    ``logits`` may be one rank's vocabulary slice starting at ``vocab_start`` (``split``; by default, whenever
+    ``comm`` is not the single-process one): the log-sum-exp and the target logit are then assembled with ``comm``
+    (the vocabulary-parallel loss), so the full logits never exist. Over the whole vocabulary it is PyTorch's fused
+    cross-entropy on the fp32 logits, which is what transformers computes: the hand-assembled form would make
+    about five more passes over the ``[tokens, vocab]`` fp32 logits, forward and backward, the largest tensor of
+    a training step.
     """
     logits = logits.float().reshape(-1, logits.shape[-1])
     targets = targets.reshape(-1)
     valid = targets != IGNORE_INDEX
+    count = valid.sum().clamp_min(1)
+    if split is None:
+        split = comm is not SINGLE_PROCESS
+    if not split:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / count
     local = targets - vocab_start
     mine = valid & (local >= 0) & (local < logits.shape[-1])
     shift = comm.tp_max(logits.detach().amax(dim=-1))
@@ -316,8 +400,7 @@ def cross_entropy(
     picked = logits.gather(1, local.clamp(0, logits.shape[-1] - 1)[:, None]).squeeze(1)
     target_logit = comm.tp_sum(torch.where(mine, picked - shift, torch.zeros_like(picked)))
     losses = sum_exp.log() - target_logit
-    count = valid.sum()
-    return torch.where(valid, losses, torch.zeros_like(losses)).sum() / count.clamp_min(1)
+    return torch.where(valid, losses, torch.zeros_like(losses)).sum() / count
 
 
 def next_token_targets(input_ids: torch.Tensor) -> torch.Tensor:
@@ -369,7 +452,8 @@ class CausalLM(nn.Module):
     def loss(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token cross-entropy; ``targets`` default to ``input_ids`` shifted left."""
         targets = next_token_targets(input_ids) if targets is None else targets
-        return cross_entropy(self(input_ids), targets, vocab_start=self.model.embed_tokens.vocab_start, comm=self.comm)
+        emb = self.model.embed_tokens
+        return cross_entropy(self(input_ids), targets, vocab_start=emb.vocab_start, comm=self.comm, split=emb.split)
 
 
 def build_model(spec, shard: Shard = Shard(), comm: Collectives = SINGLE_PROCESS) -> nn.Module:

@@ -1,0 +1,107 @@
+"""Where one training step's time goes: our ZAYA module against transformers' ``ZayaForCausalLM`` (issue 8).
+
+Builds both models with the same weights (as ``bench_model_gpu.py`` does), runs warm-up steps, then profiles
+``--steps`` training steps (forward, backward, fused AdamW) of each with ``torch.profiler`` and prints the
+``key_averages`` table sorted by device time (or CPU time on a CPU-only machine), plus the number of kernels
+launched and of host-device synchronisations (``cudaStreamSynchronize`` / ``cudaMemcpy`` device-to-host) per step.
+
+Runs on CPU too (small batch) to count operators without a GPU:
+``python benchmarks/profile_model_gpu.py --device cpu --preset zaya-tiny --batch 2 --seq 64``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def build_pair(preset: str, dev: torch.device, dtype: torch.dtype):
+    """(ours, transformers') with identical weights on ``dev`` in ``dtype``, both in training mode."""
+    from transformers import ZayaConfig as HfZayaConfig
+    from transformers import ZayaForCausalLM as HfZaya
+
+    from moeckpt.trainer.models import resolve_model
+    from moeckpt.trainer.models.layers import build_model
+    from moeckpt.trainer.models.zaya.hf import to_hf_config
+
+    spec = resolve_model(preset)
+    torch.manual_seed(0)
+    ours = build_model(spec).to(dev, dtype)
+    doc = to_hf_config(spec.config, dtype=str(dtype).removeprefix("torch."))
+    hf = HfZaya(HfZayaConfig(**{k: v for k, v in doc.items() if k not in ("architectures", "model_type")}))
+    hf = hf.to(dev, dtype)
+    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
+    if [k for k in missing if k != "lm_head.weight"] or unexpected:
+        raise SystemExit(f"state dicts differ: {missing[:5]} {unexpected[:5]}")
+    return ours.train(), hf.train(), spec.config
+
+
+def make_step(model, loss_fn):
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+
+    def step():
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def profile_step(name: str, step, dev: torch.device, steps: int, rows: int, out_dir: str | None) -> None:
+    cuda = dev.type == "cuda"
+    for _ in range(3):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = events.table(sort_by=sort, row_limit=rows, max_name_column_width=60)
+    print(f"\n===== {name}: {steps} step(s), sorted by {sort} =====\n{table}", flush=True)
+    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
+    d2h = sum(e.count for e in events if e.key in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero"))
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    ops = sum(e.count for e in events if e.key.startswith("aten::"))
+    print(f"{name}: per step {ops / steps:.0f} aten ops, {launches / steps:.0f} kernel launches, "
+          f"{syncs / steps:.1f} stream syncs, {d2h / steps:.1f} item/nonzero calls", flush=True)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        safe = "".join(c if c.isalnum() else "_" for c in name)
+        with open(os.path.join(out_dir, f"profile_{safe}.txt"), "w") as f:
+            f.write(events.table(sort_by=sort, row_limit=80, max_name_column_width=80))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="zaya-small")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default=None, help="folder for the full tables")
+    ap.add_argument("--only", choices=["ours", "transformers"], default=None)
+    args = ap.parse_args()
+
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    ours, hf, cfg = build_pair(args.preset, dev, dtype)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=dev)
+    if args.only != "transformers":
+        profile_step("ours", make_step(ours, lambda: ours.loss(ids)), dev, args.steps, args.rows, args.out)
+    if args.only != "ours":
+        profile_step("transformers", make_step(hf, lambda: hf(input_ids=ids, labels=ids).loss), dev, args.steps,
+                     args.rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
