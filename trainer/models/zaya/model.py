@@ -22,10 +22,12 @@ from ..layers import (
     Shard,
     VocabEmbedding,
     apply_rotary,
+    apply_rotary_tables,
     causal_attention,
     empty_param,
     init_from_plan,
     rotary_cos_sin,
+    rotary_tables,
 )
 from .config import ZayaConfig
 from .plan import param_specs
@@ -33,7 +35,17 @@ from .plan import param_specs
 
 class CCAProjection(nn.Module):
     """Compressed Convolutional Attention's q/k/v: q/k mixed by two causal convolutions plus residual paths, and a
-    value whose second half comes from the previous token (``v_proj_delayed``)."""
+    value whose second half comes from the previous token (``v_proj_delayed``).
+
+    The four projections keep their own parameters (the checkpoint's names) but run as one matmul over their
+    concatenated weights: one GEMM forward and two backward instead of four and eight, and no concatenation of the
+    q and k activations for the convolutions.
+    """
+
+    #: ``"channels_last"`` runs the two convolutions on ``[B, T, C]`` data as 1 x k 2-D convolutions in channels-last
+    #: layout (what the projection produces; no transposes); ``"channels_first"`` as ``nn.Conv1d`` on ``[B, C, T]``,
+    #: as transformers does. The same arithmetic either way; which is faster depends on the convolution library.
+    conv_layout = "channels_first"
 
     def __init__(self, cfg: ZayaConfig, shard: Shard) -> None:
         super().__init__()
@@ -57,24 +69,41 @@ class CCAProjection(nn.Module):
         self.conv_qk_grouped = nn.Conv1d(channels, channels, cfg.cca_time1, groups=self.num_heads + self.num_kv)
         self.pad = (cfg.cca_time0 - 1) + (cfg.cca_time1 - 1)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [B, T, H]`` -> query ``[B, T, heads, D]``, key and value ``[B, T, kv_heads, D]``."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, T, H]`` -> query and key heads ``[B, T, heads + kv_heads, D]`` (queries first), value
+        ``[B, T, kv_heads, D]``."""
         b, t, _ = x.shape
-        hd = self.head_dim
-        q_lin, k_lin = self.q_proj(x), self.k_proj(x)
-        # Residual paths: each query head averaged with its key head; each key head the mean of its group.
-        q_res = (q_lin.view(b, t, self.num_heads, hd)
-                 + k_lin.view(b, t, self.num_kv, hd).repeat_interleave(self.groups, dim=2)) * 0.5
-        k_res = q_res.view(b, t, self.num_kv, self.groups, hd).mean(dim=-2)
-        qk = F.pad(torch.cat([q_lin, k_lin], dim=-1).transpose(1, 2), (self.pad, 0))  # causal: pad the past only
-        qk = self.conv_qk_grouped(self.conv_qk_depthwise(qk)).transpose(1, 2)
-        nq = self.num_heads * hd
-        query = qk[..., :nq].reshape(b, t, self.num_heads, hd) + q_res
-        key = qk[..., nq:].reshape(b, t, self.num_kv, hd) + k_res
+        hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv
+        nq, nk = nh * hd, nkv * hd
+        vc, vd = self.v_proj_current.weight, self.v_proj_delayed.weight
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, vc, vd])
+        # split, not slicing: its backward is one concatenation, where each slice's would be a zero-filled
+        # full-width gradient summed with the others.
+        qk_lin, v_cur, v_del = F.linear(x, weight).split([nq + nk, vc.shape[0], vd.shape[0]], dim=-1)
+        q_lin, k_lin = qk_lin.split([nq, nk], dim=-1)
+        # Residual paths: each query head averaged with its key head (broadcast over the group, no repeated copy);
+        # each key head the mean of its group.
+        q_res = (q_lin.view(b, t, nkv, self.groups, hd) + k_lin.view(b, t, nkv, 1, hd)) * 0.5
+        res = torch.cat([q_res.view(b, t, nh, hd), q_res.mean(dim=-2)], dim=2)
+        # The sum takes the convolution output's memory layout (it comes first), as in transformers: the L2 norms
+        # that follow then reduce in the same order, so fp32 results match transformers' bit for bit on CPU.
+        qk = self._conv(qk_lin).unflatten(-1, (nh + nkv, hd)) + res
         # The delayed half at position i is the projection of token i-1 (zeros before the first token).
-        delayed = F.pad(self.v_proj_delayed(x)[:, :-1], (0, 0, 1, 0))
-        value = torch.cat([self.v_proj_current(x), delayed], dim=-1).view(b, t, self.num_kv, hd)
-        return query, key, value
+        delayed = F.pad(v_del[:, :-1], (0, 0, 1, 0))
+        value = torch.cat([v_cur, delayed], dim=-1).view(b, t, nkv, hd)
+        return qk, value
+
+    def _conv(self, qk: torch.Tensor) -> torch.Tensor:
+        """Both causal convolutions over time of ``qk [B, T, C]`` -> ``[B, T, C]`` (a view, maybe strided)."""
+        dw, gr = self.conv_qk_depthwise, self.conv_qk_grouped
+        if self.conv_layout == "channels_last":
+            # [B, T, C] memory is a channels-last [B, C, 1, T] image: the 1-D kernels become 1 x k 2-D kernels.
+            h = F.pad(qk, (0, 0, self.pad, 0)).unsqueeze(1).permute(0, 3, 1, 2)  # causal: pad the past only
+            h = F.conv2d(h, dw.weight.unsqueeze(2), dw.bias, groups=dw.groups)
+            h = F.conv2d(h, gr.weight.unsqueeze(2), gr.bias, groups=gr.groups)
+            return h.permute(0, 2, 3, 1).flatten(1, 2)
+        h = F.pad(qk.transpose(1, 2), (self.pad, 0))
+        return gr(dw(h)).transpose(1, 2)
 
 
 class QKNorm(nn.Module):
@@ -85,11 +114,12 @@ class QKNorm(nn.Module):
         self.scale = head_dim**0.5
         self.temp = empty_param(num_kv)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        eps = torch.finfo(q.dtype).eps
-        q = q * (self.scale / q.norm(p=2, dim=-1, keepdim=True).clamp_min(eps))
-        k = k * (self.scale / k.norm(p=2, dim=-1, keepdim=True).clamp_min(eps))
-        return q, k * self.temp[None, None, :, None]
+    def forward(self, qk: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """``qk [B, T, heads + kv_heads, D]`` (queries first), normalised in one pass over both."""
+        eps = torch.finfo(qk.dtype).eps
+        qk = qk * (self.scale / qk.norm(p=2, dim=-1, keepdim=True).clamp_min(eps))
+        # Query heads times exactly 1, key heads times temp: one multiply instead of slicing out the keys.
+        return qk * F.pad(self.temp, (num_heads, 0), value=1.0)[:, None]
 
 
 class Attention(nn.Module):
@@ -105,12 +135,29 @@ class Attention(nn.Module):
         self.qk_norm = QKNorm(qkv_proj.num_kv, cfg.head_dim)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(self.comm.tp_enter(x))
-        q, k = self.qk_norm(q, k)
-        q, k = apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
-        return self.comm.tp_sum(self.o_proj(causal_attention(q, k, v, self.scale)))
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """``tables``: :func:`rotary_tables` of ``cos, sin`` when the caller shares them over layers."""
+        nh = self.qkv_proj.num_heads
+        qk, v = self.qkv_proj(self.comm.tp_enter(x))
+        qk = self.qk_norm(qk, nh)
+        if tables is None:
+            tables = rotary_tables(cos, sin, qk.shape[-1])
+        if tables is not None:
+            # q and k rotated together: [B, T, heads, D] against [T, 1, D] tables.
+            qk = apply_rotary_tables(qk, tables[0][:, None], tables[1][:, None], cos.shape[-1]).transpose(1, 2)
+        else:
+            qk = apply_rotary(qk.transpose(1, 2), cos, sin)
+        if qk.stride(-1) != 1:
+            # channels-first convolutions leave time as the fastest dimension; attention kernels want head_dim.
+            qk = qk.contiguous()
+        q, k = qk.split([nh, qk.shape[1] - nh], dim=1)
+        return self.comm.tp_sum(self.o_proj(causal_attention(q, k, v.transpose(1, 2), self.scale)))
 
 
 class RouterMLP(nn.Module):
@@ -198,10 +245,15 @@ class DecoderLayer(nn.Module):
         self.post_mlp_residual_scale = ResidualScaling(cfg.hidden_size)
 
     def forward(
-        self, residual: torch.Tensor, state: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        residual: torch.Tensor,
+        state: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = self.input_layernorm.weight.dtype
-        h = self.self_attn(self.input_layernorm(residual.to(dtype)), cos, sin)
+        h = self.self_attn(self.input_layernorm(residual.to(dtype)), cos, sin, tables)
         residual = self.post_attention_residual_scale(h, residual)
         h, state = self.mlp(self.post_attention_layernorm(residual.to(dtype)), state)
         return self.post_mlp_residual_scale(h, residual), state
@@ -216,6 +268,7 @@ class ZayaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard, comm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
+        self.head_dim = cfg.head_dim
         self.rope_theta = cfg.rope_theta
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -223,10 +276,11 @@ class ZayaModel(nn.Module):
         emb = self.embed_tokens(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
         cos, sin = rotary_cos_sin(positions, self.rotary_dim, self.rope_theta, emb.dtype)
+        tables = rotary_tables(cos, sin, self.head_dim)  # once for all layers
         h = ((emb + self.input_hidden_states_bias) * self.input_hidden_states_scale).to(torch.float32)
         state = None  # EDA: each layer's router adds the previous layer's router state
         for layer in self.layers:
-            h, state = layer(h, state, cos, sin)
+            h, state = layer(h, state, cos, sin, tables)
         return self.norm(h.to(self.norm.weight.dtype))
 
 
