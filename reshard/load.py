@@ -24,7 +24,7 @@ import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
-from moeckpt.formats.errors import LayoutError
+from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError, StorageError
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef
 
@@ -254,11 +254,15 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_byt
         torch.empty(p.box.shape, dtype=dtypes.to_torch(index.tensors[p.tensor].dtype)) for p in mine.pieces
     ]
     owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
+    extract = _GuardedExtract(index)
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moeckpt-read") as pool:
-        chunks = ChunkReader(
-            reader, _refs_for(reader, owned_sources), chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool
-        )
-        _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats)
+        try:
+            refs = _refs_for(reader, owned_sources)  # reads the headers of the files this rank reads from
+        except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail
+            extract.failure, refs = e, {}
+        chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool)
+        _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
+    _raise_if_any_failed(extract.failure, group, reader.location)
     stats.bytes_read += chunks.bytes_read
     state: RankState = {}
     for piece, t in zip(mine.pieces, state_list):
@@ -266,13 +270,75 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_byt
     return state
 
 
-def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats) -> None:
+class LoadFailedError(MoeckptError, RuntimeError):
+    """Another rank of a collective load failed to read its part (its own error names the cause)."""
+
+    exit_code = 1
+
+
+class _GuardedExtract:
+    """Reads the regions this rank owns; after a read fails it keeps the rank in step with zeros.
+
+    Every rank must take part in every all_to_all round, or the others wait for it until the process group's
+    timeout. A damaged piece (checksum mismatch, truncated file) is therefore remembered, the rounds finish with
+    zeros in its place, and all ranks then raise the same error together (:func:`_raise_if_any_failed`).
+    """
+
+    def __init__(self, index):
+        self.index = index
+        self.failure: MoeckptError | OSError | None = None
+
+    def __call__(self, chunks: ChunkReader, tensor: str, src: Box, sub: Box) -> torch.Tensor:
+        if self.failure is None:
+            try:
+                return _extract(chunks, tensor, src, sub)
+            except (MoeckptError, OSError) as e:
+                self.failure = e
+        return torch.zeros(sub.shape, dtype=dtypes.to_torch(self.index.tensors[tensor].dtype))
+
+
+#: errors a failed collective read is re-raised as on the ranks that did not see it themselves.
+_SHARED_ERRORS = {cls.__name__: cls for cls in (ChecksumMismatchError, DataFileError, StorageError)}
+_MESSAGE_BYTES = 2048
+
+
+def _raise_if_any_failed(failure: BaseException | None, group, location: str) -> None:
+    """Collective: if any rank's read failed, every rank raises (the failing rank its own error, the others the
+    same error class naming that rank), so callers can react the same way everywhere (e.g. fall back)."""
+    import json
+
+    import torch.distributed as dist
+
+    note = b""
+    if failure is not None:
+        note = json.dumps({"type": type(failure).__name__, "message": str(failure)}).encode()[:_MESSAGE_BYTES]
+    mine = torch.zeros(_MESSAGE_BYTES + 4, dtype=torch.uint8)
+    mine[:4] = torch.tensor(list(len(note).to_bytes(4, "little")), dtype=torch.uint8)
+    mine[4 : 4 + len(note)] = torch.frombuffer(bytearray(note), dtype=torch.uint8) if note else mine[4:4]
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    if failure is not None:
+        raise failure
+    for g, buf in enumerate(everyone):
+        n = int.from_bytes(bytes(buf[:4].tolist()), "little")
+        if n:
+            try:
+                doc = json.loads(bytes(buf[4 : 4 + n].tolist()))
+            except ValueError:  # truncated to _MESSAGE_BYTES mid-character
+                doc = {"type": "", "message": bytes(buf[4 : 4 + n].tolist()).decode(errors="replace")}
+            cls = _SHARED_ERRORS.get(doc.get("type"), LoadFailedError)
+            raise cls(f"{location}: group rank {g} could not read its part: {doc.get('message')}")
+
+
+def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract=None) -> None:
     """Run the rounds: read owned chunks (ahead, in the pool), keep local regions, all_to_all the rest."""
     import torch.distributed as dist
 
+    extract = extract or _extract
+    failed = lambda: getattr(extract, "failure", None) is not None  # noqa: E731
     for keys in rounds:
         for key in keys:
-            if owner[key] == me and key[2]:
+            if owner[key] == me and key[2] and not failed():
                 ref = chunks.ref(key[0], Box(key[1], key[2]))
                 per = chunks.chunk_rows(ref)
                 c = key[4]
@@ -303,12 +369,12 @@ def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, g
             src = Box(key[1], key[2])
             for g, pos, sub in units[key]:
                 if g == me:
-                    state_list[pos][sub.relative_to(mine.pieces[pos].box).slices()] = _extract(chunks, key[0], src, sub)
+                    state_list[pos][sub.relative_to(mine.pieces[pos].box).slices()] = extract(chunks, key[0], src, sub)
         for g, off, key, sub in sends:
             dtype = dtypes.to_torch(index.tensors[key[0]].dtype)
             start = in_starts[g] + off
             slot = flat_in[start : start + sub.numel * dtypes.itemsize(index.tensors[key[0]].dtype)]
-            slot.view(dtype).view(sub.shape).copy_(_extract(chunks, key[0], Box(key[1], key[2]), sub))
+            slot.view(dtype).view(sub.shape).copy_(extract(chunks, key[0], Box(key[1], key[2]), sub))
         flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
         # Every rank takes part in every round (rounds are global), even with nothing to send or receive.
         dist.all_to_all_single(flat_out, flat_in, recv_sizes, in_sizes, group=group)

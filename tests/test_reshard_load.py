@@ -124,3 +124,34 @@ def test_load_from_zarr_source(tmp_path):
         for name, boxes in state.items():
             for box, t in boxes:
                 assert torch.equal(t, values[name][box.slices()]), (name, rank)
+
+
+def _load_damaged(rank: int, location: str, layout: dict, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    try:
+        load_rank_state(location, Layout(**layout), rank, group=dist.group.WORLD, round_bytes=64 * 1024)
+        outcome = {"error": None}
+    except Exception as e:  # noqa: BLE001 - the test inspects which error each rank got
+        outcome = {"error": type(e).__name__, "message": str(e)}
+    with open(os.path.join(out_dir, f"damaged{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path):
+    """One rank meets a checksum mismatch; the others must not wait for it in the exchange until the timeout, and
+    all of them raise the same error class (so a trainer can fall back to an older checkpoint on every rank)."""
+    from moeckpt.trainer.parallel import run_local_world
+
+    from .helpers import flip_byte
+
+    spec = presets()["zaya-tiny"]
+    save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))
+    size = os.path.getsize(tmp_path / "a" / "rank-00001.safetensors")
+    flip_byte(str(tmp_path / "a"), "rank-00001.safetensors", size - 3)  # in the data, not the header
+    run_local_world(_load_damaged, 4, str(tmp_path / "a"), Layout(tp=1, ep=2, dp=4).to_json(), str(tmp_path),
+                    timeout_s=60)
+    outcomes = [json.loads((tmp_path / f"damaged{r}.json").read_text()) for r in range(4)]
+    assert {o["error"] for o in outcomes} == {"ChecksumMismatchError"}, outcomes
+    assert all("rank-00001.safetensors" in o["message"] for o in outcomes), outcomes
+    assert sum("could not read its part" not in o["message"] for o in outcomes) >= 1  # the rank that saw it
