@@ -99,6 +99,26 @@ def commit(location: str, index: Index) -> None:
         Storage(old).remove()
 
 
+def quarantine(location: str) -> str:
+    """Take a damaged checkpoint out of its run, so resume skips it and a new save can take its step; returns
+    where it went.
+
+    On local disk the directory is renamed to a visible sibling ``damaged-<name>-<id>`` and kept whole for
+    inspection (``gc`` leaves it alone; delete it when done). On object stores, which cannot rename, the index is
+    removed first: the checkpoint becomes an uncommitted leftover that the next save of that step (or ``gc``)
+    replaces.
+    """
+    final = Storage(location)
+    if final.is_local:
+        name = os.path.basename(final.location.rstrip("/"))
+        target = os.path.join(os.path.dirname(final.location.rstrip("/")), f"damaged-{name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final.location, target)
+        Storage(os.path.dirname(target)).fsync_dir()
+        return target
+    final.remove(INDEX_NAME)
+    return final.location
+
+
 def save_pieces(
     location: str,
     index: Index,

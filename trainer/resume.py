@@ -15,13 +15,17 @@ from typing import Any, Iterable
 import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
-from moeckpt.formats.errors import LayoutError, MoeckptError
+from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
 
 from .optim import StatePiece, ZeroAdamW
 
-__all__ = ["ResumeError", "Restored", "latest_checkpoint", "load_pieces", "restore"]
+__all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "latest_checkpoint", "load_pieces", "restore"]
+
+#: what a damaged checkpoint raises on load (on every rank of a collective load alike): the trainer then falls
+#: back to the previous checkpoint. Other errors (another model, a permission problem) stop the run instead.
+DAMAGED_CHECKPOINT_ERRORS = (ChecksumMismatchError, DataFileError)
 
 
 #: the roles a training run restores: parameters, fp32 masters and the AdamW moments.

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moeckpt.formats.checkpoint import committed_steps, quarantine
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.retention import RetentionPolicy
@@ -42,7 +43,7 @@ from .metrics import MetricsLog
 from .models import ModelSpec, resolve_model
 from .optim import AdamWConfig, ZeroAdamW
 from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
-from .resume import latest_checkpoint, restore
+from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore
 from .schedule import LRSchedule, ScheduleConfig
 
 __all__ = ["DTYPES", "NonFiniteLossError", "TrainConfig", "Trainer", "check_launch", "train"]
@@ -253,12 +254,9 @@ class Trainer:
         self.optimizer.load_master_from_params()
 
     def _resume(self) -> None:
-        # Rank 0 decides, so every rank loads the same step even if a listing (S3) differs between ranks.
-        found = collectives.broadcast_json(latest_checkpoint(self.config.run_dir) if self.rank == 0 else None, 0,
-                                           self.checkpoints.group)
-        if found is None:
+        restored = self._restore_newest_intact()
+        if restored is None:
             return
-        restored = restore(found[1], self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group)
         state = restored.train_state
         self.step = int(state.get("step", restored.step))
         if "data" in state:
@@ -288,6 +286,42 @@ class Trainer:
                 file=sys.stderr,
                 flush=True,
             )
+
+    def _restore_newest_intact(self) -> Restored | None:
+        """Load the newest committed checkpoint that reads back intact (collective); ``None`` for a fresh run.
+
+        A damaged one (a checksum mismatch, a truncated file) is set aside and the previous one tried, so a
+        corrupted file costs the steps since the checkpoint before it, not the run.
+        """
+        # Rank 0 decides, so every rank loads the same step even if a listing (S3) differs between ranks.
+        candidates = collectives.broadcast_json(
+            [[step, st.location] for step, st in reversed(committed_steps(self.config.run_dir))]
+            if self.rank == 0 else None, 0, self.checkpoints.group,
+        )
+        for step, location in candidates:
+            try:
+                return restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group)
+            except DAMAGED_CHECKPOINT_ERRORS as e:
+                # Every rank gets the same error class from a collective load, so all of them fall back together.
+                self._set_aside_damaged(step, location, e)
+        if candidates:
+            raise ResumeError(
+                f"{self.config.run_dir}: all {len(candidates)} committed checkpoints are damaged (see the "
+                "'damaged_checkpoint' events in metrics.jsonl); restore one from a copy or start a new --run-dir"
+            )
+        return None
+
+    def _set_aside_damaged(self, step: int, location: str, error: Exception) -> None:
+        """Resume found ``location`` damaged: record it, move it out of the way (rank 0) and let the caller try the
+        previous checkpoint. Collective, so no rank lists the run directory before the move is done."""
+        moved = None
+        if self.rank == 0:
+            moved = quarantine(location)
+            print(f"moeckpt: warning: checkpoint of step {step} is damaged ({error}); moved it to {moved} and "
+                  "resuming from the previous one", file=sys.stderr, flush=True)
+            self.metrics.write({"event": "damaged_checkpoint", "step": step, "error": str(error),
+                                "moved_to": moved, "time": time.time()})
+        collectives.broadcast_json(moved, 0, self.checkpoints.group)
 
     # ------------------------------------------------------------------------------------------- steps
 
@@ -414,21 +448,23 @@ class Trainer:
         cfg = self.config
         self.nan_rollbacks += 1
         self.checkpoints.wait()
-        found = collectives.broadcast_json(latest_checkpoint(cfg.run_dir) if self.rank == 0 else None, 0,
-                                           self.checkpoints.group)
-        if found is None or self.nan_rollbacks > cfg.max_nan_rollbacks:
-            why = "no checkpoint to roll back to" if found is None else f"{cfg.max_nan_rollbacks} rollbacks did not help"
+        if self.nan_rollbacks > cfg.max_nan_rollbacks:
             raise NonFiniteLossError(
-                f"step {self.step}: loss is {loss} and {why}; lower --lr or check the data near sample "
-                f"{self.loader.consumed_samples}. The checkpoints in {cfg.run_dir} are intact"
+                f"step {self.step}: loss is {loss} and {cfg.max_nan_rollbacks} rollbacks did not help; lower --lr or "
+                f"check the data near sample {self.loader.consumed_samples}. The checkpoints in {cfg.run_dir} are intact"
             )
         position = self.loader.state_dict()
-        restored = restore(found[1], self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group)
+        restored = self._restore_newest_intact()
+        if restored is None:
+            raise NonFiniteLossError(
+                f"step {self.step}: loss is {loss} and there is no checkpoint to roll back to; lower --lr or check "
+                f"the data near sample {self.loader.consumed_samples}"
+            )
         self.step = int(restored.train_state.get("step", restored.step))
         self.schedule.steps = int(restored.train_state.get("schedule", {}).get("steps", self.step))
         self.loader.load_state_dict(position)  # skip the window: continue after the bad batch
         if self.rank == 0:
-            print(f"moeckpt: loss {loss} at step {self.step}: rolled back to {found[1]} (step {self.step}), "
+            print(f"moeckpt: loss {loss} at step {self.step}: rolled back to {restored.location} (step {self.step}), "
                   f"skipping to sample {self.loader.consumed_samples} (rollback {self.nan_rollbacks} of "
                   f"{cfg.max_nan_rollbacks})", file=sys.stderr, flush=True)
         self.metrics.write({"step": self.step, "event": "nan_rollback", "bad_loss": str(loss),
