@@ -51,7 +51,10 @@ def make_step(model, loss_fn):
     return step
 
 
-def profile_step(name: str, step, dev: torch.device, steps: int, rows: int, out_dir: str | None) -> None:
+def profile_step(name: str, step, dev: torch.device, steps: int, rows: int, out_dir: str | None) -> dict:
+    """Profile ``steps`` steps after three warm-up steps; print the table (or write it to ``out_dir``)."""
+    import time
+
     cuda = dev.type == "cuda"
     for _ in range(3):
         step()
@@ -59,25 +62,38 @@ def profile_step(name: str, step, dev: torch.device, steps: int, rows: int, out_
         torch.cuda.synchronize()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
         for _ in range(steps):
             step()
         if cuda:
             torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
     events = prof.key_averages()
     sort = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = events.table(sort_by=sort, row_limit=rows, max_name_column_width=60)
-    print(f"\n===== {name}: {steps} step(s), sorted by {sort} =====\n{table}", flush=True)
-    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize"))
-    d2h = sum(e.count for e in events if e.key in ("aten::item", "aten::_local_scalar_dense", "aten::nonzero"))
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-    ops = sum(e.count for e in events if e.key.startswith("aten::"))
-    print(f"{name}: per step {ops / steps:.0f} aten ops, {launches / steps:.0f} kernel launches, "
-          f"{syncs / steps:.1f} stream syncs, {d2h / steps:.1f} item/nonzero calls", flush=True)
+    count = {}
+    for e in events:
+        count[e.key] = count.get(e.key, 0) + e.count
+    summary = {
+        "wall_ms_per_step_profiled": wall * 1e3,
+        "device_ms_per_step": sum(e.self_device_time_total for e in events) / steps / 1e3 if cuda else 0.0,
+        "kernels_per_step": sum(count.get(k, 0) for k in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                            "cudaLaunchKernelExC", "cuLaunchKernelEx")) / steps,
+        "syncs_per_step": sum(count.get(k, 0) for k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
+                                                          "cudaEventSynchronize")) / steps,
+        "memcpy_per_step": sum(count.get(k, 0) for k in ("cudaMemcpyAsync", "cudaMemcpy")) / steps,
+        "aten_ops_per_step": sum(v for k, v in count.items() if k.startswith("aten::")) / steps,
+    }
+    line = f"{name}: " + ", ".join(f"{k} {v:.1f}" for k, v in summary.items())
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         safe = "".join(c if c.isalnum() else "_" for c in name)
         with open(os.path.join(out_dir, f"profile_{safe}.txt"), "w") as f:
-            f.write(events.table(sort_by=sort, row_limit=80, max_name_column_width=80))
+            f.write(f"{line}\n\n{table}\n")
+    else:
+        print(f"\n===== {name}: {steps} step(s), sorted by {sort} =====\n{table}", flush=True)
+    print(line, flush=True)
+    return summary
 
 
 def main() -> None:
@@ -90,6 +106,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default=None, help="folder for the full tables")
     ap.add_argument("--only", choices=["ours", "transformers"], default=None)
+    ap.add_argument("--ours-layouts", default="", help="CCA conv layouts to profile ours with (default: the model's)")
     args = ap.parse_args()
 
     dev = torch.device(args.device)
@@ -97,7 +114,14 @@ def main() -> None:
     ours, hf, cfg = build_pair(args.preset, dev, dtype)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=dev)
     if args.only != "transformers":
-        profile_step("ours", make_step(ours, lambda: ours.loss(ids)), dev, args.steps, args.rows, args.out)
+        from moeckpt.trainer.models.zaya import model as zaya_model
+
+        default = zaya_model.CCAProjection.conv_layout
+        for layout in args.ours_layouts.split(",") if args.ours_layouts else [default]:
+            zaya_model.CCAProjection.conv_layout = layout
+            label = "ours" if layout == default else f"ours conv {layout}"
+            profile_step(label, make_step(ours, lambda: ours.loss(ids)), dev, args.steps, args.rows, args.out)
+        zaya_model.CCAProjection.conv_layout = default
     if args.only != "ours":
         profile_step("transformers", make_step(hf, lambda: hf(input_ids=ids, labels=ids).loss), dev, args.steps,
                      args.rows, args.out)

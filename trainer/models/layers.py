@@ -385,14 +385,18 @@ def cross_entropy(
     about five more passes over the ``[tokens, vocab]`` fp32 logits, forward and backward, the largest tensor of
     a training step.
     """
-    logits = logits.float().reshape(-1, logits.shape[-1])
+    logits = logits.reshape(-1, logits.shape[-1])
     targets = targets.reshape(-1)
     valid = targets != IGNORE_INDEX
     count = valid.sum().clamp_min(1)
     if split is None:
         split = comm is not SINGLE_PROCESS
     if not split:
-        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum") / count
+        # log_softmax with an fp32 result is cross-entropy on ``logits.float()`` (widening is exact); where the
+        # kernel can, it reads the low-precision logits directly instead of materialising an fp32 copy.
+        logp = F.log_softmax(logits, dim=-1, dtype=torch.float32)
+        return F.nll_loss(logp, targets, ignore_index=IGNORE_INDEX, reduction="sum") / count
+    logits = logits.float()
     local = targets - vocab_start
     mine = valid & (local >= 0) & (local < logits.shape[-1])
     shift = comm.tp_max(logits.detach().amax(dim=-1))

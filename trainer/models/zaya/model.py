@@ -44,7 +44,8 @@ class CCAProjection(nn.Module):
 
     #: ``"channels_last"`` runs the two convolutions on ``[B, T, C]`` data as 1 x k 2-D convolutions in channels-last
     #: layout (what the projection produces; no transposes); ``"channels_first"`` as ``nn.Conv1d`` on ``[B, C, T]``,
-    #: as transformers does. The same arithmetic either way; which is faster depends on the convolution library.
+    #: as transformers does; ``"auto"``: channels-last on GPUs, channels-first elsewhere. The same arithmetic either
+    #: way (rounded in another order); which is faster depends on the convolution library.
     conv_layout = "channels_first"
 
     def __init__(self, cfg: ZayaConfig, shard: Shard) -> None:
@@ -96,7 +97,10 @@ class CCAProjection(nn.Module):
     def _conv(self, qk: torch.Tensor) -> torch.Tensor:
         """Both causal convolutions over time of ``qk [B, T, C]`` -> ``[B, T, C]`` (a view, maybe strided)."""
         dw, gr = self.conv_qk_depthwise, self.conv_qk_grouped
-        if self.conv_layout == "channels_last":
+        layout = self.conv_layout
+        if layout == "auto":
+            layout = "channels_last" if qk.is_cuda else "channels_first"
+        if layout == "channels_last":
             # [B, T, C] memory is a channels-last [B, C, 1, T] image: the 1-D kernels become 1 x k 2-D kernels.
             h = F.pad(qk, (0, 0, self.pad, 0)).unsqueeze(1).permute(0, 3, 1, 2)  # causal: pad the past only
             h = F.conv2d(h, dw.weight.unsqueeze(2), dw.bias, groups=dw.groups)
