@@ -15,6 +15,7 @@ import argparse
 import os
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -76,7 +77,9 @@ def profile_step(name: str, step, dev: torch.device, steps: int, rows: int, out_
         count[e.key] = count.get(e.key, 0) + e.count
     summary = {
         "wall_ms_per_step_profiled": wall * 1e3,
-        "device_ms_per_step": sum(e.self_device_time_total for e in events) / steps / 1e3 if cuda else 0.0,
+        # kernels only (device-side events): operator rows repeat their kernels' time
+        "device_ms_per_step": sum(e.self_device_time_total for e in events
+                                  if e.device_type != DeviceType.CPU and not e.is_user_annotation) / steps / 1e3,
         "kernels_per_step": sum(count.get(k, 0) for k in ("cudaLaunchKernel", "cuLaunchKernel",
                                                             "cudaLaunchKernelExC", "cuLaunchKernelEx")) / steps,
         "syncs_per_step": sum(count.get(k, 0) for k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
