@@ -6,6 +6,12 @@ checkpoint of step 15 resharded to dp 2, node C joins and the world grows back t
 ``elastic_agents.json`` (records and timeline) and ``elastic_agents.png`` under ``--out``.
 
 Usage: ``python benchmarks/elastic_agents.py --out docs/benchmarks``.
+
+With ``--gpus`` each node is one worker on a GPU of its own (node A on GPU 0, nodes B and C on GPU 1, NCCL), the
+model GPU-sized (``--model zaya-small --dtype bf16``) and ``--ep auto`` so each world takes the widest expert
+parallelism it can (ep 2 on 2 GPUs, 1 on one); output ``elastic_agents_gpu.{json,png}``::
+
+    python benchmarks/elastic_agents.py --gpus --out docs/benchmarks/gpu
 """
 
 from __future__ import annotations
@@ -25,29 +31,49 @@ from moeckpt.trainer.elastic_drill import plot_drill, run_shrink_grow_drill
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="docs/benchmarks")
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--gpus", action="store_true", help="one worker per node, each node on its own GPU (2 GPUs)")
+    ap.add_argument("--steps", type=int, default=None, help="default 80 (CPU) or 60 (GPU)")
     ap.add_argument("--kill-at", type=int, default=17)
+    ap.add_argument("--model", default=None, help="default zaya-tiny (CPU) or zaya-small (GPU)")
+    ap.add_argument("--slow", type=float, default=0.15, help="straggler delay per step, seconds")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="moeckpt-elastic-")
     run = os.path.join(work, "run")
-    train_args = ["--model", "zaya-tiny", "--run-dir", run, "--steps", str(args.steps), "--save-every", "5",
-                  "--ep", "2", "--seed", "1", "--warmup-steps", "3", "--cpu", "--hang-timeout", "60",
-                  "--inject", "slow:step=1,seconds=0.15"]
-    result = run_shrink_grow_drill(run, train_args, nproc=2, kill_at_step=args.kill_at, progress=print)
+    if args.gpus:
+        steps, model, nproc, name = args.steps or 60, args.model or "zaya-small", 1, "elastic_agents_gpu"
+        extra = ["--ep", "auto", "--dtype", "bf16", "--global-batch", "16", "--seq-len", "512", "--lr", "1e-3",
+                 "--save-every", "10", "--hang-timeout", "30"]
+        node_env = lambda node: {"CUDA_VISIBLE_DEVICES": "0" if node == "A" else "1"}  # noqa: E731
+    else:
+        steps, model, nproc, name = args.steps or 80, args.model or "zaya-tiny", 2, "elastic_agents"
+        extra = ["--ep", "2", "--cpu", "--save-every", "5", "--hang-timeout", "60"]
+        node_env = None
+    train_args = ["--model", model, "--run-dir", run, "--steps", str(steps), "--seed", "1", "--warmup-steps", "3",
+                  *extra, "--inject", f"slow:step=1,seconds={args.slow}"]
+    result = run_shrink_grow_drill(run, train_args, nproc=nproc, kill_at_step=args.kill_at, timeout_s=540,
+                                   node_env=node_env, progress=print)
     print("worlds (first step, workers):", result.worlds(), "exit codes:", result.exit_codes)
     os.makedirs(args.out, exist_ok=True)
     doc = {
-        "command": "python benchmarks/elastic_agents.py --out " + args.out,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        "command": "python benchmarks/elastic_agents.py " + ("--gpus " if args.gpus else "") + "--out " + args.out,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+        + (f", 2 x {torch.cuda.get_device_name(0)}" if args.gpus else ""),
         "train_args": [a if a != run else "RUN_DIR" for a in train_args],
         "timeline": result.timeline,
         "worlds": result.worlds(),
         "exit_codes": result.exit_codes,
         "records": result.records,
     }
-    with open(os.path.join(args.out, "elastic_agents.json"), "w") as f:
+    with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot_drill(result, os.path.join(args.out, "elastic_agents.png"))
+    plot_drill(result, os.path.join(args.out, f"{name}.png"),
+               title=f"{model} under torchrun elastic agents ({'GPUs, NCCL' if args.gpus else 'CPU, gloo'}): "
+                     f"node lost at step {args.kill_at}, node joins later")
+    for node, text in result.logs.items():
+        with open(os.path.join(work, f"node-{node}.log"), "w") as f:
+            f.write(text)
+    if result.exit_codes != {"A": 0, "C": 0}:
+        print("\n".join(f"--- node {n}\n{t[-3000:]}" for n, t in result.logs.items()))
     shutil.rmtree(work, ignore_errors=True)
 
 

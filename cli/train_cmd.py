@@ -9,13 +9,35 @@ from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, train
 
 
+class _EpDegree(click.ParamType):
+    """A positive integer, or ``auto`` (``None``: chosen per world size)."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto":
+            return None
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            n = 0
+        if n < 1:
+            self.fail(f"{value!r} is neither a positive integer nor auto", param, ctx)
+        return n
+
+
+EP_DEGREE = _EpDegree()
+
+
 @click.command("train")
 @click.option("--model", "model", required=True, help="preset name (zaya-tiny, qwen3moe-tiny, ...) or a config.json")
 @click.option("--data", default=None, help="token file: .bin (uint16) or .txt (bytes)  [default: the shipped demo text]")
 @click.option("--data-dtype", default="auto", show_default=True, help="token dtype of --data: auto, uint16, uint32, bytes")
 @click.option("--run-dir", required=True, help="run directory (local path or s3://...): checkpoints and metrics.jsonl")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="tensor-parallel degree")
-@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="expert-parallel degree (divides dp = nproc / tp)")
+@click.option("--ep", type=EP_DEGREE, default="1", show_default=True,
+              help="expert-parallel degree (divides dp = world / tp), or auto: the widest the model accepts in each "
+                   "world (for elastic runs that may shrink below it)")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="local processes (starts torchrun when > 1)")
 @click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True, help="total steps of the run (a resumed run continues up to it)")
 @click.option("--stop-at", type=click.IntRange(min=0), default=None, help="stop this invocation after this step (saving first)")

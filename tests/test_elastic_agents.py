@@ -3,6 +3,7 @@ alone, a new node joins and the world grows back to 4 (issue 7). Real agents, re
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -77,3 +78,22 @@ def test_workers_warn_when_an_elastic_job_shares_the_agent_store():
     assert shared_store_warning({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"}) is None
     # and our launcher opts out, so its workers never see the shared store
     assert torchrun_env(2, base={})["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_every_world_an_elastic_job_may_reach_is_checked_before_it_starts(tmp_path, moeckpt_cli):
+    from moeckpt.formats.errors import LayoutError
+    from moeckpt.trainer.train import TrainConfig, check_launch
+
+    run = str(tmp_path / "run")
+    # ep=2 cannot run once the job shrinks to one node of one worker: refused up front, nothing started
+    code, _, err = moeckpt_cli("train", "--model", "zaya-tiny", "--run-dir", run, "--cpu", "--ep", "2",
+                               "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1")
+    assert code == 2 and "ep=2" in err and not os.path.exists(run)
+    # --ep auto: the widest expert parallelism each world allows
+    auto = TrainConfig(model="zaya-tiny", run_dir=run, ep=None, global_batch=8)
+    for world in (1, 2, 4):
+        check_launch(auto, world)
+    with pytest.raises(LayoutError):
+        check_launch(TrainConfig(model="zaya-tiny", run_dir=run, ep=2), 1)
+    code, _, err = moeckpt_cli("train", "--model", "zaya-tiny", "--run-dir", run, "--ep", "two")
+    assert code == 2 and "auto" in err

@@ -59,15 +59,17 @@ def free_local_port() -> int:
 
 
 def start_node(name: str, train_args: Sequence[str], *, nproc: int, nnodes: str, endpoint: str, log_dir: str,
-               max_restarts: int = 4, rdzv_conf: str = DRILL_RDZV_CONF) -> LocalNode:
+               max_restarts: int = 4, rdzv_conf: str = DRILL_RDZV_CONF,
+               env: dict[str, str] | None = None) -> LocalNode:
     """Start one node: ``moeckpt train TRAIN_ARGS --nproc N --nnodes MIN:MAX --rdzv-endpoint ...`` in the
-    background, its output in ``log_dir/node-NAME.log``."""
+    background, its output in ``log_dir/node-NAME.log``; ``env`` adds to the environment (e.g. the node's GPUs
+    as ``CUDA_VISIBLE_DEVICES``, so two nodes on one machine do not share a GPU)."""
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"node-{name}.log")
     cmd = [sys.executable, "-m", "moeckpt.cli.main", "train", *train_args, "--nproc", str(nproc),
            "--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-conf", rdzv_conf,
            "--max-restarts", str(max_restarts)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "w") as log:
         # Its own session, so that killing the node can never reach the drill's process group.
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -167,11 +169,12 @@ class DrillResult:
 
 
 def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int = 2, kill_at_step: int = 15,
-                          timeout_s: float = 300.0,
+                          timeout_s: float = 300.0, node_env: Callable[[str], dict[str, str]] | None = None,
                           progress: Callable[[str], None] | None = None) -> DrillResult:
     """Two nodes of ``nproc`` workers train ``train_args`` (which must include ``--run-dir run_dir``); node B is
     killed once the 2-node world reached ``kill_at_step``; node C is started once the survivor trains alone; the
-    drill returns when the run ends (raises :class:`DrillError` if it does not within ``timeout_s``)."""
+    drill returns when the run ends (raises :class:`DrillError` if it does not within ``timeout_s``).
+    ``node_env(name)`` gives each node's extra environment (node C replaces B, so give it B's GPUs)."""
     t0 = time.monotonic()
     timeline: list[tuple[float, str]] = []
 
@@ -183,7 +186,10 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
     port = free_local_port()
     endpoint = f"127.0.0.1:{port}"
     logs = os.path.join(run_dir, "drill-logs")
-    start = lambda name: start_node(name, train_args, nproc=nproc, nnodes="1:2", endpoint=endpoint, log_dir=logs)
+    def start(name: str) -> LocalNode:
+        return start_node(name, train_args, nproc=nproc, nnodes="1:2", endpoint=endpoint, log_dir=logs,
+                          env=node_env(name) if node_env is not None else None)
+
     a = start("A")
     note(f"started node A ({nproc} workers), host of the rendezvous {endpoint}")
     try:

@@ -72,8 +72,9 @@ class TrainConfig:
     data_dtype: str = "auto"
     #: tensor-parallel degree.
     tp: int = 1
-    #: expert-parallel degree (divides dp = world / tp).
-    ep: int = 1
+    #: expert-parallel degree (divides dp = world / tp); ``None`` picks the widest the model accepts in each world
+    #: (elastic runs whose world may shrink below a pinned ep).
+    ep: int | None = 1
     #: total optimizer steps of the run; a resumed run continues up to it.
     steps: int = 100
     #: stop this invocation after this step (saving first), although the run's total is ``steps`` (planned
@@ -135,6 +136,8 @@ class TrainConfig:
             raise ValueError("hang_timeout_s and max_nan_rollbacks must be >= 0")
         for name in ("tp", "ep", "global_batch", "seq_len", "keep_last"):
             value = getattr(self, name)
+            if name == "ep" and value is None:
+                continue
             if type(value) is not int or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
 
