@@ -125,6 +125,15 @@ def _wait_for_port(host: str, port: int, node: LocalNode, timeout_s: float) -> N
     raise DrillError(f"node {node.name} did not open the rendezvous {host}:{port} within {timeout_s:.0f} s")
 
 
+def _newest_commit(run_dir: str) -> int | None:
+    """The newest committed step: the drill kills a node only once there is one (a big GPU state may still be
+    persisting at ``kill_at_step``, and then the survivors would rightly start from scratch)."""
+    from moeckpt.formats.checkpoint import committed_steps
+
+    steps = committed_steps(run_dir)
+    return steps[-1][0] if steps else None
+
+
 def read_records(run_dir: str) -> list[dict]:
     """The run's metrics lines so far (a line being written is skipped)."""
     path = os.path.join(run_dir, "metrics.jsonl")
@@ -172,7 +181,7 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
                           timeout_s: float = 300.0, node_env: Callable[[str], dict[str, str]] | None = None,
                           progress: Callable[[str], None] | None = None) -> DrillResult:
     """Two nodes of ``nproc`` workers train ``train_args`` (which must include ``--run-dir run_dir``); node B is
-    killed once the 2-node world reached ``kill_at_step``; node C is started once the survivor trains alone; the
+    killed once the 2-node world reached ``kill_at_step`` and a checkpoint is committed; node C is started once the survivor trains alone; the
     drill returns when the run ends (raises :class:`DrillError` if it does not within ``timeout_s``).
     ``node_env(name)`` gives each node's extra environment (node C replaces B, so give it B's GPUs)."""
     t0 = time.monotonic()
@@ -207,7 +216,8 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
                 raise DrillError(f"the drill did not finish within {timeout_s:.0f} s (waiting to {phase})")
             steps = [r for r in read_records(run_dir) if "loss" in r]
             last = steps[-1] if steps else None
-            if phase == "kill" and last and last["world"] == 2 * nproc and last["step"] >= kill_at_step:
+            if (phase == "kill" and last and last["world"] == 2 * nproc and last["step"] >= kill_at_step
+                    and _newest_commit(run_dir) is not None):
                 kill_node(b)
                 note(f"killed node B (agent and {nproc} workers) at step {last['step']}, world {last['world']}")
                 phase = "see the survivors train alone"
