@@ -25,7 +25,13 @@ import tempfile
 
 import torch
 
-from moeckpt.trainer.elastic_drill import plot_drill, run_shrink_grow_drill
+from moeckpt.trainer.elastic_drill import DrillResult, plot_drill, run_shrink_grow_drill
+
+
+def _plot(result: DrillResult, path: str, train_args: list[str], gpus: bool) -> None:
+    model = train_args[train_args.index("--model") + 1]
+    plot_drill(result, path, title=f"{model} under torchrun elastic agents ({'GPUs, NCCL' if gpus else 'CPU, gloo'}): "
+                                   f"node lost at step {result.kill_step()}, node joins later")
 
 
 def main() -> None:
@@ -36,7 +42,13 @@ def main() -> None:
     ap.add_argument("--kill-at", type=int, default=17)
     ap.add_argument("--model", default=None, help="default zaya-tiny (CPU) or zaya-small (GPU)")
     ap.add_argument("--slow", type=float, default=0.15, help="straggler delay per step, seconds")
+    ap.add_argument("--replot", metavar="JSON", help="only redraw the figure of an earlier run's JSON")
     args = ap.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            doc = json.load(f)
+        _plot(DrillResult.from_json(doc), args.replot[: -len(".json")] + ".png", doc["train_args"], "--gpus" in doc["command"])
+        return
     work = tempfile.mkdtemp(prefix="moeckpt-elastic-")
     run = os.path.join(work, "run")
     if args.gpus:
@@ -66,9 +78,7 @@ def main() -> None:
     }
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot_drill(result, os.path.join(args.out, f"{name}.png"),
-               title=f"{model} under torchrun elastic agents ({'GPUs, NCCL' if args.gpus else 'CPU, gloo'}): "
-                     f"node lost at step {args.kill_at}, node joins later")
+    _plot(result, os.path.join(args.out, f"{name}.png"), doc["train_args"], args.gpus)
     for node, text in result.logs.items():
         with open(os.path.join(work, f"node-{node}.log"), "w") as f:
             f.write(text)

@@ -168,6 +168,19 @@ class DrillResult:
     def events(self) -> list[dict]:
         return [r for r in self.records if "event" in r]
 
+    def kill_step(self) -> int | None:
+        """The step at which node B was killed (from the timeline)."""
+        for _, what in self.timeline:
+            if what.startswith("killed node B") and " at step " in what:
+                return int(what.split(" at step ")[1].split(",")[0])
+        return None
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "DrillResult":
+        """From what ``benchmarks/elastic_agents.py`` wrote (records, timeline, exit codes; no logs)."""
+        return cls(run_dir="", records=doc["records"], timeline=[tuple(t) for t in doc["timeline"]],
+                   exit_codes=doc["exit_codes"], logs={})
+
     def worlds(self) -> list[tuple[int, int]]:
         """``(first step, world size)`` of each stretch of training at one world size."""
         out: list[tuple[int, int]] = []
@@ -254,13 +267,14 @@ def plot_drill(result: DrillResult, path: str, title: str | None = None) -> None
 
     steps = result.steps()
     fig, ax = plt.subplots(figsize=(9, 4))
-    colors = {4: "#1f77b4", 2: "#d62728"}
+    palette = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    colors = {w: palette[i % len(palette)] for i, w in enumerate(dict.fromkeys(r["world"] for r in steps))}
     # one line per stretch at one world size, in the order they ran (the lost steps are drawn twice)
     stretch: list[dict] = []
     for r in steps + [None]:
         if stretch and (r is None or r["world"] != stretch[-1]["world"] or r["step"] <= stretch[-1]["step"]):
             w = stretch[0]["world"]
-            ax.plot([s["step"] for s in stretch], [s["loss"] for s in stretch], color=colors.get(w, "gray"),
+            ax.plot([s["step"] for s in stretch], [s["loss"] for s in stretch], color=colors[w],
                     marker=".", ms=3, lw=1.2, label=f"{w} workers")
             stretch = []
         if r is not None:
