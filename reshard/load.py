@@ -259,10 +259,11 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_byt
         try:
             refs = _refs_for(reader, owned_sources)  # reads the headers of the files this rank reads from
         except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail
-            extract.failure, refs = e, {}
+            extract.failure, refs = e.with_traceback(None), {}
         chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool)
         _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
-    _raise_if_any_failed(extract.failure, group, reader.location)
+    failure, extract.failure = extract.failure, None
+    _raise_if_any_failed(failure, group, reader.location)
     stats.bytes_read += chunks.bytes_read
     state: RankState = {}
     for piece, t in zip(mine.pieces, state_list):
@@ -293,7 +294,10 @@ class _GuardedExtract:
             try:
                 return _extract(chunks, tensor, src, sub)
             except (MoeckptError, OSError) as e:
-                self.failure = e
+                # Kept without its traceback: the traceback's frames hold this object, and a cycle through them
+                # would keep whatever the caller's frames hold (process groups, a whole trainer) alive until the
+                # cyclic collector runs, or until interpreter shutdown, where tearing down a process group aborts.
+                self.failure = e.with_traceback(None)
         return torch.zeros(sub.shape, dtype=dtypes.to_torch(self.index.tensors[tensor].dtype))
 
 
@@ -318,7 +322,9 @@ def _raise_if_any_failed(failure: BaseException | None, group, location: str) ->
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     if failure is not None:
-        raise failure
+        # A fresh error of the same class: re-raising the stored one would tie its traceback to these frames.
+        # The same class on every rank (see below), so callers can react alike.
+        raise _SHARED_ERRORS.get(type(failure).__name__, LoadFailedError)(str(failure))
     for g, buf in enumerate(everyone):
         n = int.from_bytes(bytes(buf[:4].tolist()), "little")
         if n:

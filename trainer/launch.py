@@ -156,8 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"moeckpt: error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr)
         return e.exit_code
     finally:
+        import gc
+
         import torch.distributed as dist
 
+        # Free what garbage cycles still hold (a caught error's frames can reference process groups) while
+        # torch.distributed is intact: left to interpreter shutdown, tearing down a gloo group can abort the
+        # process ("terminate called without an active exception") after a run that succeeded.
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
