@@ -28,6 +28,7 @@ from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutE
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef
 
+from .collectives import all_gather_json
 from .executor import PREFETCH_BYTES, ChunkReader, fill, single_threaded_torch
 from .layout import Layout
 from .placement import model_parallel_boxes, rule_of
@@ -301,50 +302,33 @@ class _GuardedExtract:
         return torch.zeros(sub.shape, dtype=dtypes.to_torch(self.index.tensors[tensor].dtype))
 
 
-#: errors a failed collective read is re-raised as on the ranks that did not see it themselves.
+#: errors a failed collective read is raised as, on every rank; others become :class:`LoadFailedError`.
 _SHARED_ERRORS = {cls.__name__: cls for cls in (ChecksumMismatchError, DataFileError, StorageError)}
-_MESSAGE_BYTES = 2048
 
 
 def _raise_if_any_failed(failure: BaseException | None, group, location: str) -> None:
-    """Collective: if any rank's read failed, every rank raises (the failing rank its own error, the others the
-    same error class naming that rank), so callers can react the same way everywhere (e.g. fall back)."""
-    import json
-
-    import torch.distributed as dist
-
-    note = b""
+    """Collective: if any rank's read failed, every rank raises the same error class (the failing rank with its
+    own message, the others naming that rank), so callers can react the same way everywhere (e.g. fall back)."""
+    note = None if failure is None else {"type": type(failure).__name__, "message": str(failure)}
+    notes = all_gather_json(note, group)
     if failure is not None:
-        note = json.dumps({"type": type(failure).__name__, "message": str(failure)}).encode()[:_MESSAGE_BYTES]
-    mine = torch.zeros(_MESSAGE_BYTES + 4, dtype=torch.uint8)
-    mine[:4] = torch.tensor(list(len(note).to_bytes(4, "little")), dtype=torch.uint8)
-    mine[4 : 4 + len(note)] = torch.frombuffer(bytearray(note), dtype=torch.uint8) if note else mine[4:4]
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    if failure is not None:
-        # A fresh error of the same class: re-raising the stored one would tie its traceback to these frames.
-        # The same class on every rank (see below), so callers can react alike.
-        raise _SHARED_ERRORS.get(type(failure).__name__, LoadFailedError)(str(failure))
-    for g, buf in enumerate(everyone):
-        n = int.from_bytes(bytes(buf[:4].tolist()), "little")
-        if n:
-            try:
-                doc = json.loads(bytes(buf[4 : 4 + n].tolist()))
-            except ValueError:  # truncated to _MESSAGE_BYTES mid-character
-                doc = {"type": "", "message": bytes(buf[4 : 4 + n].tolist()).decode(errors="replace")}
-            cls = _SHARED_ERRORS.get(doc.get("type"), LoadFailedError)
-            raise cls(f"{location}: group rank {g} could not read its part: {doc.get('message')}")
+        # A fresh error: re-raising the stored one would tie its traceback to these frames.
+        raise _SHARED_ERRORS.get(note["type"], LoadFailedError)(note["message"])
+    for g, other in enumerate(notes):
+        if other is not None:
+            raise _SHARED_ERRORS.get(other["type"], LoadFailedError)(
+                f"{location}: group rank {g} could not read its part: {other['message']}"
+            )
 
 
-def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract=None) -> None:
+def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats,
+              extract: _GuardedExtract) -> None:
     """Run the rounds: read owned chunks (ahead, in the pool), keep local regions, all_to_all the rest."""
     import torch.distributed as dist
 
-    extract = extract or _extract
-    failed = lambda: getattr(extract, "failure", None) is not None  # noqa: E731
     for keys in rounds:
         for key in keys:
-            if owner[key] == me and key[2] and not failed():
+            if owner[key] == me and key[2] and extract.failure is None:
                 ref = chunks.ref(key[0], Box(key[1], key[2]))
                 per = chunks.chunk_rows(ref)
                 c = key[4]

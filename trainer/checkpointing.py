@@ -29,7 +29,7 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.local import concat_dim, local_shape
 from moeckpt.reshard.placement import placements, rank_boxes
 
-from . import collectives
+from moeckpt.reshard import collectives
 from .faults import FaultInjector
 
 

@@ -31,7 +31,7 @@ from moeckpt.formats.storage import is_url
 from moeckpt.reshard.local import join_local
 from moeckpt.reshard.tensors import logical_tensors
 
-from . import collectives
+from moeckpt.reshard import collectives
 from .checkpointing import CheckpointManager
 from .faults import FaultInjector, parse_fault
 from .preemption import PreemptionFlag

@@ -2,7 +2,8 @@
 
 ``torch.distributed.all_gather_object`` serialises arbitrary Python objects, and reading them back can run code;
 a checkpoint layer that promises data-only formats must not do that with what another process sent. These
-helpers send UTF-8 JSON in uint8 tensors over a (gloo) group.
+helpers send UTF-8 JSON in uint8 tensors over a (gloo) group. They live in ``reshard`` because the collective
+load agrees on errors with them; the trainer coordinates its saves and resumes with them too.
 """
 
 from __future__ import annotations
