@@ -14,14 +14,14 @@ from typing import Any, Iterable
 
 import torch
 
-from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
+from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
 
 from .optim import StatePiece, ZeroAdamW
 
-__all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "latest_checkpoint", "load_pieces", "restore"]
+__all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "load_pieces", "restore"]
 
 #: what a damaged checkpoint raises on load (on every rank of a collective load alike): the trainer then falls
 #: back to the previous checkpoint. Other errors (another model, a permission problem) stop the run instead.
@@ -50,15 +50,6 @@ class Restored:
     source_layout: Layout
     #: bytes read and seconds spent on this rank.
     stats: LoadStats
-
-
-def latest_checkpoint(run_dir: str) -> tuple[int, str] | None:
-    """``(step, location)`` of the newest committed checkpoint in ``run_dir``, or ``None`` for a fresh run."""
-    steps = committed_steps(run_dir)
-    if not steps:
-        return None
-    step, storage = steps[-1]
-    return step, storage.location
 
 
 def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layout, rank: int, *,
