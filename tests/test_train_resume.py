@@ -40,3 +40,11 @@ def test_should_stop_saves_and_returns_early(tmp_path):
         trainer.close()
     assert [r["step"] for r in records] == [1, 2]
     assert [s for s, _ in committed_steps(run_dir)] == [2]
+
+
+def test_metrics_reader_leaves_out_a_line_still_being_written(tmp_path):
+    from moeckpt.trainer.metrics import METRICS_FILE
+
+    (tmp_path / METRICS_FILE).write_text('{"step":1,"loss":2.0}\n{"event":"resume","step":1}\n{"step":2,"lo')
+    assert read_metrics(str(tmp_path)) == [{"step": 1, "loss": 2.0}]
+    assert [r.get("event") for r in read_metrics(str(tmp_path), events=True)] == [None, "resume"]

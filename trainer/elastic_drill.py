@@ -12,7 +12,6 @@ losing the store's host ends the job (use a store outside the training nodes for
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -23,6 +22,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from moeckpt.formats.errors import MoeckptError
+
+from .metrics import read_metrics
+from .parallel import free_port
 
 __all__ = ["DrillError", "DrillResult", "LocalNode", "kill_node", "plot_drill", "run_shrink_grow_drill", "start_node"]
 
@@ -49,13 +51,6 @@ class LocalNode:
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
             return f.read()
-
-
-def free_local_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_node(name: str, train_args: Sequence[str], *, nproc: int, nnodes: str, endpoint: str, log_dir: str,
@@ -107,7 +102,7 @@ def kill_node(node: LocalNode) -> list[int]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
-            pass
+            pass  # it exited between the walk and the kill: the outcome we want
     node.proc.wait(timeout=30)
     return tree
 
@@ -132,22 +127,6 @@ def _newest_commit(run_dir: str) -> int | None:
 
     steps = committed_steps(run_dir)
     return steps[-1][0] if steps else None
-
-
-def read_records(run_dir: str) -> list[dict]:
-    """The run's metrics lines so far (a line being written is skipped)."""
-    path = os.path.join(run_dir, "metrics.jsonl")
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-    except FileNotFoundError:
-        pass
-    return out
 
 
 @dataclass
@@ -205,7 +184,7 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
         if progress is not None:
             progress(f"[{timeline[-1][0]:6.1f} s] {what}")
 
-    port = free_local_port()
+    port = free_port()
     endpoint = f"127.0.0.1:{port}"
     logs = os.path.join(run_dir, "drill-logs")
     def start(name: str) -> LocalNode:
@@ -227,7 +206,7 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
         while a.proc.poll() is None:
             if time.monotonic() > deadline:
                 raise DrillError(f"the drill did not finish within {timeout_s:.0f} s (waiting to {phase})")
-            steps = [r for r in read_records(run_dir) if "loss" in r]
+            steps = read_metrics(run_dir)
             last = steps[-1] if steps else None
             if (phase == "kill" and last and last["world"] == 2 * nproc and last["step"] >= kill_at_step
                     and _newest_commit(run_dir) is not None):
@@ -251,7 +230,7 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
                 kill_node(node)
     return DrillResult(
         run_dir=run_dir,
-        records=read_records(run_dir),
+        records=read_metrics(run_dir, events=True),
         timeline=timeline,
         exit_codes={n: node.proc.returncode for n, node in nodes.items() if n != "B"},
         logs={n: node.log() for n, node in nodes.items()},

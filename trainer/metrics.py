@@ -61,5 +61,9 @@ def read_metrics(run_dir: str, *, events: bool = False) -> list[dict[str, Any]]:
     storage = Storage(run_dir)
     if not storage.exists(METRICS_FILE):
         return []
-    rows = [json.loads(line) for line in storage.read_bytes(METRICS_FILE).decode().splitlines() if line.strip()]
+    text = storage.read_bytes(METRICS_FILE).decode()
+    # Every record ends with a newline; a last line without one is still being written (a live run) or was cut
+    # short (a killed one), so it is left out rather than failing the reader.
+    lines = text.split("\n")[:-1]
+    rows = [json.loads(line) for line in lines if line.strip()]
     return rows if events else [r for r in rows if "event" not in r]
