@@ -25,6 +25,7 @@ import os
 import time
 
 import torch
+from zaya_pair import build_pair, fused_adamw, train_step  # benchmarks/ is on sys.path when a script here runs
 
 PEAK_BF16_FLOPS = 989e12
 
@@ -106,28 +107,13 @@ def main() -> None:
     args = ap.parse_args()
 
     import transformers
-    from transformers import ZayaConfig as HfZayaConfig
-    from transformers import ZayaForCausalLM as HfZaya
 
-    from moeckpt.trainer.models import resolve_model
-    from moeckpt.trainer.models.layers import build_model, grouped_mm_available
+    from moeckpt.trainer.models.layers import grouped_mm_available
     from moeckpt.trainer.models.zaya import model as zaya_model
-    from moeckpt.trainer.models.zaya.hf import to_hf_config
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
-    spec = resolve_model(args.preset)
-    cfg = spec.config
-    torch.manual_seed(0)
-    ours = build_model(spec).to(dev, torch.bfloat16).train()
-    hf_doc = to_hf_config(cfg, dtype="bfloat16")
-    hf = HfZaya(HfZayaConfig(**{k: v for k, v in hf_doc.items() if k not in ("architectures", "model_type")}))
-    hf = hf.to(dev, torch.bfloat16)
-    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
-    missing = [k for k in missing if k != "lm_head.weight"]
-    if missing or unexpected:
-        raise SystemExit(f"state dicts differ: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    hf.train()
+    ours, hf, cfg = build_pair(args.preset, dev, torch.bfloat16)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=dev)
     tokens = args.batch * args.seq
     total, active = _active_params(cfg)
@@ -174,26 +160,14 @@ def main() -> None:
             runs[f"moeckpt (grouped_mm, conv {layout})"] = ours_run("auto", layout)
     runs["transformers ZayaForCausalLM"] = (hf, lambda: hf(input_ids=ids, labels=ids).loss, lambda: None)
 
-    opts = {id(m): torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4, fused=True)
-            for m in (ours, hf)}
+    opts = {id(m): fused_adamw(m) for m in (ours, hf)}
     times: dict[str, list[float]] = {name: [] for name in runs}
     peak: dict[str, float] = {name: 0.0 for name in runs}
-
-    def make_step(model, loss_fn):
-        opt = opts[id(model)]
-
-        def step():
-            loss = loss_fn()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step
 
     for r in range(args.rounds):
         for name, (model, loss_fn, setup) in runs.items():
             setup()
-            step = make_step(model, loss_fn)
+            step = train_step(loss_fn, opts[id(model)])
             _time_steps(step, 3)  # warm-up: kernels, allocator, optimizer state, after switching runs
             if cuda:
                 torch.cuda.reset_peak_memory_stats()

@@ -17,39 +17,7 @@ import os
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-
-
-def build_pair(preset: str, dev: torch.device, dtype: torch.dtype):
-    """(ours, transformers') with identical weights on ``dev`` in ``dtype``, both in training mode."""
-    from transformers import ZayaConfig as HfZayaConfig
-    from transformers import ZayaForCausalLM as HfZaya
-
-    from moeckpt.trainer.models import resolve_model
-    from moeckpt.trainer.models.layers import build_model
-    from moeckpt.trainer.models.zaya.hf import to_hf_config
-
-    spec = resolve_model(preset)
-    torch.manual_seed(0)
-    ours = build_model(spec).to(dev, dtype)
-    doc = to_hf_config(spec.config, dtype=str(dtype).removeprefix("torch."))
-    hf = HfZaya(HfZayaConfig(**{k: v for k, v in doc.items() if k not in ("architectures", "model_type")}))
-    hf = hf.to(dev, dtype)
-    missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
-    if [k for k in missing if k != "lm_head.weight"] or unexpected:
-        raise SystemExit(f"state dicts differ: {missing[:5]} {unexpected[:5]}")
-    return ours.train(), hf.train(), spec.config
-
-
-def make_step(model, loss_fn):
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-
-    def step():
-        loss = loss_fn()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
+from zaya_pair import build_pair, fused_adamw, train_step  # benchmarks/ is on sys.path when a script here runs
 
 
 def profile_step(name: str, step, dev: torch.device, steps: int, rows: int, out_dir: str | None) -> dict:
@@ -123,10 +91,10 @@ def main() -> None:
         for layout in args.ours_layouts.split(",") if args.ours_layouts else [default]:
             zaya_model.CCAProjection.conv_layout = layout
             label = "ours" if layout == default else f"ours conv {layout}"
-            profile_step(label, make_step(ours, lambda: ours.loss(ids)), dev, args.steps, args.rows, args.out)
+            profile_step(label, train_step(lambda: ours.loss(ids), fused_adamw(ours)), dev, args.steps, args.rows, args.out)
         zaya_model.CCAProjection.conv_layout = default
     if args.only != "ours":
-        profile_step("transformers", make_step(hf, lambda: hf(input_ids=ids, labels=ids).loss), dev, args.steps,
+        profile_step("transformers", train_step(lambda: hf(input_ids=ids, labels=ids).loss, fused_adamw(hf)), dev, args.steps,
                      args.rows, args.out)
 
 
