@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from moeckpt.reshard.layout import Layout
-from moeckpt.trainer.hf_import import import_hf
+from moeckpt.trainer.hf_import import HfImport
 
 from .common import format_option, layout_options, progress
 
@@ -25,8 +25,8 @@ def command(hf_dir, dst, tp, ep, dp, fmt, dtype, overwrite, workers) -> None:
     """Write the model in HF_DIR (local path or URL; per-expert or fused expert tensors) to DST in layout
     (tp, ep, dp), with fresh optimizer state, ready for `moeckpt train` to fine-tune."""
     layout = Layout(tp=tp, ep=ep, dp=dp)
-    with progress(0, "import-hf", unit="tensor") as bar:
-        index = import_hf(hf_dir, dst, layout=layout, backend=fmt, dtype=DTYPES[dtype], overwrite=overwrite,
-                          workers=workers, on_tensor=lambda _e: bar.update(1))
+    job = HfImport(hf_dir, layout=layout, backend=fmt, dtype=DTYPES[dtype])
+    with progress(job.index.nbytes, "import-hf") as bar:
+        index = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=bar.update)
     arch = index.model["arch"]
     click.echo(f"wrote {dst}: {arch}, {layout}, {len(index.tensors)} tensors, {index.nbytes / 1e6:.2f} MB ({fmt})")

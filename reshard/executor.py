@@ -59,7 +59,7 @@ class ChunkReader:
 
     def __init__(
         self,
-        reader: CheckpointReader,
+        reader: CheckpointReader | _RowFunctionReader,
         refs: Mapping[tuple[str, Box], PieceRef],
         *,
         chunk_bytes: int = CHUNK_BYTES,
@@ -74,7 +74,9 @@ class ChunkReader:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._cached = 0
-        self._local_safetensors = reader.index.backend == "safetensors" and reader.storage.is_local
+        self._local_safetensors = (
+            isinstance(reader, CheckpointReader) and reader.index.backend == "safetensors" and reader.storage.is_local
+        )
         #: the most bytes the cache kept at once (checked after each read's evictions).
         self.peak_cached = 0
         #: a thread pool for :meth:`prefetch` (reads ahead of the workers), or None.
@@ -342,8 +344,6 @@ def reshard(
     started = time.perf_counter()
     reader = CheckpointReader(src)
     index = reader.index
-    fmt = backend or index.backend
-    out_backend = get_backend(fmt)  # fails early on an unknown format
     if Storage(dst).location.rstrip("/") == reader.location.rstrip("/"):
         raise DestinationNotEmptyError(
             f"{dst}: destination is the source checkpoint; write the resharded checkpoint to another location"
@@ -354,23 +354,89 @@ def reshard(
     for ref in refs:
         by_key[(ref.tensor, ref.box)] = ref
         sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, -1))
+    new_index, plan, bytes_read = _convert(
+        reader, by_key, sources, index, dst, target, backend=backend or index.backend, workers=workers,
+        overwrite=overwrite, on_bytes=on_bytes, chunk_bytes=chunk_bytes, slab_bytes=slab_bytes,
+        cache_bytes=cache_bytes,
+    )
+    # _write_all checked that every byte of the state was written exactly once.
+    return ReshardResult(new_index, plan, bytes_read, index.nbytes, time.perf_counter() - started)
+
+
+RowReader = Callable[[str, int, int], torch.Tensor]
+
+
+class _RowFunctionReader:
+    """The part of :class:`CheckpointReader` a :class:`ChunkReader` uses, over a function that yields rows."""
+
+    def __init__(self, index: Index, read_rows: RowReader, location: str):
+        self.index = index
+        self.location = location
+        self._read_rows = read_rows
+
+    def read_piece(self, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        lo, hi = rows if rows is not None else (0, 1)
+        return self._read_rows(ref.tensor, lo, hi)
+
+
+def write_rows(
+    dst: str,
+    index: Index,
+    target: Layout,
+    read_rows: RowReader,
+    *,
+    source_name: str,
+    workers: int = 4,
+    overwrite: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    slab_bytes: int = SLAB_BYTES,
+    cache_bytes: int = CACHE_BYTES,
+) -> Index:
+    """Write the logical tensors of ``index`` to ``dst`` in layout ``target``, each produced by row ranges.
+
+    ``read_rows(name, r0, r1)`` returns rows ``[r0, r1)`` of the whole logical tensor ``name`` (dim 0; a 0-d
+    tensor is asked for rows ``[0, 1)`` and returned as is), in the entry's shape and dtype. Rows are asked for in
+    chunks of about ``chunk_bytes`` through the same bounded cache as :func:`reshard`, so memory is set by a few
+    chunks, never by the model: this is how a Hugging Face model becomes a checkpoint in any layout. The format is
+    ``index.backend``; ``index.files`` is ignored. ``source_name`` names the source in error messages.
+    """
+    sources: dict[str, list[SourcePiece]] = {}
+    by_key: dict[tuple[str, Box], PieceRef] = {}
+    for name, entry in index.tensors.items():
+        box = Box((0,) * len(entry.shape), tuple(entry.shape))
+        nbytes = box.numel * dtypes.itemsize(entry.dtype)
+        by_key[(name, box)] = PieceRef(name, box, entry.dtype, source_name, 0, nbytes, (), block_bytes=0)
+        sources[name] = [SourcePiece(name, box, -1)]
+    reader = _RowFunctionReader(index, read_rows, source_name)
+    new_index, _plan, _read = _convert(
+        reader, by_key, sources, index, dst, target, backend=index.backend, workers=workers, overwrite=overwrite,
+        on_bytes=on_bytes, chunk_bytes=chunk_bytes, slab_bytes=slab_bytes, cache_bytes=cache_bytes,
+    )
+    return new_index
+
+
+def _convert(reader, by_key, sources, index, dst, target, *, backend, workers, overwrite, on_bytes, chunk_bytes,
+             slab_bytes, cache_bytes) -> tuple[Index, ReshardPlan, int]:
+    """Plan ``index``'s tensors (stored as ``sources``) into ``target`` and write them to ``dst``; commit."""
+    out_backend = get_backend(backend)  # fails early on an unknown format
     plan = plan_reshard(index, target, sources=sources)
     readers = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="moeckpt-read")
     chunks = ChunkReader(reader, by_key, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=readers)
-    new_index = replace(index, backend=fmt, layout=target.to_json(), files={})
+    new_index = replace(index, backend=backend, layout=target.to_json(), files={})
     storage = begin_save(dst, overwrite=overwrite)
     try:
         new_index = _write_all(
-            index, plan, chunks, storage, out_backend, fmt, target, new_index, workers, slab_bytes, on_bytes, readers
+            index, plan, chunks, storage, out_backend, backend, target, new_index, workers, slab_bytes, on_bytes,
+            readers,
         )
     except BaseException:
-        # Leave nothing behind that looks like a save in progress: the staging data of a failed reshard goes.
+        # Leave nothing behind that looks like a save in progress: the staging data of a failed write goes.
         if storage.is_local:
             storage.remove()
         raise
     commit(dst, new_index)
-    # _write_all checked that every byte of the state was written exactly once.
-    return ReshardResult(new_index, plan, chunks.bytes_read, index.nbytes, time.perf_counter() - started)
+    return new_index, plan, chunks.bytes_read
 
 
 def _write_all(index, plan, chunks, storage, out_backend, fmt, target, new_index, workers, slab_bytes, on_bytes, readers):

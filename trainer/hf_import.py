@@ -3,7 +3,8 @@
 The inverse of :mod:`moeckpt.trainer.hf_export`. The directory is checked before anything is written: its
 ``config.json`` must name a supported architecture, every shard its index names must exist, every shard header
 must hold exactly the tensors the index maps to it, and the tensors must make up the model the config describes.
-Tensors are read by byte range (one ranged request per tensor on object stores). Qwen3-MoE experts may be stored
+Tensors are read by byte range, a chunk of rows at a time, and streamed into the checkpoint's files, so memory
+stays a few chunks whatever the model's size. Qwen3-MoE experts may be stored
 per expert (transformers 4, the Hub's Qwen models) or fused (transformers 5); either becomes the plan's fused
 tensors. The checkpoint gets fresh optimizer state (zero AdamW moments, step 0), as an optimizer starting on it has.
 """
@@ -19,10 +20,10 @@ import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.errors import MoeckptError
-from moeckpt.formats.index import Index, TensorEntry
+from moeckpt.formats.index import Index
 from moeckpt.formats.storage import Storage
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.save import save_full_tensors
+from moeckpt.reshard.executor import write_rows
 from moeckpt.reshard.tensors import logical_tensors
 
 from .hf_export import INDEX_FILE, hf_module
@@ -116,12 +117,27 @@ class HfDirectory:
     def names(self) -> set[str]:
         return set(self.entries)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name][2]
+
     def read(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name``."""
+        return self.read_rows(name, 0, None)
+
+    def read_rows(self, name: str, r0: int, r1: int | None) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of tensor ``name`` (``r1`` None: to the end; a 0-d tensor whole), one ranged read."""
         relpath, dtype, shape, start, end = self.entries[name]
-        if start == end:
-            return torch.empty(shape, dtype=dtypes.to_torch(dtype))
-        raw = self.storage.read_range(relpath, start, end)
-        return torch.frombuffer(raw, dtype=torch.uint8).view(dtypes.to_torch(dtype)).reshape(shape)
+        torch_dtype = dtypes.to_torch(dtype)
+        if not shape:
+            rows_shape, lo, hi = shape, start, end
+        else:
+            r1 = shape[0] if r1 is None else min(r1, shape[0])
+            row = (end - start) // shape[0] if shape[0] else 0
+            rows_shape, lo, hi = (max(0, r1 - r0),) + shape[1:], start + r0 * row, start + max(r0, r1) * row
+        if lo == hi:
+            return torch.empty(rows_shape, dtype=torch_dtype)
+        raw = self.storage.read_range(relpath, lo, hi)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(torch_dtype).reshape(rows_shape)
 
 
 def spec_of(hf_dir: HfDirectory) -> ModelSpec:
@@ -140,8 +156,9 @@ def spec_of(hf_dir: HfDirectory) -> ModelSpec:
     return ModelSpec(arch, cfg)
 
 
-def read_params(hf_dir: HfDirectory, spec: ModelSpec) -> Callable[[str], torch.Tensor]:
-    """Check the directory holds exactly the model's tensors; returns a reader of plan tensors by name."""
+def read_params(hf_dir: HfDirectory, spec: ModelSpec) -> Callable[[str, int, int], torch.Tensor]:
+    """Check the directory holds exactly the model's tensors, in the shapes the config implies; returns a reader
+    of rows ``[r0, r1)`` of plan tensors by name."""
     hf = hf_module(spec)
     available = hf_dir.names()
     shapes = {p.name: tuple(p.shape) for p in spec.param_specs()}
@@ -161,16 +178,76 @@ def read_params(hf_dir: HfDirectory, spec: ModelSpec) -> Callable[[str], torch.T
             "does config.json describe these weights?"
         )
 
-    def read(name: str) -> torch.Tensor:
-        sources = hf.import_sources(name, spec.config, available)
-        value = hf.import_value(name, spec.config, {s: hf_dir.read(s) for s in sources})
-        if tuple(value.shape) != shapes[name]:
+    def read_rows(name: str, r0: int, r1: int) -> torch.Tensor:
+        want = shapes[name]
+        if want and r1 <= r0:
+            return torch.empty((0,) + want[1:])
+        value = hf.import_rows(name, spec.config, available, hf_dir.read_rows, r0, r1)
+        expect = (r1 - r0,) + want[1:] if want else want
+        if tuple(value.shape) != expect:
             raise HfFormatError(
-                f"{hf_dir.location}: {name} has shape {list(value.shape)}, config.json implies {list(shapes[name])}"
+                f"{hf_dir.location}: rows {r0}:{r1} of {name} have shape {list(value.shape)}, config.json implies "
+                f"{list(expect)} (the tensor is {list(want)})"
             )
         return value
 
-    return read
+    # Shapes are checked before anything is written: a tensor stored under its own name from its header, an
+    # assembled one (per-expert Qwen matrices) by assembling its first row.
+    for name, want in shapes.items():
+        if hf.import_sources(name, spec.config, available) == [name]:
+            if hf_dir.shape(name) != want:
+                raise HfFormatError(
+                    f"{hf_dir.location}: {name} has shape {list(hf_dir.shape(name))}, config.json implies {list(want)}"
+                )
+        elif want:
+            read_rows(name, 0, 1)
+    return read_rows
+
+
+class HfImport:
+    """A checked Hugging Face directory and the checkpoint it becomes: ``index`` is what :meth:`write` commits."""
+
+    def __init__(self, hf_location: str, *, layout: Layout, backend: str = "safetensors", dtype: str = "float32"):
+        self.hf_dir = HfDirectory(hf_location)
+        self.spec = spec_of(self.hf_dir)
+        self.spec.check_layout(layout.tp, layout.ep)
+        self.layout = layout
+        self._read = read_params(self.hf_dir, self.spec)
+        tensors = logical_tensors(self.spec.param_specs(), param_dtype=dtype, with_optimizer=True)
+        self.index = Index(
+            backend=backend,
+            step=0,
+            layout=Layout().to_json(),
+            model=self.spec.to_json(),
+            tensors=tensors,
+            files={},
+            train_state={"step": 0, "imported_from": self.hf_dir.location},
+        )
+
+    def read_rows(self, name: str, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of logical tensor ``name``: HF values for parameters and master weights (in the
+        entry's dtype), zeros for the AdamW moments (an optimizer starting on these weights has zero moments)."""
+        entry = self.index.tensors[name]
+        shape = (r1 - r0,) + entry.shape[1:] if entry.shape else entry.shape
+        if entry.role in ("exp_avg", "exp_avg_sq"):
+            return torch.zeros(shape, dtype=dtypes.to_torch(entry.dtype))
+        return self._read(entry.param, r0, r1).to(dtypes.to_torch(entry.dtype))
+
+    def write(
+        self,
+        dst: str,
+        *,
+        overwrite: bool = False,
+        workers: int = 4,
+        on_bytes: Callable[[int], None] | None = None,
+        **limits: int,
+    ) -> Index:
+        """Write and commit the checkpoint at ``dst``, streaming: memory is a few row chunks, not the model.
+        ``limits`` are the executor's ``chunk_bytes``, ``slab_bytes`` and ``cache_bytes``."""
+        return write_rows(
+            dst, self.index, self.layout, self.read_rows, source_name=self.hf_dir.location, workers=workers,
+            overwrite=overwrite, on_bytes=on_bytes, **limits,
+        )
 
 
 def import_hf(
@@ -182,43 +259,10 @@ def import_hf(
     dtype: str = "float32",
     overwrite: bool = False,
     workers: int = 4,
-    on_tensor: Callable[[TensorEntry], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
 ) -> Index:
     """Write the Hugging Face model at ``hf_location`` as a checkpoint at ``dst`` in ``layout``, with fresh
     optimizer state; ``dtype`` is the parameter dtype (``float32`` or ``bfloat16``, whose fp32 master copy is the
-    HF values in fp32)."""
-    hf_dir = HfDirectory(hf_location)
-    spec = spec_of(hf_dir)
-    spec.check_layout(layout.tp, layout.ep)
-    read = read_params(hf_dir, spec)
-    tensors = logical_tensors(spec.param_specs(), param_dtype=dtype, with_optimizer=True)
-    cache: dict[str, torch.Tensor] = {}
-    zeros = torch.zeros(0, dtype=torch.float32)
-
-    def value(entry: TensorEntry) -> torch.Tensor:
-        if entry.param not in cache:
-            cache.clear()  # roles of one parameter come one after another: keep only its value
-            cache[entry.param] = read(entry.param).to(torch.float32)
-        full = cache[entry.param]
-        if on_tensor is not None:
-            on_tensor(entry)
-        if entry.role in ("exp_avg", "exp_avg_sq"):
-            # Every zero moment is a view of one shared zero buffer: the optimizer state, most of the bytes
-            # written, then costs the memory of the largest tensor instead of twice the fp32 model.
-            numel = full.numel()
-            if zeros.numel() < numel:
-                zeros.resize_(numel).zero_()
-            return zeros[:numel].view(entry.shape)
-        return full.to(dtypes.to_torch(entry.dtype))
-
-    return save_full_tensors(
-        dst,
-        tensors=tensors,
-        layout=layout,
-        values=value,
-        model=spec.to_json(),
-        backend=backend,
-        train_state={"step": 0, "imported_from": hf_dir.location},
-        overwrite=overwrite,
-        workers=workers,
-    )
+    HF values in fp32). Tensors are streamed in row chunks: memory does not grow with the model."""
+    job = HfImport(hf_location, layout=layout, backend=backend, dtype=dtype)
+    return job.write(dst, overwrite=overwrite, workers=workers, on_bytes=on_bytes)

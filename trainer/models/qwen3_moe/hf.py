@@ -118,15 +118,16 @@ def import_sources(name: str, cfg: Qwen3MoeConfig, available) -> list[str]:
     return [f"{prefix}.{e}.{p}.weight" for e in range(cfg.num_experts) for p in parts]
 
 
-def import_value(name: str, cfg: Qwen3MoeConfig, sources: dict):
-    """Assemble plan tensor ``name`` from the HF tensors :func:`import_sources` named (``sources`` by name)."""
+def import_rows(name: str, cfg: Qwen3MoeConfig, available, read_rows, r0: int, r1: int):
+    """Rows ``[r0, r1)`` of plan tensor ``name``, read from the HF tensors :func:`import_sources` names.
+
+    ``read_rows(hf_name, a, b)`` reads rows ``[a, b)`` of an HF tensor (``b`` None: to its end). A fused expert
+    tensor's rows are experts, so per-expert checkpoints are read only for the experts asked for.
+    """
     m = _FUSED.match(name)
-    if not m or name in sources:
-        return sources[name]
+    if not m or name in available:
+        return read_rows(name, r0, r1)
     prefix, which = m.groups()
-    if which == "gate_up_proj":
-        per = [torch.cat([sources[f"{prefix}.{e}.gate_proj.weight"], sources[f"{prefix}.{e}.up_proj.weight"]])
-               for e in range(cfg.num_experts)]
-    else:
-        per = [sources[f"{prefix}.{e}.down_proj.weight"] for e in range(cfg.num_experts)]
+    parts = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
+    per = [torch.cat([read_rows(f"{prefix}.{e}.{p}.weight", 0, None) for p in parts]) for e in range(r0, r1)]
     return torch.stack(per)

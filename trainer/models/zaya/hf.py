@@ -66,5 +66,6 @@ def import_sources(name: str, cfg: ZayaConfig, available) -> list[str]:
     return [name]
 
 
-def import_value(name: str, cfg: ZayaConfig, sources: dict):
-    return sources[name]
+def import_rows(name: str, cfg: ZayaConfig, available, read_rows, r0: int, r1: int):
+    """Rows ``[r0, r1)`` of plan tensor ``name``: the same rows of the HF tensor of that name."""
+    return read_rows(name, r0, r1)
