@@ -39,7 +39,7 @@ def command(ckpt_a: str, ckpt_b: str) -> None:
             continue
         ta = a.read_box(name, _full(ea), [p for p in pieces_a if p.tensor == name])
         tb = b.read_box(name, _full(eb), [p for p in pieces_b if p.tensor == name])
-        if not torch.equal(ta.view(torch.uint8) if ta.numel() else ta, tb.view(torch.uint8) if tb.numel() else tb):
+        if not torch.equal(_bytes(ta), _bytes(tb)):
             differences.append(f"{name}: max abs diff {max_abs_diff(ta, tb):.6g}")
     if differences:
         for d in differences:
@@ -47,6 +47,13 @@ def command(ckpt_a: str, ckpt_b: str) -> None:
         click.echo(f"{len(differences)} tensor(s) differ", err=True)
         sys.exit(1)
     click.echo(f"identical: {len(names_a)} tensors (A {a.index.layout}, B {b.index.layout})")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw bytes as a flat uint8 tensor (so NaNs compare bit for bit); takes 0-d and empty tensors."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def _full(entry):
