@@ -37,3 +37,56 @@ def test_diff_compares_scalar_tensors_bitwise(tmp_path, backend, moeckpt_cli):
     _save_with_scalar(n1, backend, float("nan"))
     _save_with_scalar(n2, backend, float("nan"))
     assert moeckpt_cli("diff", n1, n2)[0] == 0
+
+
+# --- model config files -------------------------------------------------------------------------------------
+
+
+def _init_with_config(tmp_path, moeckpt_cli, doc):
+    import json
+    import time
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(doc))
+    t0 = time.monotonic()
+    code, out, err = moeckpt_cli("init", tmp_path / "ck", "--model", path)
+    assert time.monotonic() - t0 < 10, "refused only after building the model"
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert str(path) in lines[0]
+    assert not (tmp_path / "ck").exists()
+    return lines[0]
+
+
+def test_init_refuses_flat_model_fields(tmp_path, moeckpt_cli):
+    line = _init_with_config(tmp_path, moeckpt_cli, {"arch": "zaya", "hidden_size": 64, "num_hidden_layers": 2})
+    assert "unexpected top-level key(s) hidden_size, num_hidden_layers" in line
+    assert 'belong under "config"' in line
+
+
+def test_init_refuses_missing_config_object(tmp_path, moeckpt_cli):
+    line = _init_with_config(tmp_path, moeckpt_cli, {"arch": "zaya"})
+    assert 'needs a "config" object' in line
+
+
+def test_init_refuses_unknown_config_field(tmp_path, moeckpt_cli):
+    line = _init_with_config(tmp_path, moeckpt_cli, {"arch": "zaya", "config": {"hidden_size": 64, "hiden_layers": 2}})
+    assert "unknown zaya config field(s) hiden_layers" in line and "num_hidden_layers" in line
+
+
+def test_init_reports_invalid_config_values_on_one_line(tmp_path, moeckpt_cli):
+    line = _init_with_config(tmp_path, moeckpt_cli, {"arch": "zaya", "config": {"num_attention_heads": 3}})
+    assert "zaya config is invalid" in line and "num_key_value_heads" in line
+
+
+def test_init_accepts_a_nested_config(tmp_path, moeckpt_cli):
+    import json
+
+    from moeckpt.trainer.models import presets
+
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(presets()["zaya-tiny"].to_json()))
+    code, out, err = moeckpt_cli("init", tmp_path / "ck", "--model", path)
+    assert code == 0, (out, err)
+    assert moeckpt_cli("diff", tmp_path / "ck", tmp_path / "ck")[0] == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -43,14 +44,44 @@ class ModelSpec:
         return {"arch": self.arch, "config": self.config.to_json()}
 
     @classmethod
-    def from_json(cls, value: dict) -> "ModelSpec":
+    def from_json(cls, value: dict, where: str = "model config") -> "ModelSpec":
+        """Parse ``{"arch": ..., "config": {...}}`` strictly: an unknown key (at the top or inside "config") is an
+        error, never silently dropped (a flat ``{"arch": "zaya", "hidden_size": 64}`` used to become ZAYA1-8B)."""
+        if not isinstance(value, dict):
+            raise UnknownModelError(f"{where}: must be a JSON object {{\"arch\": ..., \"config\": {{...}}}}")
         arch = value.get("arch")
         if arch not in ARCHITECTURES:
-            raise UnknownModelError(f"unknown model architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+            raise UnknownModelError(f"{where}: unknown model architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
+        config_class = ARCHITECTURES[arch].CONFIG_CLASS
+        known = {f.name for f in dataclasses.fields(config_class)}
+        unexpected = sorted(set(value) - {"arch", "config"})
+        if unexpected:
+            where_fields = (
+                "; model fields belong under \"config\": {\"arch\": ..., \"config\": {\"hidden_size\": ...}}"
+                if set(unexpected) & known
+                else "; the only top-level keys are \"arch\" and \"config\""
+            )
+            raise UnknownModelError(f"{where}: unexpected top-level key(s) {', '.join(unexpected)}{where_fields}")
+        config = value.get("config")
+        if not isinstance(config, dict):
+            raise UnknownModelError(
+                f"{where}: needs a \"config\" object holding the {arch} fields "
+                f"({{\"arch\": {arch!r}, \"config\": {{...}}}}; got {type(config).__name__}); "
+                "use a preset name for a default config"
+            )
+        unknown = sorted(set(config) - known)
+        if unknown:
+            raise UnknownModelError(
+                f"{where}: unknown {arch} config field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}"
+            )
         try:
-            return cls(arch, ARCHITECTURES[arch].CONFIG_CLASS.from_json(value.get("config", {})))
+            return cls(arch, config_class.from_json(config))
         except (TypeError, ValueError) as e:
-            raise UnknownModelError(f"model config for {arch!r} is invalid: {e}") from None
+            raise UnknownModelError(f"{where}: {arch} config is invalid: {_one_line(e)}") from None
+
+
+def _one_line(e: Exception) -> str:
+    return " ".join(str(e).split())
 
 
 def presets() -> dict[str, ModelSpec]:
@@ -71,7 +102,7 @@ def resolve_model(name_or_path: str) -> ModelSpec:
         if not isinstance(doc, dict):
             raise UnknownModelError(f"{name_or_path}: model config must be a JSON object")
         if "arch" in doc:
-            return ModelSpec.from_json(doc)
+            return ModelSpec.from_json(doc, where=name_or_path)
         model_type = doc.get("model_type")
         if model_type in HF_MODEL_TYPES:
             # A Hugging Face config: its own mapping reads nested fields (ZAYA's rope_parameters, Qwen's
