@@ -17,6 +17,9 @@ class Backend(Protocol):
     """How pieces become stored bytes and back. Implementations: safetensors (one file per writer) and zarr."""
 
     name: str
+    #: True when :meth:`write` may be called several times for one writer, each with some of its pieces (the
+    #: backend stores each piece on its own); False when a writer's pieces must come in one call (one file each).
+    piecewise_writes: bool
 
     def prepare(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> None:
         """Run once before any writer: ``boxes`` lists every non-empty piece of every tensor, over all writers."""
@@ -46,6 +49,7 @@ class SafetensorsBackend:
     """One ``rank-NNNNN.safetensors`` file per writer; see :mod:`moeckpt.formats.safetensors_backend`."""
 
     name = "safetensors"
+    piecewise_writes = False  # one file per writer, its header listing every piece
 
     def prepare(self, storage, tensors, boxes) -> None:
         del storage, tensors, boxes  # nothing shared to set up: every writer owns its file

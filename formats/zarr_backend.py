@@ -432,6 +432,9 @@ class ZarrBackend:
     """
 
     name = NAME
+    #: a writer's pieces may be stored in several :meth:`write` calls: every grid cell is its own object, named by
+    #: tensor and cell, so a batch never depends on the rest of the writer's pieces (the offline resharder streams).
+    piecewise_writes = True
 
     def __init__(self) -> None:
         self._plans: dict[str, dict[str, ArrayPlan]] = {}

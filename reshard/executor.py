@@ -39,6 +39,8 @@ CHUNK_BYTES = 16 * 1024 * 1024
 SLAB_BYTES = 16 * 1024 * 1024
 #: default byte budget of the chunk cache shared by all workers.
 CACHE_BYTES = 128 * 1024 * 1024
+#: a backend that stores pieces one by one (zarr) is handed a writer's pieces in batches of about this size.
+WRITE_BATCH_BYTES = 64 * 1024 * 1024
 #: each offline writer keeps the reads of its next pieces, up to about this many bytes, in flight.
 PREFETCH_BYTES = 16 * 1024 * 1024
 
@@ -476,15 +478,24 @@ def _write_all(index, plan, chunks, storage, out_backend, fmt, target, new_index
 
             layout = [(p.tensor, p.box) for p in pieces]
             return [st.write_file_stream(storage, st.file_name(rank_plan.rank), layout, index.tensors, stream())]
-        # Other backends take a writer's pieces whole: memory is one writer's share of the checkpoint.
-        whole = []
+        # Other backends take pieces in batches when they store each piece on its own (zarr: one object per grid
+        # cell), so memory is a batch and the piece being assembled; otherwise a writer's pieces whole.
+        piecewise = out_backend.piecewise_writes
+        entries, batch, held = [], [], 0
         for piece in pieces:
             entry = index.tensors[piece.tensor]
             parts = list(slabs(piece, entry.dtype, chunks, slab_bytes))
             data = parts[0] if len(parts) == 1 else torch.cat(parts)
-            whole.append(Piece(piece.tensor, piece.box, data))
+            del parts
+            batch.append(Piece(piece.tensor, piece.box, data))
+            held += data.numel() * data.element_size()
             count(data.numel() * data.element_size())
-        return out_backend.write(storage, rank_plan.rank, whole, index.tensors)
+            if piecewise and held >= WRITE_BATCH_BYTES:
+                entries += out_backend.write(storage, rank_plan.rank, batch, index.tensors)
+                batch, held = [], 0
+        if batch or not entries:
+            entries += out_backend.write(storage, rank_plan.rank, batch, index.tensors)
+        return entries
 
     with single_threaded_torch(), readers, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         entries = [e for es in pool.map(write_writer, plan.ranks) for e in es]
