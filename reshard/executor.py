@@ -8,6 +8,7 @@ and a safetensors target file is streamed to storage with its header written las
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -346,10 +347,7 @@ def reshard(
     started = time.perf_counter()
     reader = CheckpointReader(src)
     index = reader.index
-    if Storage(dst).location.rstrip("/") == reader.location.rstrip("/"):
-        raise DestinationNotEmptyError(
-            f"{dst}: destination is the source checkpoint; write the resharded checkpoint to another location"
-        )
+    _refuse_overlap(reader.location, Storage(dst).location)
     refs = reader.pieces()
     sources: dict[str, list[SourcePiece]] = {name: [] for name in index.tensors}
     by_key: dict[tuple[str, Box], PieceRef] = {}
@@ -363,6 +361,21 @@ def reshard(
     )
     # _write_all checked that every byte of the state was written exactly once.
     return ReshardResult(new_index, plan, bytes_read, index.nbytes, time.perf_counter() - started)
+
+
+def _refuse_overlap(src: str, dst: str) -> None:
+    """Refuse a destination that is the source checkpoint, lies inside it, or holds it (a run directory whose
+    step is being resharded): writing there, with ``--overwrite`` or not, would destroy the source."""
+    def norm(loc: str) -> str:
+        loc = loc.rstrip("/")
+        return os.path.realpath(loc) if "://" not in loc else loc
+
+    a, b = norm(src), norm(dst)
+    if a == b or a.startswith(b + "/") or b.startswith(a + "/"):
+        where = "is" if a == b else ("holds" if a.startswith(b + "/") else "is inside")
+        raise DestinationNotEmptyError(
+            f"{dst}: destination {where} the source checkpoint {src}; write the resharded checkpoint elsewhere"
+        )
 
 
 RowReader = Callable[[str, int, int], torch.Tensor]

@@ -120,6 +120,52 @@ def test_non_empty_out_refused_unless_overwrite(ckpt, moeckpt_cli):
     assert CheckpointReader(ckpt).index.model["arch"] == "zaya"
 
 
+def _zaya_tiny(cli, tmp_path):
+    code, _, err = cli("init", tmp_path / "zt", "--model", "zaya-tiny")
+    assert code == 0, err
+    return tmp_path / "zt"
+
+
+@pytest.mark.parametrize("command", ["init", "reshard", "export-hf"])
+def test_a_file_at_the_destination_is_never_replaced(tmp_path, moeckpt_cli, command):
+    """listdir sees no entries in a plain file; the commit used to rename the user's file away and delete it."""
+    ckpt = _zaya_tiny(moeckpt_cli, tmp_path)
+    target = tmp_path / "notes.txt"
+    target.write_text("keep me")
+    args = {"init": ("init", target, "--model", "zaya-tiny"), "reshard": ("reshard", ckpt, target),
+            "export-hf": ("export-hf", ckpt, target)}[command]
+    for extra in ((), ("--overwrite",)):
+        code, _, err = moeckpt_cli(*args, *extra)
+        assert code == 2 and "is a file, not a directory" in _one_line_error(err)
+        assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("command", ["init", "reshard", "export-hf"])
+def test_unwritable_destination_is_one_line(tmp_path, moeckpt_cli, command):
+    ckpt = _zaya_tiny(moeckpt_cli, tmp_path)
+    (tmp_path / "f").write_text("x")
+    where = tmp_path / "f" / "sub"  # a path below a file: cannot be created
+    args = {"init": ("init", where, "--model", "zaya-tiny"), "reshard": ("reshard", ckpt, where),
+            "export-hf": ("export-hf", ckpt, where)}[command]
+    code, _, err = moeckpt_cli(*args)
+    assert code == 2 and "cannot create" in _one_line_error(err)
+
+
+def test_reshard_never_writes_over_its_source(tmp_path, moeckpt_cli):
+    run = tmp_path / "run"
+    code, _, err = moeckpt_cli("init", run / "step-00000007", "--model", "zaya-tiny")
+    assert code == 0, err
+    before = sorted(os.listdir(run / "step-00000007"))
+    for dst, word in ((run / "step-00000007", "is the source"), (run / "step-00000007" / "sub", "is inside"),
+                      (run, "holds")):
+        for extra in ((), ("--overwrite",)):
+            code, _, err = moeckpt_cli("reshard", run, dst, "--dp", 2, *extra)
+            assert code == 2 and word in _one_line_error(err)
+    assert sorted(os.listdir(run)) == ["step-00000007"]
+    assert sorted(os.listdir(run / "step-00000007")) == before
+    assert verify(CheckpointReader(str(run / "step-00000007"))) == []
+
+
 def test_missing_checkpoint(tmp_path, moeckpt_cli):
     code, _, err = moeckpt_cli("inspect", str(tmp_path / "nothing"))
     assert code == 2 and "no such checkpoint" in _one_line_error(err)
