@@ -31,12 +31,20 @@ def run_main(group: click.Group) -> None:
     sys.exit(0)
 
 
-def layout_options(f: Callable) -> Callable:
-    """``--tp/--ep/--dp``: the target parallel layout."""
-    f = click.option("--dp", type=click.IntRange(min=1), default=1, show_default=True, help="data-parallel degree")(f)
-    f = click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="expert-parallel degree (divides dp)")(f)
-    f = click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="tensor-parallel degree")(f)
-    return f
+def layout_options(f: Callable | None = None, *, default_source: bool = False) -> Callable:
+    """``--tp/--ep/--dp``: the target parallel layout; each 1 unless given, or with ``default_source`` left
+    ``None`` for the command to fill in from its source checkpoint."""
+    def add(f: Callable) -> Callable:
+        for name, what in (("dp", "data-parallel degree"), ("ep", "expert-parallel degree (divides dp)"),
+                           ("tp", "tensor-parallel degree")):
+            if default_source:
+                f = click.option(f"--{name}", type=click.IntRange(min=1), default=None,
+                                 help=f"{what}  [default: the source's]")(f)
+            else:
+                f = click.option(f"--{name}", type=click.IntRange(min=1), default=1, show_default=True, help=what)(f)
+        return f
+
+    return add(f) if f is not None else add
 
 
 format_option = click.option(

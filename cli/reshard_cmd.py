@@ -16,7 +16,7 @@ from .common import layout_options, progress
 @click.command("reshard")
 @click.argument("src")
 @click.argument("dst")
-@layout_options
+@layout_options(default_source=True)
 @click.option(
     "--format",
     "fmt",
@@ -27,13 +27,16 @@ from .common import layout_options, progress
 @click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="target files written in parallel")
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds")
 def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
-    """Write checkpoint SRC (or a run directory's newest step) to DST in layout (tp, ep, dp).
+    """Write checkpoint SRC (or a run directory's newest step) to DST in layout (tp, ep, dp); a degree not given
+    keeps the source's, so `--format zarr` alone converts the format at the same layout.
 
     Pieces stream through a bounded memory: a few slabs per worker, never the checkpoint. The new checkpoint
     keeps the step, train state and model, with new files and checksums.
     """
-    layout = Layout(tp=tp, ep=ep, dp=dp)
     index = CheckpointReader(src).index
+    source = Layout.from_json(index.layout)
+    tp, ep, dp = (source.tp if tp is None else tp), (source.ep if ep is None else ep), (source.dp if dp is None else dp)
+    layout = Layout(tp=tp, ep=ep, dp=dp)
     # The model's own constraints (heads, vocabulary) first, then the stored rules of every tensor.
     ModelSpec.from_json(index.model).check_layout(tp, ep)
     check_layout(index.tensors, layout)

@@ -195,3 +195,21 @@ def test_zarr_target_streams_in_bounded_memory(tmp_path, moeckpt_cli):
     assert added < nbytes / 3, f"reshard to zarr added {added / 1e6:.1f} MB to the peak RSS for {nbytes / 1e6:.1f} MB"
     code, _, err = moeckpt_cli("diff", tmp_path / "src", tmp_path / "dst")
     assert code == 0, err
+
+
+def test_cli_format_conversion_keeps_the_layout_and_every_bit(tmp_path, moeckpt_cli):
+    """`moeckpt reshard SRC DST --format zarr` (issue 3's conversion): degrees not given keep the source's."""
+    code, _, err = moeckpt_cli("init", tmp_path / "s", "--model", "zaya-tiny", "--tp", 2, "--ep", 2, "--dp", 4,
+                               "--with-optimizer", "--dtype", "bf16")
+    assert code == 0, err
+    code, out, err = moeckpt_cli("reshard", tmp_path / "s", tmp_path / "z", "--format", "zarr")
+    assert code == 0, err
+    index = CheckpointReader(str(tmp_path / "z")).index
+    assert (index.backend, index.layout) == ("zarr", {"tp": 2, "ep": 2, "dp": 4})
+    code, out, err = moeckpt_cli("diff", tmp_path / "s", tmp_path / "z")
+    assert code == 0 and out.startswith("identical"), out + err
+    code, _, err = moeckpt_cli("reshard", tmp_path / "z", tmp_path / "back", "--format", "safetensors", "--dp", 2)
+    assert code == 0, err
+    index = CheckpointReader(str(tmp_path / "back")).index
+    assert (index.backend, index.layout) == ("safetensors", {"tp": 2, "ep": 2, "dp": 2})
+    assert moeckpt_cli("diff", tmp_path / "s", tmp_path / "back")[0] == 0
