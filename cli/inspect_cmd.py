@@ -3,20 +3,82 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 
 import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.errors import StorageError
+from moeckpt.formats.storage import Storage
+
+
+def _object_sizes(storage: Storage) -> dict[str, int]:
+    """``{relative path: size}`` of every object below ``storage``: one recursive listing, no data read."""
+    if storage.is_local:
+        root = storage.location
+        out = {}
+        for dirpath, _, names in os.walk(root):
+            for n in names:
+                full = os.path.join(dirpath, n)
+                out[os.path.relpath(full, root).replace(os.sep, "/")] = os.path.getsize(full)
+        return out
+    root = storage._fspath().rstrip("/")
+
+    def find() -> dict:
+        storage.fs.invalidate_cache(root)
+        return storage.fs.find(root, detail=True)
+
+    try:
+        found = storage._remote(find, "listing the checkpoint's objects")
+    except StorageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - fsspec backends raise anything; name the location
+        raise StorageError(f"{storage.location}: listing the checkpoint's objects failed: {e}") from e
+    out = {}
+    for path, info in found.items():
+        rel = path.rstrip("/")[len(root) + 1 :] if path.rstrip("/").startswith(root + "/") else None
+        if rel and info.get("type", "file") != "directory":
+            out[rel] = int(info.get("size") or 0)
+    return out
+
+
+def _chunk_array(path: str, tensors) -> str | None:
+    """The tensor whose zarr chunk (or shard) object ``path`` is (``<tensor>/c/<i>/...``, or ``<tensor>/c`` for a
+    0-d array), else ``None``."""
+    i = path.find("/c")
+    while i != -1:
+        rest = path[i + 2 :]
+        if (rest == "" or rest.startswith("/")) and path[:i] in tensors:
+            return path[:i]
+        i = path.find("/c", i + 1)
+    return None
+
+
+def stored_sizes(reader: CheckpointReader) -> tuple[int, int]:
+    """``(bytes, objects)`` the checkpoint occupies on its storage, its index ``moeckpt.json`` left out.
+
+    safetensors: the data files, whose sizes the index records. zarr: the index records only the ``zarr.json``
+    documents, so the chunk/shard objects of its arrays are added from one listing of the storage (no data read).
+    """
+    idx = reader.index
+    nbytes, count = sum(f.size for f in idx.files.values()), len(idx.files)
+    if idx.backend == "zarr":
+        for path, size in _object_sizes(reader.storage).items():
+            if path not in idx.files and _chunk_array(path, idx.tensors) is not None:
+                nbytes += size
+                count += 1
+    return nbytes, count
 
 
 def summary(reader: CheckpointReader) -> dict:
-    """A JSON-able description of a checkpoint, read from its index alone."""
+    """A JSON-able description of a checkpoint, read from its index (plus, for zarr, one listing of its objects)."""
     idx = reader.index
     roles = Counter(t.role for t in idx.tensors.values())
     role_bytes: Counter = Counter()
     for t in idx.tensors.values():
         role_bytes[t.role] += t.nbytes
+    stored_bytes, stored_objects = stored_sizes(reader)
     return {
         "location": reader.location,
         "format_version": idx.format_version,
@@ -27,7 +89,8 @@ def summary(reader: CheckpointReader) -> dict:
         "train_state": idx.train_state,
         "num_tensors": len(idx.tensors),
         "logical_bytes": idx.nbytes,
-        "stored_bytes": sum(f.size for f in idx.files.values()),
+        "stored_bytes": stored_bytes,
+        "stored_objects": stored_objects,
         "roles": {r: {"tensors": roles[r], "bytes": role_bytes[r]} for r in sorted(roles)},
         "tensors": {
             n: {"shape": list(t.shape), "dtype": t.dtype, "role": t.role, "sharding": t.sharding}
@@ -60,6 +123,8 @@ def command(ckpt: str, as_json: bool) -> None:
     click.echo(f"tensors     {info['num_tensors']} ({_mb(info['logical_bytes'])} logical, {_mb(info['stored_bytes'])} stored)")
     for role, r in info["roles"].items():
         click.echo(f"  {role:<11} {r['tensors']:>6} tensors  {_mb(r['bytes']):>14}")
-    click.echo(f"files       {len(info['files'])}")
+    chunks = info["stored_objects"] - len(info["files"])
+    extra = f" (+ {chunks} chunk objects, not in the index)" if chunks else ""
+    click.echo(f"files       {len(info['files'])}{extra}")
     for path, f in info["files"].items():
         click.echo(f"  {path:<40} {_mb(f['size']):>14}")

@@ -135,3 +135,50 @@ def _zarr_doc_tree() -> str:
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "zarr.md").read_text(encoding="utf-8")
     return doc.split("## Layout", 1)[1].split("\n## ", 1)[0]
+
+
+# --- inspect: stored bytes -----------------------------------------------------------------------------------
+
+
+def _stored_on_storage(location: str) -> tuple[int, int]:
+    """Bytes and count of every object of a checkpoint, its index moeckpt.json left out, measured independently."""
+    from moeckpt.formats.storage import Storage
+
+    from .helpers import list_objects
+
+    s = Storage(location)
+    paths = [p for p in list_objects(location) if p != "moeckpt.json"]
+    return sum(s.size(p) for p in paths), len(paths)
+
+
+def test_inspect_stored_bytes_count_every_object(storage_url, backend, moeckpt_cli):
+    import json
+
+    from moeckpt.reshard.layout import Layout
+
+    from .helpers import save_toy
+
+    save_toy(storage_url, Layout(tp=2, dp=2), backend=backend)
+    code, out, err = moeckpt_cli("inspect", storage_url, "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    want_bytes, want_objects = _stored_on_storage(storage_url)
+    assert (info["stored_bytes"], info["stored_objects"]) == (want_bytes, want_objects)
+    assert info["stored_bytes"] >= info["logical_bytes"]
+    if backend == "zarr":  # the index lists only the zarr.json documents; the chunk objects are the data
+        assert info["stored_objects"] > len(info["files"])
+        assert info["stored_bytes"] > sum(f["size"] for f in info["files"].values()) + info["logical_bytes"] // 2
+    code, text, _ = moeckpt_cli("inspect", storage_url)
+    assert f"{info['stored_bytes'] / 1e6:,.2f} MB stored" in text
+
+
+def test_inspect_zarr_stored_bytes_with_a_scalar_and_stray_files(tmp_path, moeckpt_cli):
+    import json
+
+    loc = tmp_path / "ck"
+    _save_with_scalar(str(loc), "zarr", 1.5)
+    want_bytes, want_objects = _stored_on_storage(str(loc))
+    assert (loc / "scale" / "c").is_file()  # a 0-d array's one chunk object is "<name>/c"
+    (loc / "notes.txt").write_bytes(b"x" * 1000)  # not part of the checkpoint: not counted
+    info = json.loads(moeckpt_cli("inspect", loc, "--json")[1])
+    assert (info["stored_bytes"], info["stored_objects"]) == (want_bytes, want_objects)
