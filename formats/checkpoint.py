@@ -279,11 +279,13 @@ def verify(reader: CheckpointReader, on_piece: Callable[[PieceRef], None] | None
     problems: list[str] = []
     by_tensor: dict[str, list[Box]] = {name: [] for name in reader.index.tensors}
     refs: list[PieceRef] = []
+    unreadable = 0
     for entry in reader.index.files.values():
         try:
             refs.extend(reader.backend.list_pieces(reader.storage, replace_files(reader.index, [entry])))
         except MoeckptError as e:
             problems.append(str(e))
+            unreadable += 1
     for ref in refs:
         by_tensor[ref.tensor].append(ref.box)
         try:
@@ -292,11 +294,16 @@ def verify(reader: CheckpointReader, on_piece: Callable[[PieceRef], None] | None
             problems.append(str(e))
         if on_piece is not None:
             on_piece(ref)
+    cover = []
     for name, boxes in by_tensor.items():
         problem = covers_exactly_once(reader.index.tensors[name].shape, boxes)
         if problem is not None:
-            problems.append(f"{reader.location}: tensor {name!r}: {problem}")
-    return problems
+            cover.append(f"{reader.location}: tensor {name!r}: {problem}")
+    if cover and unreadable:
+        # Every tensor with a piece in an unreadable file is incomplete: one line, not one per tensor.
+        cover = [f"{reader.location}: {len(cover)} tensor(s) incomplete because of the unreadable file(s) above, "
+                 f"e.g. {cover[0].split(': ', 1)[1]}"]
+    return problems + cover
 
 
 def replace_files(index: Index, files: list[FileEntry]) -> Index:

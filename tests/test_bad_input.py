@@ -71,6 +71,9 @@ def test_missing_rank_file(ckpt, moeckpt_cli):
     os.remove(os.path.join(ckpt, "rank-00002.safetensors"))
     code, _, err = moeckpt_cli("verify", ckpt)
     assert code == 1 and "rank-00002.safetensors" in err and "missing" in err
+    # one line for the file, one for the tensors it leaves incomplete, the summary: not one line per tensor
+    lines = err.strip().splitlines()
+    assert len(lines) == 3 and "incomplete because of the unreadable file" in lines[1], err
 
 
 @pytest.mark.parametrize(
