@@ -88,12 +88,13 @@ def load_rank_state(
     names = _select(index.tensors, roles, tensors)
     stats = stats if stats is not None else LoadStats()
     with single_threaded_torch():
+        sources = _stored_sources(reader, names)
         if group is None:
-            plan = plan_load(index, layout, [rank], tensors=names)
+            plan = plan_load(index, layout, [rank], tensors=names, sources=sources)
             state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes)
         else:
             state = _load_collective(
-                reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes
+                reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes, sources
             )
     stats.bytes_needed = sum(t.numel() * t.element_size() for boxes in state.values() for _, t in boxes)
     stats.seconds = time.perf_counter() - started
@@ -129,6 +130,22 @@ def _select(tensors: dict[str, TensorEntry], roles, names) -> list[str]:
         keep = set(roles)
         picked = [n for n in picked if n in tensors and tensors[n].role in keep]
     return picked
+
+
+def _stored_sources(reader: CheckpointReader, names: list[str]) -> dict[str, list[SourcePiece]] | None:
+    """The stored pieces to plan from, when they are not the source layout's placements; else None.
+
+    safetensors stores exactly the placements, which the planner derives from the index alone. zarr stores grid
+    cells, and where the writers' boxes share no coarser regular grid (ZAYA's fused q/k convolution bias at tp 2:
+    blocks of 32 and 16) a placement spans several cells, so the load plans from the cells its documents list.
+    zarr objects are named by cell, not writer: every cell gets writer 0, the same on every rank.
+    """
+    if reader.index.backend == "safetensors":
+        return None
+    sources: dict[str, list[SourcePiece]] = {name: [] for name in names}
+    for ref in reader.pieces(tensors=set(names)):
+        sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, 0))
+    return sources
 
 
 def _refs_for(reader: CheckpointReader, sources: set) -> dict[tuple[str, Box], PieceRef]:
@@ -193,7 +210,9 @@ def chunk_rows(box: Box, dtype: str, chunk_bytes: int = CHUNK_BYTES, block_bytes
     return rows
 
 
-def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes) -> RankState:
+def _load_collective(
+    reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes, sources
+) -> RankState:
     import torch.distributed as dist
 
     index = reader.index
@@ -204,7 +223,7 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, chunk_byt
             f"collective load: group rank {me} of {size} must load layout rank peers[{me}], got rank {rank} and "
             f"peers {peers[:8]}{'...' if len(peers) > 8 else ''}; pass peers= listing each member's layout rank"
         )
-    plan = plan_load(index, layout, peers, tensors=names)
+    plan = plan_load(index, layout, peers, tensors=names, sources=sources)
     # Transfers: (unit, destination group rank, target piece position, sub-region), in one global order.
     units: dict[tuple, list[tuple[int, int, Box]]] = {}
     unit_bytes: dict[tuple, int] = {}

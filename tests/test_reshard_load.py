@@ -7,6 +7,7 @@ import json
 import os
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
@@ -97,9 +98,11 @@ def _worker(rank: int, port: int, world: int, location: str, layout: dict, out_d
         dist.destroy_process_group()
 
 
-def test_collective_load_reads_the_checkpoint_about_once(tmp_path):
+@pytest.mark.parametrize("backend", ["safetensors", "zarr"])
+def test_collective_load_reads_the_checkpoint_about_once(tmp_path, backend):
     spec = presets()["zaya-tiny"]
-    tensors, _ = save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))
+    # zarr at tp 2 stores ZAYA's fused conv bias (tp blocks of 32 and 16) as 16-element cells: placements span cells
+    tensors, _ = save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2), backend=backend)
     target = Layout(tp=1, ep=2, dp=4)  # 4 ranks; parameters replicated 4x (2x for experts)
     mp.spawn(_worker, args=(_free_port(), 4, str(tmp_path / "a"), target.to_json(), str(tmp_path)), nprocs=4)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
@@ -113,10 +116,15 @@ def test_collective_load_reads_the_checkpoint_about_once(tmp_path):
     assert sum(r["needed"] for r in results) > total
 
 
-def test_load_from_zarr_source(tmp_path):
-    spec = presets()["qwen3moe-tiny"]
-    _, values = save_model(str(tmp_path / "z"), spec, Layout(tp=1, ep=2, dp=2), backend="zarr")
-    target = Layout(tp=2, ep=1, dp=2)
+@pytest.mark.parametrize("preset, source, target", [
+    ("qwen3moe-tiny", Layout(tp=1, ep=2, dp=2), Layout(tp=2, ep=1, dp=2)),
+    # a placement that spans several zarr cells (ZAYA's fused q/k conv bias at tp 2), same layout and another
+    ("zaya-tiny", Layout(tp=2, ep=2, dp=2), Layout(tp=2, ep=2, dp=2)),
+    ("zaya-tiny", Layout(tp=2, ep=2, dp=2), Layout(tp=1, ep=1, dp=1)),
+])
+def test_load_from_zarr_source(tmp_path, preset, source, target):
+    spec = presets()[preset]
+    _, values = save_model(str(tmp_path / "z"), spec, source, backend="zarr")
     for rank in range(target.world):
         stats = LoadStats()
         state = load_rank_state(str(tmp_path / "z"), target, rank, stats=stats)
