@@ -6,7 +6,7 @@ import click
 
 from moeckpt.trainer.launch import Elastic, run_torchrun, under_torchrun
 from moeckpt.trainer.metrics import read_metrics
-from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, train
+from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, check_run_dir, run_model, train
 
 
 class _EpDegree(click.ParamType):
@@ -30,7 +30,8 @@ EP_DEGREE = _EpDegree()
 
 
 @click.command("train")
-@click.option("--model", "model", required=True, help="preset name (zaya-tiny, qwen3moe-tiny, ...) or a config.json")
+@click.option("--model", "model", default=None,
+              help="preset name (zaya-tiny, qwen3moe-tiny, ...) or a config.json  [required unless --init-from]")
 @click.option("--data", default=None, help="token file: .bin (uint16) or .txt (bytes)  [default: the shipped demo text]")
 @click.option("--data-dtype", default="auto", show_default=True, help="token dtype of --data: auto, uint16, uint32, bytes")
 @click.option("--run-dir", required=True, help="run directory (local path or s3://...): checkpoints and metrics.jsonl")
@@ -67,11 +68,14 @@ EP_DEGREE = _EpDegree()
               help="elastic run: the rendezvous, the same on every node; the node on HOST keeps its store")
 @click.option("--rdzv-id", default="moeckpt", show_default=True, help="elastic run: the job's rendezvous id")
 @click.option("--rdzv-conf", default="", help="elastic run: torchrun --rdzv-conf, e.g. last_call_timeout=5")
+@click.option("--init-from", default=None, metavar="CKPT",
+              help="start a new run from this checkpoint's weights and optimizer state (e.g. an import-hf output), "
+                   "resharded to the run's layout; the run starts at step 0; --model defaults to its model")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="elastic run: how often this node's agent restarts its workers (each node loss or join is one)")
 def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, save_every, fmt, seed, global_batch, seq_len,
             lr, warmup_steps, weight_decay, max_grad_norm, dtype, sync_save, keep_last, cpu, inject, hang_timeout,
-            max_nan_rollbacks, nnodes, rdzv_endpoint, rdzv_id, rdzv_conf, max_restarts) -> None:
+            max_nan_rollbacks, nnodes, rdzv_endpoint, rdzv_id, rdzv_conf, init_from, max_restarts) -> None:
     """Train MODEL in layout (tp, ep, dp = world / tp), resuming from the newest checkpoint in RUN_DIR.
 
     World = nproc on one machine; with --nnodes MIN:MAX --rdzv-endpoint HOST:PORT (the same command on every
@@ -80,16 +84,21 @@ def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, sav
 
     Metrics (step, loss, lr, grad_norm, tokens_per_s, save_blocked_s) go to RUN_DIR/metrics.jsonl.
     """
+    if not model and not init_from:
+        raise click.UsageError("--model is required (a preset or config.json) unless --init-from names a checkpoint")
     try:
         config = TrainConfig(
-            model=model, data=data, data_dtype=data_dtype, run_dir=run_dir, tp=tp, ep=ep, steps=steps,
+            model=model or "", data=data, data_dtype=data_dtype, run_dir=run_dir, tp=tp, ep=ep, steps=steps,
             stop_at=stop_at, save_every=save_every, format=fmt, seed=seed, global_batch=global_batch,
             seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, dtype=dtype, async_save=not sync_save, keep_last=keep_last, cpu=cpu,
             inject=tuple(inject), hang_timeout_s=hang_timeout, max_nan_rollbacks=max_nan_rollbacks,
+            init_from=init_from,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    check_run_dir(config)
+    name = model or run_model(config).arch
     elastic = None
     if nnodes is not None or rdzv_endpoint is not None:
         elastic = Elastic.parse(nnodes or "1", rdzv_endpoint, run_id=rdzv_id, max_restarts=max_restarts,
@@ -110,9 +119,9 @@ def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, sav
     records = [r for r in records if "loss" in r]  # events (a NaN rollback) carry no loss
     if records:
         last = records[-1]
-        click.echo(f"{model}: step {last['step']}/{steps}, loss {last['loss']:.4f}; checkpoints in {run_dir}")
+        click.echo(f"{name}: step {last['step']}/{steps}, loss {last['loss']:.4f}; checkpoints in {run_dir}")
     else:
-        click.echo(f"{model}: nothing to do, {run_dir} is already at step {steps}")
+        click.echo(f"{name}: nothing to do, {run_dir} is already at step {steps}")
 
 
 def _is_rank0() -> bool:

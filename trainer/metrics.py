@@ -54,7 +54,8 @@ class MetricsLog:
 
 
 def read_metrics(run_dir: str, *, events: bool = False) -> list[dict[str, Any]]:
-    """The step records of a run's metrics file (local or URL), in order; the last record of a step wins on reruns.
+    """The step records of a run's metrics file (local or URL), in file order: a step trained again after a
+    resume appears again, and callers that want one record per step keep the last.
 
     With ``events=True`` also the event records (``{"event": "resume" | "nan_rollback", ...}``) between them.
     """

@@ -23,11 +23,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from moeckpt.formats.checkpoint import committed_steps, quarantine
+from moeckpt.formats.checkpoint import CheckpointReader, committed_steps, quarantine
 from moeckpt.formats.errors import MoeckptError
-from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.index import INDEX_NAME, TensorEntry
 from moeckpt.formats.retention import RetentionPolicy
-from moeckpt.formats.storage import is_url
+from moeckpt.formats.storage import Storage, is_url
 from moeckpt.reshard.local import join_local
 from moeckpt.reshard.tensors import logical_tensors
 
@@ -62,7 +62,8 @@ class NonFiniteLossError(MoeckptError, FloatingPointError):
 class TrainConfig:
     """Everything a training run needs; the ``moeckpt train`` options map one-to-one onto these fields."""
 
-    #: preset name (``zaya-tiny``, ``qwen3moe-tiny``, ...) or a model config.json.
+    #: preset name (``zaya-tiny``, ``qwen3moe-tiny``, ...) or a model config.json; empty with ``init_from``: the
+    #: model of that checkpoint.
     model: str
     #: run directory (local path or fsspec URL): checkpoints and ``metrics.jsonl``.
     run_dir: str
@@ -116,8 +117,14 @@ class TrainConfig:
     hang_timeout_s: float = 0.0
     #: NaN/Inf loss: roll back to the last checkpoint and skip the batches since, at most this many times.
     max_nan_rollbacks: int = 3
+    #: a checkpoint (or run directory: its newest step) whose parameters and optimizer state start the run when
+    #: ``run_dir`` holds no checkpoint yet, resharded to this run's layout; the run starts at step 0 with a fresh
+    #: data position and schedule (fine-tuning an ``import-hf`` checkpoint). Ignored once ``run_dir`` has one.
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
+        if not self.model and not self.init_from:
+            raise ValueError("model is empty: name a preset or config.json, or give init_from to take its model")
         if type(self.steps) is not int or self.steps < 1:
             raise ValueError(f"steps={self.steps!r} must be a positive integer")
         if self.stop_at is not None and not 0 <= self.stop_at <= self.steps:
@@ -155,10 +162,26 @@ class TrainConfig:
         return cls(**value)
 
 
+def run_model(config: TrainConfig) -> ModelSpec:
+    """The run's model: ``config.model``, or the model of the ``init_from`` checkpoint when that is empty."""
+    if config.model:
+        return resolve_model(config.model)
+    return ModelSpec.from_json(CheckpointReader(config.init_from).index.model)
+
+
+def check_run_dir(config: TrainConfig) -> None:
+    """Refuse a run directory that is itself a checkpoint: the run would ignore it and save steps inside it."""
+    if Storage(config.run_dir).exists(INDEX_NAME):
+        raise ResumeError(
+            f"{config.run_dir}: is a checkpoint, not a run directory; to train from it pass --init-from "
+            f"{config.run_dir} with a new --run-dir"
+        )
+
+
 def check_launch(config: TrainConfig, nproc: int) -> None:
     """Refuse, before any process starts, a model, layout or data file that cannot work with ``nproc`` processes
     (each worker would otherwise fail alone, behind torchrun's generic exit code)."""
-    spec = resolve_model(config.model)
+    spec = run_model(config)
     layout = choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
     if config.global_batch % layout.dp:
         raise DataError(
@@ -185,7 +208,8 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, *, device: torch.device | None = None) -> None:
         self.config = config
-        self.spec: ModelSpec = resolve_model(config.model)
+        check_run_dir(config)
+        self.spec: ModelSpec = run_model(config)
         world = dist.get_world_size() if dist.is_initialized() else 1
         layout = choose_layout(world, tp=config.tp, ep=config.ep, check=self.spec.check_layout)
         device = device or torch.device("cpu")
@@ -259,6 +283,8 @@ class Trainer:
     def _resume(self) -> None:
         restored = self._restore_newest_intact()
         if restored is None:
+            if self.config.init_from:
+                self._start_from(self.config.init_from)
             return
         state = restored.train_state
         self.step = int(state.get("step", restored.step))
@@ -286,6 +312,24 @@ class Trainer:
                 f"moeckpt: resumed {restored.location} (step {self.step}, written in layout {restored.source_layout}) "
                 f"into layout {self.groups.layout}: rank 0 read {st.bytes_read / 1e6:.2f} MB for "
                 f"{st.bytes_needed / 1e6:.2f} MB of state in {st.seconds:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def _start_from(self, location: str) -> None:
+        """Load ``init_from``'s parameters and optimizer state (resharded, collective); the run starts at step 0."""
+        restored = restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group)
+        self.metrics.write({
+            "event": "init_from", "location": restored.location, "checkpoint_step": restored.step,
+            "from_layout": restored.source_layout.to_json(), "to_layout": self.groups.layout.to_json(),
+            "time": time.time(),
+        })
+        if self.rank == 0:
+            st = restored.stats
+            print(
+                f"moeckpt: starting from {restored.location} (its step {restored.step}, layout "
+                f"{restored.source_layout}) in layout {self.groups.layout}: rank 0 read {st.bytes_read / 1e6:.2f} MB "
+                f"in {st.seconds:.2f} s",
                 file=sys.stderr,
                 flush=True,
             )
