@@ -111,6 +111,30 @@ def test_bf16_export_loads(tmp_path, moeckpt_cli):
     assert torch.equal(hf.model.embed_tokens.weight, want)
 
 
+def test_fp32_export_of_bf16_training_takes_the_master_weights(tmp_path, moeckpt_cli):
+    """bf16 parameters are the masters rounded; an fp32 export writes the masters, not the rounded values."""
+    from safetensors.torch import load_file
+
+    ckpt = _init(moeckpt_cli, tmp_path / "ck", "zaya-tiny", 1, 2, 2, "--dtype", "bf16", "--with-optimizer")
+    reader = CheckpointReader(str(ckpt))
+    name = "model.embed_tokens.weight"
+    master = reader.read_tensor(f"master/{name}")
+    master.add_(torch.randn(master.shape) * 1e-3)  # masters that bf16 cannot hold exactly, as training leaves them
+    from moeckpt.reshard.layout import Layout
+    from moeckpt.reshard.save import save_full_tensors
+
+    values = {n: reader.read_tensor(n) for n in reader.index.tensors}
+    values[f"master/{name}"] = master
+    save_full_tensors(str(tmp_path / "ck2"), tensors=reader.index.tensors, layout=Layout(ep=2, dp=2),
+                      values=lambda e: values[e.name], model=reader.index.model)
+    out = _export(moeckpt_cli, tmp_path / "ck2", tmp_path / "hf", "--dtype", "fp32")
+    got = load_file(str(out / "model-00001-of-00001.safetensors"))[name]
+    assert got.dtype == torch.float32 and torch.equal(got, master)
+    assert not torch.equal(got, values[name].float())
+    out16 = _export(moeckpt_cli, tmp_path / "ck2", tmp_path / "hf16")  # default: the parameters' own dtype
+    assert torch.equal(load_file(str(out16 / "model-00001-of-00001.safetensors"))[name], values[name])
+
+
 @pytest.mark.parametrize("preset", TINY)
 def test_import_then_export_is_identical(tmp_path, moeckpt_cli, preset):
     ckpt = _init(moeckpt_cli, tmp_path / "ck", preset, 1, 1, 1)
@@ -169,6 +193,13 @@ def test_refusals(tmp_path, moeckpt_cli):
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
     refused("import-hf", hf, tmp_path / "y", match="model_type 'llama'")
+    # RoPE scaling the trainer does not implement would silently change every position's numbers
+    (hf / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    refused("import-hf", hf, tmp_path / "y", match="rope scaling 'yarn' is not supported")
+    # a shape field missing: named, instead of a default shape and a confusing "tensor ... is missing"
+    (hf / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                if k not in ("num_experts", "num_local_experts")}))
+    refused("import-hf", hf, tmp_path / "y", match="lacks num_experts")
     (hf / "config.json").write_text(json.dumps(config))
 
     index_path = hf / "model.safetensors.index.json"

@@ -153,6 +153,18 @@ def _prepare_destination(out: Storage, overwrite: bool) -> None:
             out.remove(name)
 
 
+def _value_source(reader: CheckpointReader, param: str, dtype: str) -> str:
+    """The logical tensor to export parameter ``param`` from: its fp32 master copy when one is stored and the
+    export is wider than the parameter (bf16 training, fp32 export: the master holds the bits bf16 rounded off)."""
+    master = f"master/{param}"
+    entry = reader.index.tensors.get(master)
+    if entry is not None and dtypes.itemsize(entry.dtype) >= dtypes.itemsize(dtype) > dtypes.itemsize(
+        reader.index.tensors[param].dtype
+    ):
+        return master
+    return param
+
+
 def export_hf(
     ckpt: str,
     out: str,
@@ -164,7 +176,8 @@ def export_hf(
 ) -> ExportResult:
     """Write the parameters of checkpoint ``ckpt`` as a Hugging Face model directory at ``out``.
 
-    ``dtype`` is ``"bfloat16"`` or ``"float32"`` (default: the checkpoint's parameter dtype). ``on_bytes`` is
+    ``dtype`` is ``"bfloat16"`` or ``"float32"`` (default: the checkpoint's parameter dtype; a float32 export of
+    bf16 parameters takes the fp32 master weights when the checkpoint has them). ``on_bytes`` is
     called with the bytes written after each tensor (progress bars). The index file is written last.
     """
     reader = CheckpointReader(ckpt)
@@ -191,7 +204,7 @@ def export_hf(
             f.write(_header(shard, dtype))
             for t in shard:
                 if t.source != current:
-                    full = reader.read_tensor(t.source).to(torch_dtype)
+                    full = reader.read_tensor(_value_source(reader, t.source, dtype)).to(torch_dtype)
                     values = hf.export_values(t.source, full, spec.config)
                     current = t.source
                 data = tensor_bytes(values.pop(t.name))

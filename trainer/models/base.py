@@ -26,3 +26,27 @@ def config_from_json(cls, value: dict):
 
     known = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in value.items() if k in known})
+
+
+def require_fields(doc: dict, names) -> None:
+    """Raise ``ValueError`` naming the fields of ``names`` a Hugging Face config.json lacks."""
+    missing = [n for n in names if doc.get(n) is None]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)}, which the model's tensor shapes need")
+
+
+def refuse_rope_scaling(rope_scaling, rope_parameters: dict) -> None:
+    """Refuse RoPE scaling (YaRN, linear, dynamic, ...): the trainer implements plain RoPE, and importing such a
+    model without it would silently change what every position computes."""
+    kinds = []
+    if isinstance(rope_scaling, dict):
+        kinds.append(rope_scaling.get("rope_type") or rope_scaling.get("type"))
+    elif rope_scaling is not None:
+        kinds.append(str(rope_scaling))
+    kinds.append(rope_parameters.get("rope_type"))
+    scaled = [k for k in kinds if k not in (None, "default")]
+    if scaled:
+        raise ValueError(
+            f"rope scaling {scaled[0]!r} is not supported (the trainer implements plain RoPE); the model would "
+            "compute other numbers without it"
+        )

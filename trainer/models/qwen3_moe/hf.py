@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from ..base import config_from_json
+from ..base import config_from_json, refuse_rope_scaling, require_fields
 from .config import Qwen3MoeConfig
 
 #: config fields copied one-to-one into config.json; a checkpoint config must hold each of them to be exported.
@@ -52,6 +52,12 @@ def to_hf_config(cfg: Qwen3MoeConfig, *, dtype: str = "float32") -> dict:
     return out
 
 
+#: fields that set tensor shapes: a config.json without them cannot describe the weights, and our defaults (the
+#: 30B-A3B shape) would only move the error to a confusing "tensor ... is missing".
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "moe_intermediate_size", "num_experts", "num_experts_per_tok")
+
+
 def from_hf_config(doc: dict) -> Qwen3MoeConfig:
     """Our config from a Qwen3-MoE ``config.json``; refuses features the trainer does not implement."""
     if doc.get("hidden_act", "silu") != "silu":
@@ -65,7 +71,9 @@ def from_hf_config(doc: dict) -> Qwen3MoeConfig:
     values = dict(doc)
     if "num_experts" not in values and "num_local_experts" in values:
         values["num_experts"] = values["num_local_experts"]
+    require_fields(values, SHAPE_FIELDS)
     rope = doc.get("rope_parameters") or {}
+    refuse_rope_scaling(doc.get("rope_scaling"), rope)
     if "rope_theta" not in values and "rope_theta" in rope:
         values["rope_theta"] = rope["rope_theta"]
     if not values.get("head_dim"):

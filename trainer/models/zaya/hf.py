@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import config_from_json
+from ..base import config_from_json, refuse_rope_scaling, require_fields
 from .config import ZayaConfig
 
 #: config fields copied one-to-one into config.json; a checkpoint config must hold each of them to be exported.
@@ -31,6 +31,11 @@ def to_hf_config(cfg: ZayaConfig, *, dtype: str = "float32") -> dict:
     return out
 
 
+#: fields that set tensor shapes: a config.json without them cannot describe the weights.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "moe_intermediate_size", "num_experts")
+
+
 def from_hf_config(doc: dict) -> ZayaConfig:
     """Our config from a ZAYA ``config.json``; refuses features the trainer does not implement."""
     if doc.get("hidden_act", "silu") != "silu":
@@ -41,7 +46,9 @@ def from_hf_config(doc: dict) -> ZayaConfig:
     if any(t != "hybrid" for t in doc.get("layer_types") or ()):
         raise ValueError("layer_types other than 'hybrid' (sliding-window layers) are not supported")
     values = dict(doc)
+    require_fields(values, SHAPE_FIELDS)
     rope = (doc.get("rope_parameters") or {}).get("hybrid") or {}
+    refuse_rope_scaling(doc.get("rope_scaling"), rope)
     for key in ("rope_theta", "partial_rotary_factor"):
         if key in rope:
             values[key] = rope[key]
