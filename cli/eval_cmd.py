@@ -8,7 +8,8 @@ from dataclasses import asdict
 
 import click
 
-from moeckpt.trainer.evaluate import EvalConfig, check_launch, evaluate
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.trainer.evaluate import EvalConfig, check_launch, eval_shape, evaluate
 from moeckpt.trainer.launch import LaunchFailedError, run_torchrun, under_torchrun
 
 
@@ -49,4 +50,8 @@ def command(ckpt, data, data_dtype, tp, ep, nproc, seq_len, batch_size, batches,
         loss = evaluate(config)
         if os.environ.get("RANK", "0") != "0":
             return
-    click.echo(json.dumps({"loss": loss}) if as_json else f"{ckpt}: mean token cross-entropy {loss:.6f} nats")
+    batch, seq_len = eval_shape(config, CheckpointReader(ckpt).index.train_state or {})
+    tokens = config.batches * batch * seq_len
+    click.echo(json.dumps({"loss": loss, "tokens": tokens}) if as_json else
+               f"{ckpt}: mean token cross-entropy {loss:.6f} nats over {tokens} tokens "
+               f"({config.batches} batches of {batch} x {seq_len}; --batches for more)")

@@ -47,6 +47,7 @@ def test_eval_cli_and_another_layout(run, moeckpt_cli, tmp_path):
     )
     assert code == 0, err
     assert json.loads(out)["loss"] == pytest.approx(trained, abs=1e-6)
+    assert json.loads(out)["tokens"] == 1 * BATCH * 32  # the checkpoint's global batch and seq_len
     # Two ranks, tp=2: the checkpoint (written by one process) is resharded at load.
     out_file = tmp_path / "loss.json"
     cfg = _step2_config(run_dir, tp=2).__dict__
@@ -55,7 +56,7 @@ def test_eval_cli_and_another_layout(run, moeckpt_cli, tmp_path):
     # The run directory means its newest step; plain file order by default.
     code, out, err = moeckpt_cli("eval", run_dir, "--data", default_text_path(), "--batches", 2)
     assert code == 0, err
-    assert "mean token cross-entropy" in out
+    assert "mean token cross-entropy" in out and f"over {2 * BATCH * 32} tokens" in out
 
 
 def test_eval_bad_input(moeckpt_cli, tmp_path, run):

@@ -89,6 +89,12 @@ def _param_pieces(model: torch.nn.Module, specs, layout, rank: int) -> list[Stat
 
 
 @torch.no_grad()
+def eval_shape(config: EvalConfig, train_state: dict) -> tuple[int, int]:
+    """(samples per batch, tokens per sample) of an evaluation: the config's, else the checkpoint's training ones."""
+    return (config.batch_size or int(train_state.get("global_batch", 8)),
+            config.seq_len or int(train_state.get("seq_len", 64)))
+
+
 def evaluate(config: EvalConfig) -> float:
     """Mean token cross-entropy (nats) of the checkpoint on ``config``'s batches; the same value on every rank."""
     if dist.is_initialized() or _under_torchrun():
@@ -116,8 +122,7 @@ def evaluate(config: EvalConfig) -> float:
         raise ResumeError(f"{reader.location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
 
     state = reader.index.train_state or {}
-    seq_len = config.seq_len or int(state.get("seq_len", 64))
-    batch = config.batch_size or int(state.get("global_batch", 8))
+    batch, seq_len = eval_shape(config, state)
     seed = config.seed if config.seed is not None else int(state.get("seed", 0))
     vocab = getattr(spec.config, "vocab_size", None)
     dataset = TokenDataset(config.data, seq_len=seq_len, dtype=config.data_dtype, vocab_size=vocab)
