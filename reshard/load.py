@@ -160,7 +160,7 @@ def _load_alone(reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, c
     (rank_plan,) = plan.ranks
     refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads})
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moeckpt-read") as pool:
-        chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool)
+        chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool, clip=True)
         state = _fill_alone(rank_plan, reader, chunks)
     stats.bytes_read += chunks.bytes_read
     return state
@@ -194,6 +194,10 @@ def _whole_chunk(piece, chunks: ChunkReader) -> torch.Tensor | None:
         return None
     r0, r1 = r.rows
     per = chunks.chunk_rows(chunks.ref(r.tensor, src))
+    if chunks.clip:
+        if r0 // per != (r1 - 1) // per:
+            return None  # several chunks: they are joined into a new tensor anyway
+        return chunks.rows(r.tensor, src, r0, r1)  # a clipped chunk holds exactly these rows
     if r0 % per or (r1 != src.shape[0] and r1 - r0 != per) or r1 - r0 > per:
         return None  # a part of a chunk: a view would pin the rest of it in memory
     return chunks.rows(r.tensor, src, r0, r1)
@@ -351,7 +355,7 @@ def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, g
                 ref = chunks.ref(key[0], Box(key[1], key[2]))
                 per = chunks.chunk_rows(ref)
                 c = key[4]
-                chunks._start(ref, c, c * per, min((c + 1) * per, ref.box.shape[0]), background=True)
+                chunks._start(ref, c * per, min((c + 1) * per, ref.box.shape[0]), background=True)
         # Sizes first (every transfer padded to 8 bytes, so each slot can be viewed as its dtype), then one copy of
         # each region straight into its slot of the send buffer.
         in_sizes, recv_sizes = [0] * size, [0] * size

@@ -163,3 +163,25 @@ def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path):
     assert {o["error"] for o in outcomes} == {"ChecksumMismatchError"}, outcomes
     assert all("rank-00001.safetensors" in o["message"] for o in outcomes), outcomes
     assert sum("could not read its part" not in o["message"] for o in outcomes) >= 1  # the rank that saw it
+
+
+def test_a_rank_loading_alone_reads_about_what_it_needs(tmp_path, moeckpt_cli):
+    """A ZeRO part is a slice of a stored piece's rows: reading whole 64 MB chunks read up to 8x the part at dp 8.
+
+    Qwen3-MoE with a 32 MB embedding and head, checkpoint at (1, 1, 1): at dp 8 each rank's part of the AdamW
+    moments is 4 MB of each, exactly checksum blocks, so what a rank reads alone must stay within 5% of it.
+    """
+    cfg = {"arch": "qwen3_moe", "config": {
+        "vocab_size": 8192, "hidden_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": 64, "num_experts": 8,
+        "num_experts_per_tok": 2, "max_position_embeddings": 512}}
+    (tmp_path / "m.json").write_text(json.dumps(cfg))
+    code, _, err = moeckpt_cli("init", tmp_path / "c", "--model", tmp_path / "m.json", "--with-optimizer")
+    assert code == 0, err
+    target = Layout(tp=1, ep=1, dp=8)
+    for rank in (0, 3, 7):
+        stats = LoadStats()
+        load_rank_state(str(tmp_path / "c"), target, rank, roles={"exp_avg", "exp_avg_sq"},
+                        tensors=["exp_avg/model.embed_tokens.weight", "exp_avg_sq/lm_head.weight"], stats=stats)
+        assert stats.bytes_needed == 2 * 4 * 1024 * 1024
+        assert stats.bytes_read <= 1.05 * stats.bytes_needed, (rank, stats)
