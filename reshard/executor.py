@@ -32,10 +32,13 @@ from .layout import Layout
 from .placement import placements
 from .planner import ReadItem, ReshardPlan, SourcePiece, TargetPiece, plan_reshard
 
-# Offline defaults, measured on the 1.1 GB benchmark state: 16 MB chunks and slabs with a 128 MB cache ran as fast
-# as 64 MB / 384 MB with 300 MB less peak memory; 8 MB chunks started re-reading blocks shared by two writers.
+# Offline defaults. 16 MB slabs with a 128 MB cache ran as fast as 64 MB / 384 MB with 300 MB less peak memory (1.1 GB
+# benchmark state). Chunks are one checksum block: writers that need different rows of the same stored piece
+# (ZeRO parts, expert ranges) then rarely share a chunk, whereas with 16 MB chunks a chunk evicted between two
+# writers' visits was read again: zaya-small with AdamW state (5.5 GB) to tp=1 ep=4 dp=4 read 8.1-12.2 GB with
+# 16 MB chunks and 6.1 GB with 4 MB ones, in the same time.
 #: source pieces are read in row chunks of about this size (whole checksum blocks, so no block is read twice).
-CHUNK_BYTES = 16 * 1024 * 1024
+CHUNK_BYTES = 4 * 1024 * 1024
 #: target pieces are assembled and written in row slabs of about this size.
 SLAB_BYTES = 16 * 1024 * 1024
 #: default byte budget of the chunk cache shared by all workers.
