@@ -92,6 +92,8 @@ def test_transformers_loads_export_with_same_logits(tmp_path, moeckpt_cli, prese
         data_bytes += len(raw) - 8 - hlen
     assert index["metadata"]["total_size"] == data_bytes
     assert (out / "generation_config.json").exists()
+    # byte-level vocabularies have no special tokens: no ids that would stop generation at a letter
+    assert "eos_token_id" not in json.loads((out / "generation_config.json").read_text())
     config = json.loads((out / "config.json").read_text())
     if preset.startswith("qwen3"):
         # transformers 4.x and 5.x both load this: per-expert tensors, both expert-count keys, top-level rope_theta
