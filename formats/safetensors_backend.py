@@ -19,7 +19,7 @@ import torch
 from . import dtypes
 from .box import Box
 from .checksum import checksum
-from .errors import DataFileError, MoeckptError
+from .errors import DataFileError, MoeckptError, StorageError
 from .index import FileEntry, TensorEntry
 from .pieces import CHECKSUM_BLOCK_BYTES, Piece, PieceRef, block_checksums, tensor_bytes, verify_blocks
 from .storage import Storage
@@ -469,8 +469,9 @@ def write_file_stream(
 
     ``layout`` lists the pieces ``(tensor, box)`` in file order; ``chunks`` yields ``(piece position, bytes)`` in
     file order, each piece's bytes complete across its slabs. The header is sized first (checksums have a fixed
-    width), the data streamed behind it while hashed, and the header written last: on local disk by seeking back,
-    elsewhere by spooling the data to a local temporary file first (object stores cannot seek).
+    width), the data streamed behind it while hashed, and the header written last by seeking back where the
+    storage's file is seekable (local disk; S3, whose upload is spooled to a local file anyway), elsewhere by
+    spooling the data to a local temporary file first (a ``memory://`` or other fsspec file is a write-once stream).
     """
     kept = [(t, b) for t, b in layout if not b.is_empty()]
     head_len = len(header_bytes([(t, b, [_CHECKSUM_PLACEHOLDER] * _blocks(b, tensors[t])) for t, b in kept], tensors))
@@ -514,14 +515,21 @@ def write_file_stream(
             raise ValueError(f"{relpath}: header size changed while streaming ({head_len} -> {len(head)})")
         return head
 
-    if storage.is_local:
-        with storage.open_write(relpath) as f:
-            f.seek(head_len)
-            feed(f, writeback=True)
-            if not failed:
+    if storage.seekable_writes:
+        try:
+            with storage.open_write(relpath) as f:
+                f.seek(head_len)
+                # Local disk: start writeback early. An S3 spool is read back by the upload right away: keep it cached.
+                feed(f, writeback=storage.is_local)
+                if failed:
+                    raise _SourceFailed  # leave the context by an error: S3 then uploads nothing
                 head = final_header()
                 f.seek(0)
                 f.write(head)
+        except StorageError:
+            if not failed:
+                raise
+            # open_write wrapped _SourceFailed; the source's own error is raised below
     else:
         import shutil
         import tempfile
@@ -537,6 +545,10 @@ def write_file_stream(
     if failed:
         raise failed[0]
     return FileEntry(path=relpath, size=head_len + sum(sizes), checksum=checksum(head))
+
+
+class _SourceFailed(Exception):
+    """Leaves :meth:`Storage.open_write` by an error when the data source of a streamed file failed."""
 
 
 #: a streamed local file starts writeback every this many bytes.

@@ -65,9 +65,29 @@ class RetryPolicy:
         return d * (0.5 + random.random() / 2)  # jitter: many ranks retrying must not hit the store in lockstep
 
 
-#: remote objects up to this size are uploaded from one joined buffer; larger ones are spooled through a
-#: temporary file (see :meth:`Storage.open_write`), so memory stays bounded by concurrent uploads x this.
+#: remote objects up to this size are uploaded from one joined buffer in a single PUT; larger ones are spooled
+#: through a temporary file (see :meth:`Storage.open_write`), so memory stays bounded by concurrent uploads x this.
 JOIN_LIMIT_BYTES = 64 * 2**20
+
+#: the part size of S3 multipart uploads of spooled files. s3fs's default is 50 MiB parts, 10 in flight per
+#: upload (``S3FileSystem.max_concurrency``): 500 MiB of parts in memory per upload and per writer thread, and a
+#: file under 100 MiB read whole into memory for one PUT. 16 MiB keeps well above S3's 5 MiB minimum part (few
+#: requests) while a file under 2 parts (32 MiB) is still one PUT; objects over 10,000 parts x 16 MiB (156 GiB)
+#: get larger parts (:func:`s3_part_bytes`).
+S3_PART_BYTES = 16 * 2**20
+
+#: the parts of one upload in flight at once: memory per upload is S3_PART_BYTES x this (64 MiB; about 150 MB
+#: RSS with botocore's copies), while four parts' round trips still overlap; the writers upload in parallel too.
+S3_UPLOAD_CONCURRENCY = 4
+
+#: S3 allows at most this many parts in one multipart upload.
+_S3_MAX_PARTS = 10_000
+
+
+def s3_part_bytes(size: int) -> int:
+    """The multipart part size for an S3 object of ``size`` bytes: :data:`S3_PART_BYTES`, larger if needed."""
+    return max(S3_PART_BYTES, -(-size // _S3_MAX_PARTS))
+
 
 #: the policy every :class:`Storage` uses unless given another (tests shorten it).
 DEFAULT_RETRY = RetryPolicy()
@@ -150,6 +170,19 @@ class Storage:
             self._fs, _ = fsspec.core.url_to_fs(self.location, **_storage_options(self.location))
         return self._fs
 
+    @property
+    def is_s3(self) -> bool:
+        return self.location.startswith(("s3://", "s3a://"))
+
+    @property
+    def seekable_writes(self) -> bool:
+        """Whether :meth:`open_write` gives a seekable file (local disk; S3, which spools to a local file).
+
+        A writer can then leave room for a header, stream the data behind it and seek back to write the header,
+        instead of spooling the whole file once more; other fsspec files are write-once streams.
+        """
+        return self.is_local or self.is_s3
+
     def child(self, relpath: str) -> "Storage":
         return Storage(join(self.location, relpath), fs=None if self.is_local else self.fs, retry=self.retry)
 
@@ -184,7 +217,7 @@ class Storage:
 
     def _raise_if_no_bucket(self, what: str) -> None:
         """A missing bucket is bad input (exit 2), not a missing file: say so, naming the bucket."""
-        if not self.location.startswith(("s3://", "s3a://")):
+        if not self.is_s3:
             return
         bucket = self._fspath().split("/", 1)[0]
         try:
@@ -302,7 +335,11 @@ class Storage:
     # -- writing ---------------------------------------------------------------------------------------
     @contextmanager
     def open_write(self, relpath: str) -> Iterator[BinaryIO]:
-        """A binary file for writing; on local disk its data is fsynced before the context exits."""
+        """A binary file for writing; on local disk its data is fsynced before the context exits.
+
+        The file is seekable where :attr:`seekable_writes` says so. On S3 the object is uploaded when the context
+        exits normally; if the body raises, nothing is uploaded.
+        """
         target = self.path(relpath)
         try:
             if self.is_local:
@@ -311,14 +348,23 @@ class Storage:
                     yield f
                     f.flush()
                     os.fsync(f.fileno())
-            elif self.location.startswith(("s3://", "s3a://")):
+            elif self.is_s3:
                 # Spool to a local temporary file, then upload it with s3fs put_file: a multipart upload whose
                 # parts go up concurrently (fs.open would send them one by one), retried whole on a transient
-                # error, with memory bounded whatever the file size.
+                # error (each try reads the file afresh into a new multipart upload; s3fs aborts a failed one).
+                # Memory is bounded whatever the file size: S3_UPLOAD_CONCURRENCY parts of s3_part_bytes.
                 with tempfile.NamedTemporaryFile(prefix="moeckpt-upload-", dir=os.environ.get("MOECKPT_SPOOL_DIR")) as f:
                     yield f
                     f.flush()
-                    self._remote(lambda: self.fs.put_file(f.name, self._fspath(relpath)), "uploading", relpath)
+                    size = os.fstat(f.fileno()).st_size
+
+                    def put() -> None:
+                        self.fs.put_file(
+                            f.name, self._fspath(relpath),
+                            chunksize=s3_part_bytes(size), max_concurrency=S3_UPLOAD_CONCURRENCY,
+                        )
+
+                    self._remote(put, "uploading", relpath)
             else:
                 with self.fs.open(self._fspath(relpath), "wb") as f:
                     yield f
@@ -333,8 +379,9 @@ class Storage:
     def write_parts(self, relpath: str, parts: Sequence[bytes | bytearray | memoryview], *, fsync: bool = True) -> None:
         """Write one whole file from ``parts``; fsynced on local disk (unless ``fsync=False``).
 
-        Remotely the object is uploaded in one call, retried as a whole on transient errors; large objects go up
-        as a multipart upload whose parts are sent concurrently (s3fs ``pipe_file``).
+        Remotely an object of up to :data:`JOIN_LIMIT_BYTES` is uploaded from one buffer in one PUT, retried as a
+        whole on transient errors; a larger one is spooled through :meth:`open_write` (a bounded multipart upload
+        on S3) rather than joined in memory.
         """
         target = self.path(relpath)
         if self.is_local:
@@ -358,8 +405,13 @@ class Storage:
                     f.write(p)
             return
         data = parts[0] if len(parts) == 1 and isinstance(parts[0], bytes) else b"".join(parts)
+        kwargs = {}
+        if self.is_s3:
+            # One PUT of the buffer as it is: s3fs pipe_file would cut a buffer of 2 parts or more into part
+            # copies (bytes slices), on top of the joined buffer; JOIN_LIMIT_BYTES is below 2 parts of this size.
+            kwargs["chunksize"] = JOIN_LIMIT_BYTES
         try:
-            self._remote(lambda: self.fs.pipe_file(self._fspath(relpath), data), "writing", relpath)
+            self._remote(lambda: self.fs.pipe_file(self._fspath(relpath), data, **kwargs), "writing", relpath)
         except FileNotFoundError as e:
             raise _storage_error(e, "writing", target) from e
 
