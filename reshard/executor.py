@@ -93,6 +93,36 @@ class ChunkReader:
         self.peak_cached = 0
         #: a thread pool for :meth:`prefetch` (reads ahead of the workers), or None.
         self.pool: ThreadPoolExecutor | None = pool
+        #: local files open for ``os.pread`` (thread-safe on one descriptor): opening a file for every 4 MB chunk
+        #: cost a sixth of an offline reshard's samples.
+        self._fds: dict[str, int] = {}
+
+    def close(self) -> None:
+        """Close the local files this reader opened; call it when no read is in flight (a background read racing
+        a close could read a descriptor number the system has since given to another file)."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> "ChunkReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _fd(self, where: str) -> int:
+        with self._lock:
+            fd = self._fds.get(where)
+        if fd is None:
+            fd = os.open(where, os.O_RDONLY)
+            with self._lock:
+                if where in self._fds:  # another thread opened it meanwhile
+                    os.close(fd)
+                    fd = self._fds[where]
+                else:
+                    self._fds[where] = fd
+        return fd
 
     def _read_local(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
         """Rows ``[lo, hi)`` of a safetensors piece on local disk, read straight into an uninitialised tensor.
@@ -108,9 +138,7 @@ class ChunkReader:
         buf = torch.empty(read_hi - read_lo, dtype=torch.uint8)
         where = self.reader.storage.path(ref.file)
         try:
-            with open(where, "rb", buffering=0) as f:
-                f.seek(ref.start + read_lo)
-                got = f.readinto(memoryview(buf.numpy())) if len(buf) else 0
+            got = os.preadv(self._fd(where), [memoryview(buf.numpy())], ref.start + read_lo) if len(buf) else 0
         except OSError as e:
             raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
         if got != read_hi - read_lo:
@@ -455,10 +483,11 @@ def _convert(reader, by_key, sources, index, dst, target, *, backend, workers, o
     new_index = replace(index, backend=backend, layout=target.to_json(), files={})
     storage = begin_save(dst, overwrite=overwrite)
     try:
-        new_index = _write_all(
-            index, plan, chunks, storage, out_backend, backend, target, new_index, workers, slab_bytes, on_bytes,
-            readers,
-        )
+        with chunks:
+            new_index = _write_all(
+                index, plan, chunks, storage, out_backend, backend, target, new_index, workers, slab_bytes, on_bytes,
+                readers,
+            )
     except BaseException:
         # Leave nothing behind that looks like a save in progress: the staging data of a failed write goes.
         if storage.is_local:

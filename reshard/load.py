@@ -161,7 +161,11 @@ def _load_alone(reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, c
     refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads})
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moeckpt-read") as pool:
         chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool, clip=True)
-        state = _fill_alone(rank_plan, reader, chunks)
+        try:
+            state = _fill_alone(rank_plan, reader, chunks)
+        finally:
+            pool.shutdown(wait=True)  # no read in flight when the files close
+            chunks.close()
     stats.bytes_read += chunks.bytes_read
     return state
 
@@ -285,7 +289,11 @@ def _load_collective(
         except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail
             extract.failure, refs = e.with_traceback(None), {}
         chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool)
-        _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
+        try:
+            _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
+        finally:
+            pool.shutdown(wait=True)  # no read in flight when the files close
+            chunks.close()
     failure, extract.failure = extract.failure, None
     _raise_if_any_failed(failure, group, reader.location)
     stats.bytes_read += chunks.bytes_read
