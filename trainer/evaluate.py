@@ -130,9 +130,10 @@ def evaluate(config: EvalConfig) -> float:
                          shuffle=config.shuffle)
     loader.consumed_samples = config.start_sample
     total = torch.zeros(1, dtype=torch.float64, device=device)
-    for _ in range(config.batches):
-        inputs, targets = loader.next()
-        total += model.loss(inputs.to(device), targets.to(device)).double()
+    with torch.no_grad():  # evaluation builds no graph (and keeps none alive across batches)
+        for _ in range(config.batches):
+            inputs, targets = loader.next()
+            total += model.loss(inputs.to(device), targets.to(device)).double()
     if layout.dp > 1:
         dist.all_reduce(total, group=groups.dp)
     # Every rank's batch has the same number of target tokens, so the mean of means is the token mean.
