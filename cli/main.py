@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 
 import click
@@ -35,6 +36,12 @@ for _name in COMMAND_MODULES:
 
 
 def main() -> None:
+    # The commands' imports (torch above all) leave ~170k long-lived objects that every full collection would walk
+    # again: freezing them took the collector from 0.22 s to 0.02 s of a 2.3 s reshard of 1.1 GB, time in which
+    # every thread waits on the interpreter lock.
+    if not gc.get_freeze_count():  # once per process (tests call main() many times)
+        gc.collect()
+        gc.freeze()
     run_main(cli)
 
 

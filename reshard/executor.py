@@ -112,8 +112,7 @@ class ChunkReader:
         self.close()
 
     def _fd(self, where: str) -> int:
-        with self._lock:
-            fd = self._fds.get(where)
+        fd = self._fds.get(where)  # a dict lookup is atomic: only opening takes the lock
         if fd is None:
             fd = os.open(where, os.O_RDONLY)
             with self._lock:
@@ -231,6 +230,7 @@ class ChunkReader:
             return
         fut.set_result(data)
         nbytes = data.numel() * data.element_size()
+        evicted = []  # freed after the lock is released: freeing a chunk unmaps it, a syscall every thread would wait on
         with self._lock:
             self.bytes_read += _widened(ref, lo, hi)
             self._cached += nbytes
@@ -242,7 +242,9 @@ class ChunkReader:
                 if old.exception() is None:
                     t = old.result()
                     self._cached -= t.numel() * t.element_size()
+                evicted.append(old)
             self.peak_cached = max(self.peak_cached, self._cached)
+        del evicted
 
 
 def _nbytes(piece: TargetPiece, index: Index) -> int:
