@@ -168,9 +168,10 @@ def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dc
 
 # -- offline --------------------------------------------------------------------------------------------------------
 OFFLINE_CHILD = """
-import json, sys, time
+import gc, json, sys, time
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
+gc.collect(); gc.freeze()  # as the moeckpt command does after its imports (cli/main.py)
 r = reshard(sys.argv[1], sys.argv[2], Layout(**json.loads(sys.argv[3])), workers=int(sys.argv[4]))
 # VmHWM, not getrusage: ru_maxrss would include the parent's pages between fork and exec.
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
