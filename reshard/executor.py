@@ -74,7 +74,7 @@ class ChunkReader:
         *,
         chunk_bytes: int = CHUNK_BYTES,
         cache_bytes: int = CACHE_BYTES,
-        pool: ThreadPoolExecutor | None = None,
+        read_threads: int = 0,
         clip: bool = False,
     ):
         self.reader = reader
@@ -91,15 +91,19 @@ class ChunkReader:
         )
         #: the most bytes the cache kept at once (checked after each read's evictions).
         self.peak_cached = 0
-        #: a thread pool for :meth:`prefetch` (reads ahead of the workers), or None.
-        self.pool: ThreadPoolExecutor | None = pool
+        #: ``read_threads`` threads that read ahead of the consumers (:meth:`prefetch`), or None.
+        self.pool: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(read_threads, thread_name_prefix="moeckpt-read") if read_threads else None
+        )
         #: local files open for ``os.pread`` (thread-safe on one descriptor): opening a file for every 4 MB chunk
         #: cost a sixth of an offline reshard's samples.
         self._fds: dict[str, int] = {}
 
     def close(self) -> None:
-        """Close the local files this reader opened; call it when no read is in flight (a background read racing
-        a close could read a descriptor number the system has since given to another file)."""
+        """Wait for the reads in flight, then close the local files this reader opened (in that order: a read
+        racing a close could read a descriptor number the system has since given to another file)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
         with self._lock:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
@@ -392,14 +396,8 @@ def reshard(
     reader = CheckpointReader(src)
     index = reader.index
     _refuse_overlap(reader.location, Storage(dst).location)
-    refs = reader.pieces()
-    sources: dict[str, list[SourcePiece]] = {name: [] for name in index.tensors}
-    by_key: dict[tuple[str, Box], PieceRef] = {}
-    for ref in refs:
-        by_key[(ref.tensor, ref.box)] = ref
-        sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, -1))
     new_index, plan, bytes_read = _convert(
-        reader, by_key, sources, index, dst, target, backend=backend or index.backend, workers=workers,
+        reader, reader.pieces(), index, dst, target, backend=backend or index.backend, workers=workers,
         overwrite=overwrite, on_bytes=on_bytes, chunk_bytes=chunk_bytes, slab_bytes=slab_bytes,
         cache_bytes=cache_bytes,
     )
@@ -460,35 +458,35 @@ def write_rows(
     chunks, never by the model: this is how a Hugging Face model becomes a checkpoint in any layout. The format is
     ``index.backend``; ``index.files`` is ignored. ``source_name`` names the source in error messages.
     """
-    sources: dict[str, list[SourcePiece]] = {}
-    by_key: dict[tuple[str, Box], PieceRef] = {}
+    refs = []  # one whole-tensor piece per logical tensor, whose rows read_rows produces
     for name, entry in index.tensors.items():
         box = Box((0,) * len(entry.shape), tuple(entry.shape))
         nbytes = box.numel * dtypes.itemsize(entry.dtype)
-        by_key[(name, box)] = PieceRef(name, box, entry.dtype, source_name, 0, nbytes, (), block_bytes=0)
-        sources[name] = [SourcePiece(name, box, -1)]
+        refs.append(PieceRef(name, box, entry.dtype, source_name, 0, nbytes, (), block_bytes=0))
     reader = _RowFunctionReader(index, read_rows, source_name)
     new_index, _plan, _read = _convert(
-        reader, by_key, sources, index, dst, target, backend=index.backend, workers=workers, overwrite=overwrite,
+        reader, refs, index, dst, target, backend=index.backend, workers=workers, overwrite=overwrite,
         on_bytes=on_bytes, chunk_bytes=chunk_bytes, slab_bytes=slab_bytes, cache_bytes=cache_bytes,
     )
     return new_index
 
 
-def _convert(reader, by_key, sources, index, dst, target, *, backend, workers, overwrite, on_bytes, chunk_bytes,
+def _convert(reader, refs, index, dst, target, *, backend, workers, overwrite, on_bytes, chunk_bytes,
              slab_bytes, cache_bytes) -> tuple[Index, ReshardPlan, int]:
-    """Plan ``index``'s tensors (stored as ``sources``) into ``target`` and write them to ``dst``; commit."""
+    """Plan ``index``'s tensors, stored as the pieces ``refs``, into ``target`` and write them to ``dst``; commit."""
     out_backend = get_backend(backend)  # fails early on an unknown format
+    sources: dict[str, list[SourcePiece]] = {name: [] for name in index.tensors}
+    for ref in refs:
+        sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, -1))
     plan = plan_reshard(index, target, sources=sources)
-    readers = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="moeckpt-read")
-    chunks = ChunkReader(reader, by_key, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=readers)
+    by_key = {(ref.tensor, ref.box): ref for ref in refs}
+    chunks = ChunkReader(reader, by_key, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, read_threads=max(1, workers))
     new_index = replace(index, backend=backend, layout=target.to_json(), files={})
     storage = begin_save(dst, overwrite=overwrite)
     try:
         with chunks:
             new_index = _write_all(
-                index, plan, chunks, storage, out_backend, backend, target, new_index, workers, slab_bytes, on_bytes,
-                readers,
+                index, plan, chunks, storage, out_backend, backend, target, new_index, workers, slab_bytes, on_bytes
             )
     except BaseException:
         # Leave nothing behind that looks like a save in progress: the staging data of a failed write goes.
@@ -499,7 +497,7 @@ def _convert(reader, by_key, sources, index, dst, target, *, backend, workers, o
     return new_index, plan, chunks.bytes_read
 
 
-def _write_all(index, plan, chunks, storage, out_backend, fmt, target, new_index, workers, slab_bytes, on_bytes, readers):
+def _write_all(index, plan, chunks, storage, out_backend, fmt, target, new_index, workers, slab_bytes, on_bytes):
     """Write every target writer's file (``workers`` at a time) and return the index to commit."""
     out_backend.prepare(
         storage,
@@ -555,7 +553,7 @@ def _write_all(index, plan, chunks, storage, out_backend, fmt, target, new_index
             entries += out_backend.write(storage, rank_plan.rank, batch, index.tensors)
         return entries
 
-    with single_threaded_torch(), readers, ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    with single_threaded_torch(), ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         entries = [e for es in pool.map(write_writer, plan.ranks) for e in es]
     entries = out_backend.finish(storage, entries, index.tensors)
     if written[0] != index.nbytes:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -88,13 +87,15 @@ def load_rank_state(
     names = _select(index.tensors, roles, tensors)
     stats = stats if stats is not None else LoadStats()
     with single_threaded_torch():
-        sources = _stored_sources(reader, names)
+        stored = _stored_refs(reader, names)
+        sources = None if stored is None else _sources_of(stored.values(), names)
         if group is None:
             plan = plan_load(index, layout, [rank], tensors=names, sources=sources)
-            state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes)
+            state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes, stored)
         else:
             state = _load_collective(
-                reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes, sources
+                reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes, sources,
+                stored,
             )
     stats.bytes_needed = sum(t.numel() * t.element_size() for boxes in state.values() for _, t in boxes)
     stats.seconds = time.perf_counter() - started
@@ -132,40 +133,48 @@ def _select(tensors: dict[str, TensorEntry], roles, names) -> list[str]:
     return picked
 
 
-def _stored_sources(reader: CheckpointReader, names: list[str]) -> dict[str, list[SourcePiece]] | None:
+def _stored_refs(reader: CheckpointReader, names: list[str]) -> dict[tuple[str, Box], PieceRef] | None:
     """The stored pieces to plan from, when they are not the source layout's placements; else None.
 
-    safetensors stores exactly the placements, which the planner derives from the index alone. zarr stores grid
-    cells, and where the writers' boxes share no coarser regular grid (ZAYA's fused q/k convolution bias at tp 2:
-    blocks of 32 and 16) a placement spans several cells, so the load plans from the cells its documents list.
-    zarr objects are named by cell, not writer: every cell gets writer 0, the same on every rank.
+    safetensors stores exactly the placements, which the planner derives from the index alone (and a load reads
+    only the headers of the files it needs). zarr stores grid cells, and where the writers' boxes share no coarser
+    regular grid (ZAYA's fused q/k convolution bias at tp 2: blocks of 32 and 16) a placement spans several
+    cells, so the load plans from the cells its documents list, read once here.
     """
     if reader.index.backend == "safetensors":
         return None
+    return {(ref.tensor, ref.box): ref for ref in reader.pieces(tensors=set(names))}
+
+
+def _sources_of(refs, names: list[str]) -> dict[str, list[SourcePiece]]:
+    """Planner sources for stored zarr cells: objects are named by cell, not writer, so every cell gets writer 0,
+    the same on every rank."""
     sources: dict[str, list[SourcePiece]] = {name: [] for name in names}
-    for ref in reader.pieces(tensors=set(names)):
+    for ref in refs:
         sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, 0))
     return sources
 
 
-def _refs_for(reader: CheckpointReader, sources: set) -> dict[tuple[str, Box], PieceRef]:
-    """The stored pieces behind ``sources`` (SourcePiece values), reading only their writers' headers."""
+def _refs_for(reader: CheckpointReader, sources: set, stored) -> dict[tuple[str, Box], PieceRef]:
+    """The stored pieces behind ``sources`` (SourcePiece values): from ``stored`` when the caller listed them
+    already, else reading only their writers' headers."""
     if not sources:
         return {}
+    if stored is not None:
+        return {(s.tensor, s.box): stored[(s.tensor, s.box)] for s in sources}
     refs = reader.pieces(tensors={s.tensor for s in sources}, writers={s.writer for s in sources})
     return {(r.tensor, r.box): r for r in refs}
 
 
-def _load_alone(reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, chunk_bytes: int, cache_bytes: int) -> RankState:
+def _load_alone(
+    reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, chunk_bytes: int, cache_bytes: int, stored
+) -> RankState:
     (rank_plan,) = plan.ranks
-    refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads})
-    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moeckpt-read") as pool:
-        chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool, clip=True)
-        try:
-            state = _fill_alone(rank_plan, reader, chunks)
-        finally:
-            pool.shutdown(wait=True)  # no read in flight when the files close
-            chunks.close()
+    refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads}, stored)
+    with ChunkReader(
+        reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, read_threads=READ_THREADS, clip=True
+    ) as chunks:
+        state = _fill_alone(rank_plan, reader, chunks)
     stats.bytes_read += chunks.bytes_read
     return state
 
@@ -219,7 +228,7 @@ def chunk_rows(box: Box, dtype: str, chunk_bytes: int = CHUNK_BYTES, block_bytes
 
 
 def _load_collective(
-    reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes, sources
+    reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes, sources, stored
 ) -> RankState:
     import torch.distributed as dist
 
@@ -283,17 +292,14 @@ def _load_collective(
     ]
     owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
     extract = _GuardedExtract(index)
-    with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="moeckpt-read") as pool:
-        try:
-            refs = _refs_for(reader, owned_sources)  # reads the headers of the files this rank reads from
-        except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail
-            extract.failure, refs = e.with_traceback(None), {}
-        chunks = ChunkReader(reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, pool=pool)
-        try:
-            _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
-        finally:
-            pool.shutdown(wait=True)  # no read in flight when the files close
-            chunks.close()
+    try:
+        refs = _refs_for(reader, owned_sources, stored)  # reads the headers of the files this rank reads from
+    except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail
+        extract.failure, refs = e.with_traceback(None), {}
+    with ChunkReader(
+        reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, read_threads=READ_THREADS
+    ) as chunks:
+        _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
     failure, extract.failure = extract.failure, None
     _raise_if_any_failed(failure, group, reader.location)
     stats.bytes_read += chunks.bytes_read
