@@ -28,7 +28,6 @@ from .errors import (
     DestinationNotEmptyError,
     MoeckptError,
     NotCommittedError,
-    StorageError,
 )
 from .index import INDEX_NAME, FileEntry, Index, TensorEntry
 from .pieces import Piece, PieceRef
@@ -62,11 +61,7 @@ def begin_save(location: str, *, overwrite: bool = False, replace_uncommitted: b
     location that only holds the leftovers of a failed save.
     """
     final = Storage(location)
-    if final.is_local and os.path.lexists(final.location) and not os.path.isdir(final.location):
-        # listdir sees no entries in a file; without this check the commit would replace the user's file.
-        raise DestinationNotEmptyError(
-            f"{final.location}: exists and is a file, not a directory; choose another location or remove the file"
-        )
+    final.refuse_file()
     contents = final.listdir()
     if contents and not overwrite:
         if not (replace_uncommitted and INDEX_NAME not in contents):
@@ -76,14 +71,8 @@ def begin_save(location: str, *, overwrite: bool = False, replace_uncommitted: b
             )
     staging = staging_storage(location)
     if final.is_local:
-        try:
-            staging.remove()
-            staging.makedirs()
-        except OSError as e:
-            raise StorageError(
-                f"{final.location}: cannot create the checkpoint there ({e.strerror or e}); "
-                "choose a location in a writable directory"
-            ) from None
+        staging.remove()
+        staging.makedirs()
     elif contents:
         # On an object store the index goes first, so the old checkpoint stops being committed before any of
         # its data is touched.

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO, Callable, Iterator, Sequence, TypeVar
 
-from .errors import NotCommittedError, StorageError
+from .errors import DestinationNotEmptyError, NotCommittedError, StorageError
 
 
 def is_url(location: str) -> bool:
@@ -416,9 +416,24 @@ class Storage:
             raise _storage_error(e, "writing", target) from e
 
     def makedirs(self, relpath: str = "") -> None:
+        """Create the local directory (and its parents); a path that cannot be one is a one-line StorageError."""
         if self.is_local:
-            os.makedirs(self.path(relpath), exist_ok=True)
+            try:
+                os.makedirs(self.path(relpath), exist_ok=True)
+            except OSError as e:
+                raise StorageError(
+                    f"{self.path(relpath)}: cannot create the directory ({e.strerror or e}); choose a location in a "
+                    "writable directory"
+                ) from None
         # object stores have no directories
+
+    def refuse_file(self) -> None:
+        """Raise :class:`DestinationNotEmptyError` if this local location is a file: a directory is about to be
+        written here, and listing a file shows no entries, so a non-empty check alone would let it be replaced."""
+        if self.is_local and os.path.lexists(self.location) and not os.path.isdir(self.location):
+            raise DestinationNotEmptyError(
+                f"{self.location}: exists and is a file, not a directory; choose another location or remove the file"
+            )
 
     def remove(self, relpath: str = "") -> None:
         """Remove a file or a whole tree; missing is fine."""

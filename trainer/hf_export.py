@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import struct
 from dataclasses import dataclass
 from types import ModuleType
@@ -22,7 +21,7 @@ import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.checkpoint import CheckpointReader
-from moeckpt.formats.errors import DestinationNotEmptyError, MoeckptError, StorageError
+from moeckpt.formats.errors import DestinationNotEmptyError, MoeckptError
 from moeckpt.formats.pieces import tensor_bytes
 from moeckpt.formats.storage import Storage
 
@@ -134,17 +133,9 @@ def _header(tensors: list[HfTensor], dtype: str) -> bytes:
 
 
 def _prepare_destination(out: Storage, overwrite: bool) -> None:
-    if out.is_local and os.path.lexists(out.location) and not os.path.isdir(out.location):
-        raise DestinationNotEmptyError(
-            f"{out.location}: exists and is a file, not a directory; choose another location or remove the file"
-        )
+    out.refuse_file()
     if not out.exists() or not out.listdir():
-        try:
-            out.makedirs()
-        except OSError as e:
-            raise StorageError(
-                f"{out.location}: cannot create the directory ({e.strerror or e}); choose a writable location"
-            ) from None
+        out.makedirs()
         return
     if not overwrite:
         raise DestinationNotEmptyError(f"{out.location}: destination is not empty; pass --overwrite to replace it")
