@@ -163,12 +163,19 @@ def read_params(hf_dir: HfDirectory, spec: ModelSpec) -> Callable[[str, int, int
     available = hf_dir.names()
     shapes = {p.name: tuple(p.shape) for p in spec.param_specs()}
     used: set[str] = set()
-    for name in shapes:
+    assembled = []  # plan tensors made of several HF tensors (per-expert Qwen matrices)
+    for name, want in shapes.items():
         sources = hf.import_sources(name, spec.config, available)
         missing = [s for s in sources if s not in available]
         if missing:
             raise HfFormatError(f"{hf_dir.location}: tensor {missing[0]} of the {spec.arch} model is missing")
         used.update(sources)
+        if sources != [name]:
+            assembled.append(name)
+        elif hf_dir.shape(name) != want:  # shapes are checked before anything is written
+            raise HfFormatError(
+                f"{hf_dir.location}: {name} has shape {list(hf_dir.shape(name))}, config.json implies {list(want)}"
+            )
     extra = available - used
     if spec.config.tie_word_embeddings:
         extra.discard("lm_head.weight")  # some writers store the tied head too; it is the embedding
@@ -191,15 +198,8 @@ def read_params(hf_dir: HfDirectory, spec: ModelSpec) -> Callable[[str, int, int
             )
         return value
 
-    # Shapes are checked before anything is written: a tensor stored under its own name from its header, an
-    # assembled one (per-expert Qwen matrices) by assembling its first row.
-    for name, want in shapes.items():
-        if hf.import_sources(name, spec.config, available) == [name]:
-            if hf_dir.shape(name) != want:
-                raise HfFormatError(
-                    f"{hf_dir.location}: {name} has shape {list(hf_dir.shape(name))}, config.json implies {list(want)}"
-                )
-        elif want:
+    for name in assembled:  # an assembled tensor's shape is checked by assembling its first row
+        if shapes[name]:
             read_rows(name, 0, 1)
     return read_rows
 

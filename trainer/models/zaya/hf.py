@@ -55,14 +55,10 @@ def from_hf_config(doc: dict) -> ZayaConfig:
     return config_from_json(ZayaConfig, values)
 
 
-#: the vocabulary size of ZAYA1's tokenizer, whose special token ids transformers' ZAYA config uses.
-ZAYA1_VOCAB = 262272
-
-
 def generation_config(cfg: ZayaConfig) -> dict:
     """``generation_config.json``: transformers' ZAYA token ids for the ZAYA1 vocabulary; none for another
     vocabulary (the byte-level presets), where id 106 is a letter, not the end of a sequence."""
-    if cfg.vocab_size != ZAYA1_VOCAB:
+    if cfg.vocab_size != ZayaConfig().vocab_size:  # the default is ZAYA1's tokenizer, whose ids these are
         return {}
     return {"bos_token_id": 2, "eos_token_id": 106, "pad_token_id": 0}
 
