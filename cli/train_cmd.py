@@ -6,7 +6,7 @@ import click
 
 from moeckpt.trainer.launch import Elastic, run_torchrun, under_torchrun
 from moeckpt.trainer.metrics import read_metrics
-from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, check_run_dir, run_model, train
+from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, run_model, train
 
 
 class _EpDegree(click.ParamType):
@@ -97,7 +97,6 @@ def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, sav
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    check_run_dir(config)
     name = model or run_model(config).arch
     elastic = None
     if nnodes is not None or rdzv_endpoint is not None:

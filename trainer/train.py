@@ -181,6 +181,7 @@ def check_run_dir(config: TrainConfig) -> None:
 def check_launch(config: TrainConfig, nproc: int) -> None:
     """Refuse, before any process starts, a model, layout or data file that cannot work with ``nproc`` processes
     (each worker would otherwise fail alone, behind torchrun's generic exit code)."""
+    check_run_dir(config)
     spec = run_model(config)
     layout = choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
     if config.global_batch % layout.dp:
