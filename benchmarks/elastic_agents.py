@@ -25,7 +25,14 @@ import tempfile
 
 import torch
 
-from moeckpt.trainer.elastic_drill import DrillResult, plot_drill, run_shrink_grow_drill
+from moeckpt.trainer.elastic_drill import (
+    CPU_DRILL_KILL_AT,
+    CPU_DRILL_STEPS,
+    DrillResult,
+    cpu_drill_args,
+    plot_drill,
+    run_shrink_grow_drill,
+)
 
 
 def _plot(result: DrillResult, path: str, train_args: list[str], gpus: bool) -> None:
@@ -39,7 +46,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--gpus", action="store_true", help="one worker per node, each node on its own GPU (2 GPUs)")
     ap.add_argument("--steps", type=int, default=None, help="default 80 (CPU) or 60 (GPU)")
-    ap.add_argument("--kill-at", type=int, default=17)
+    ap.add_argument("--kill-at", type=int, default=CPU_DRILL_KILL_AT)
     ap.add_argument("--model", default=None, help="default zaya-tiny (CPU) or zaya-small (GPU)")
     ap.add_argument("--slow", type=float, default=0.15, help="straggler delay per step, seconds")
     ap.add_argument("--replot", metavar="JSON", help="only redraw the figure of an earlier run's JSON")
@@ -56,12 +63,12 @@ def main() -> None:
         extra = ["--ep", "auto", "--dtype", "bf16", "--global-batch", "16", "--seq-len", "512", "--lr", "1e-3",
                  "--save-every", "10", "--hang-timeout", "30"]
         node_env = lambda node: {"CUDA_VISIBLE_DEVICES": "0" if node == "A" else "1"}  # noqa: E731
+        train_args = ["--model", model, "--run-dir", run, "--steps", str(steps), "--seed", "1", "--warmup-steps", "3",
+                      *extra, "--inject", f"slow:step=1,seconds={args.slow}"]
     else:
-        steps, model, nproc, name = args.steps or 80, args.model or "zaya-tiny", 2, "elastic_agents"
-        extra = ["--ep", "2", "--cpu", "--save-every", "5", "--hang-timeout", "60"]
-        node_env = None
-    train_args = ["--model", model, "--run-dir", run, "--steps", str(steps), "--seed", "1", "--warmup-steps", "3",
-                  *extra, "--inject", f"slow:step=1,seconds={args.slow}"]
+        nproc, name, node_env = 2, "elastic_agents", None
+        train_args = cpu_drill_args(run, steps=args.steps or CPU_DRILL_STEPS, model=args.model or "zaya-tiny",
+                                    slow=args.slow)
     result = run_shrink_grow_drill(run, train_args, nproc=nproc, kill_at_step=args.kill_at, timeout_s=540,
                                    node_env=node_env, progress=print)
     print("worlds (first step, workers):", result.worlds(), "exit codes:", result.exit_codes)
@@ -79,9 +86,6 @@ def main() -> None:
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(doc, f, indent=1)
     _plot(result, os.path.join(args.out, f"{name}.png"), doc["train_args"], args.gpus)
-    for node, text in result.logs.items():
-        with open(os.path.join(work, f"node-{node}.log"), "w") as f:
-            f.write(text)
     if result.exit_codes != {"A": 0, "C": 0}:
         print("\n".join(f"--- node {n}\n{t[-3000:]}" for n, t in result.logs.items()))
     shutil.rmtree(work, ignore_errors=True)

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -23,14 +22,14 @@ import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import MoeckptError
-from moeckpt.trainer.elastic_drill import DrillResult, plot_drill, run_shrink_grow_drill
-
-STEPS = 80
-KILL_AT = 17
-TRAIN = ["--model", "zaya-tiny", "--steps", str(STEPS), "--save-every", "5", "--global-batch", "8", "--seq-len", "64",
-         "--lr", "3e-3", "--warmup-steps", "3", "--seed", "1", "--cpu", "--ep", "2", "--hang-timeout", "60",
-         # a 0.15 s straggler delay per step keeps this tiny run going while nodes come and go
-         "--inject", "slow:step=1,seconds=0.15"]
+from moeckpt.trainer.elastic_drill import (
+    CPU_DRILL_KILL_AT as KILL_AT,
+    CPU_DRILL_STEPS as STEPS,
+    DrillResult,
+    cpu_drill_args,
+    plot_drill,
+    run_shrink_grow_drill,
+)
 
 
 @dataclass
@@ -56,11 +55,6 @@ def _moeckpt(args: list[str]) -> int:
         return e.exit_code
 
 
-def _metrics(run_dir: str) -> list[dict]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 @click.command("demo")
 @click.option("--dir", "workdir", default=None, help="where to keep the demo's files (default: a temporary directory)")
 def command(workdir: str | None) -> None:
@@ -83,7 +77,7 @@ def command(workdir: str | None) -> None:
     drills: list[DrillResult] = []
 
     def elastic_run() -> tuple[str, bool]:
-        result = run_shrink_grow_drill(run, [*TRAIN, "--run-dir", run], nproc=2, kill_at_step=KILL_AT,
+        result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=KILL_AT,
                                        timeout_s=600, progress=click.echo)
         drills.append(result)
         resumes = [e for e in result.events() if e.get("event") == "resume"]

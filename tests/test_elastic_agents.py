@@ -9,13 +9,13 @@ import sys
 import pytest
 
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
-from moeckpt.trainer.elastic_drill import run_shrink_grow_drill
+from moeckpt.trainer.elastic_drill import CPU_DRILL_KILL_AT as KILL_AT
+from moeckpt.trainer.elastic_drill import CPU_DRILL_STEPS as STEPS
+from moeckpt.trainer.elastic_drill import cpu_drill_args, run_shrink_grow_drill
 from moeckpt.trainer.launch import Elastic, ElasticSpecError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the drill walks /proc to kill a node")
 
-STEPS = 80
-KILL_AT = 17  # between checkpoints (every 5 steps): the steps after 15 are lost and trained again
 
 
 def test_elastic_spec_parsing():
@@ -30,11 +30,7 @@ def test_elastic_spec_parsing():
 
 def test_a_lost_node_shrinks_the_world_and_a_new_node_grows_it_back(tmp_path, moeckpt_cli):
     run = str(tmp_path / "run")
-    args = ["--model", "zaya-tiny", "--run-dir", run, "--steps", str(STEPS), "--save-every", "5", "--ep", "2",
-            "--seed", "1", "--warmup-steps", "3", "--cpu", "--hang-timeout", "60",
-            # a straggler on every rank keeps this tiny run going while nodes come and go
-            "--inject", "slow:step=1,seconds=0.15"]
-    result = run_shrink_grow_drill(run, args, nproc=2, kill_at_step=KILL_AT, timeout_s=400)
+    result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=KILL_AT, timeout_s=400)
     logs = "\n".join(f"--- node {n}\n{text[-4000:]}" for n, text in result.logs.items())
     assert result.exit_codes == {"A": 0, "C": 0}, logs
 

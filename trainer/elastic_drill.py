@@ -18,19 +18,35 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.formats.errors import MoeckptError
 
 from .metrics import read_metrics
 from .parallel import free_port
 
-__all__ = ["DrillError", "DrillResult", "LocalNode", "kill_node", "plot_drill", "run_shrink_grow_drill", "start_node"]
+__all__ = ["DrillError", "DrillResult", "LocalNode", "cpu_drill_args", "kill_node", "plot_drill", "run_shrink_grow_drill",
+           "start_node"]
 
 #: rendezvous timing for a drill on one machine: a dead node's heartbeat expires after 3 s, and a round closes
 #: 3 s after the minimum number of nodes joined (torch's defaults, 15 s and 30 s, suit real clusters).
 DRILL_RDZV_CONF = "join_timeout=300,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
+#: restarts each drill agent allows: the drill needs two (the loss of B, the arrival of C).
+DRILL_MAX_RESTARTS = 4
+#: the CPU drill (demo, test, benchmark): its length, and the step after which node B is killed (between
+#: checkpoints, every 5 steps: the steps after 15 are lost and trained again).
+CPU_DRILL_STEPS = 80
+CPU_DRILL_KILL_AT = 17
+
+
+def cpu_drill_args(run_dir: str, *, steps: int = CPU_DRILL_STEPS, model: str = "zaya-tiny", slow: float = 0.15) -> list[str]:
+    """``moeckpt train`` arguments of the CPU drill: zaya-tiny, ep 2, a checkpoint every 5 steps, and a straggler
+    delay of ``slow`` seconds per step that keeps this tiny run going while nodes come and go."""
+    return ["--model", model, "--run-dir", run_dir, "--steps", str(steps), "--save-every", "5", "--ep", "2",
+            "--seed", "1", "--warmup-steps", "3", "--cpu", "--hang-timeout", "60",
+            "--inject", f"slow:step=1,seconds={slow}"]
 
 
 class DrillError(MoeckptError, RuntimeError):
@@ -46,7 +62,6 @@ class LocalNode:
     name: str
     proc: subprocess.Popen
     log_path: str
-    started: float = field(default_factory=time.time)
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -54,7 +69,6 @@ class LocalNode:
 
 
 def start_node(name: str, train_args: Sequence[str], *, nproc: int, nnodes: str, endpoint: str, log_dir: str,
-               max_restarts: int = 4, rdzv_conf: str = DRILL_RDZV_CONF,
                env: dict[str, str] | None = None) -> LocalNode:
     """Start one node: ``moeckpt train TRAIN_ARGS --nproc N --nnodes MIN:MAX --rdzv-endpoint ...`` in the
     background, its output in ``log_dir/node-NAME.log``; ``env`` adds to the environment (e.g. the node's GPUs
@@ -62,8 +76,8 @@ def start_node(name: str, train_args: Sequence[str], *, nproc: int, nnodes: str,
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"node-{name}.log")
     cmd = [sys.executable, "-m", "moeckpt.cli.main", "train", *train_args, "--nproc", str(nproc),
-           "--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-conf", rdzv_conf,
-           "--max-restarts", str(max_restarts)]
+           "--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-conf", DRILL_RDZV_CONF,
+           "--max-restarts", str(DRILL_MAX_RESTARTS)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "w") as log:
         # Its own session, so that killing the node can never reach the drill's process group.
@@ -85,8 +99,8 @@ def _children() -> dict[int, list[int]]:
     return kids
 
 
-def kill_node(node: LocalNode) -> list[int]:
-    """SIGKILL the node's agent and every process under it, as when a machine dies; returns the pids killed.
+def kill_node(node: LocalNode) -> None:
+    """SIGKILL the node's agent and every process under it, as when a machine dies.
 
     torchrun starts each worker in a session of its own, so a process-group kill of the agent would leave the
     workers running as orphans still holding their sockets: the whole process tree is walked instead (Linux
@@ -104,7 +118,6 @@ def kill_node(node: LocalNode) -> list[int]:
         except ProcessLookupError:
             pass  # it exited between the walk and the kill: the outcome we want
     node.proc.wait(timeout=30)
-    return tree
 
 
 def _wait_for_port(host: str, port: int, node: LocalNode, timeout_s: float) -> None:
@@ -120,20 +133,10 @@ def _wait_for_port(host: str, port: int, node: LocalNode, timeout_s: float) -> N
     raise DrillError(f"node {node.name} did not open the rendezvous {host}:{port} within {timeout_s:.0f} s")
 
 
-def _newest_commit(run_dir: str) -> int | None:
-    """The newest committed step: the drill kills a node only once there is one (a big GPU state may still be
-    persisting at ``kill_at_step``, and then the survivors would rightly start from scratch)."""
-    from moeckpt.formats.checkpoint import committed_steps
-
-    steps = committed_steps(run_dir)
-    return steps[-1][0] if steps else None
-
-
 @dataclass
 class DrillResult:
     """What the drill saw: every metrics record, when it acted, and how the nodes ended."""
 
-    run_dir: str
     records: list[dict]
     #: (seconds since the start, what happened), e.g. (12.3, "killed node B at step 15, world 4").
     timeline: list[tuple[float, str]]
@@ -157,7 +160,7 @@ class DrillResult:
     @classmethod
     def from_json(cls, doc: dict) -> "DrillResult":
         """From what ``benchmarks/elastic_agents.py`` wrote (records, timeline, exit codes; no logs)."""
-        return cls(run_dir="", records=doc["records"], timeline=[tuple(t) for t in doc["timeline"]],
+        return cls(records=doc["records"], timeline=[tuple(t) for t in doc["timeline"]],
                    exit_codes=doc["exit_codes"], logs={})
 
     def worlds(self) -> list[tuple[int, int]]:
@@ -208,8 +211,10 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
                 raise DrillError(f"the drill did not finish within {timeout_s:.0f} s (waiting to {phase})")
             steps = read_metrics(run_dir)
             last = steps[-1] if steps else None
+            # A node is killed only once a checkpoint is committed: a big GPU state may still be persisting at
+            # kill_at_step, and then the survivors would rightly start from scratch.
             if (phase == "kill" and last and last["world"] == 2 * nproc and last["step"] >= kill_at_step
-                    and _newest_commit(run_dir) is not None):
+                    and committed_steps(run_dir)):
                 kill_node(b)
                 note(f"killed node B (agent and {nproc} workers) at step {last['step']}, world {last['world']}")
                 phase = "see the survivors train alone"
@@ -229,7 +234,6 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
             if node.proc.poll() is None:
                 kill_node(node)
     return DrillResult(
-        run_dir=run_dir,
         records=read_metrics(run_dir, events=True),
         timeline=timeline,
         exit_codes={n: node.proc.returncode for n, node in nodes.items() if n != "B"},
