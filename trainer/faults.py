@@ -50,7 +50,9 @@ class Fault:
         return f".fault-{self.kind}-{who}-step{self.step}"
 
     def applies(self, rank: int, step: int) -> bool:
-        return step == self.step and (self.rank is None or self.rank == rank)
+        """Whether the fault acts on ``rank`` at ``step``: at its step, or for ``slow`` at every step from it on."""
+        at = step >= self.step if self.kind == "slow" else step == self.step
+        return at and (self.rank is None or self.rank == rank)
 
 
 def parse_fault(text: str) -> Fault:
@@ -117,7 +119,7 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """Kill, hang or dawdle at the start of ``step``."""
         for f in self.faults:
-            if f.kind == "slow" and step >= f.step and (f.rank is None or f.rank == self.rank):
+            if f.kind == "slow" and f.applies(self.rank, step):
                 time.sleep(f.seconds)
         fault = self._take("kill", step)
         if fault is not None:

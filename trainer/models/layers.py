@@ -287,7 +287,7 @@ class Experts(nn.Module):
             y = self._grouped_offsets(x, ends, key < num_local)
         else:
             counts = torch.diff(ends, prepend=ends.new_zeros(1))
-            y = self._loop(x, counts, rows=flat.numel())
+            y = self._loop(x, counts)
         y = y * weight[:, None]
         # Back to (token, slot) order; index_select by the inverse permutation is a gather (no atomics), and the
         # k slots of a token are summed in a fixed order, so the result is deterministic for any k.
@@ -303,7 +303,7 @@ class Experts(nn.Module):
         order), unweighted: what an expert-parallel all-to-all delivers to the rank that owns the experts."""
         if self._use_grouped(x):
             return self._grouped(x, torch.cumsum(counts, 0).to(torch.int32))
-        return self._loop(x, counts, rows=x.shape[0])
+        return self._loop(x, counts)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
         return self.implementation == "grouped" or (
@@ -325,15 +325,15 @@ class Experts(nn.Module):
         y = self._grouped(x.masked_fill(~valid, 0), offs)
         return y.masked_fill(~valid, 0)
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor, rows: int) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """One pair of matmuls per local expert with rows; the fallback where no grouped matmul kernel exists.
 
         Reads ``counts`` on the host (one sync). Rows past ``counts.sum()`` (assignments to experts held
-        elsewhere) come out zero; ``rows`` is ``x``'s row count.
+        elsewhere) come out zero.
         """
         sizes = counts.tolist()
         outs = []
-        for e, chunk in enumerate(torch.split(x, [*sizes, rows - sum(sizes)])):
+        for e, chunk in enumerate(torch.split(x, [*sizes, x.shape[0] - sum(sizes)])):
             if e == len(sizes):
                 outs.append(chunk.new_zeros(chunk.shape[0], self.down_proj.shape[1]))
             elif chunk.shape[0]:
@@ -374,12 +374,11 @@ def cross_entropy(
     *,
     vocab_start: int = 0,
     comm: Collectives = SINGLE_PROCESS,
-    split: bool | None = None,
+    split: bool = False,
 ) -> torch.Tensor:
     """Mean token cross-entropy in fp32 over targets that are not :data:`IGNORE_INDEX` (0 when there are none).
 
-    ``logits`` may be one rank's vocabulary slice starting at ``vocab_start`` (``split``; by default, whenever
-    ``comm`` is not the single-process one): the log-sum-exp and the target logit are then assembled with ``comm``
+    With ``split``, ``logits`` is one rank's vocabulary slice starting at ``vocab_start``: the log-sum-exp and the target logit are then assembled with ``comm``
     (the vocabulary-parallel loss), so the full logits never exist. Over the whole vocabulary it is PyTorch's fused
     cross-entropy on the fp32 logits, which is what transformers computes: the hand-assembled form would make
     about five more passes over the ``[tokens, vocab]`` fp32 logits, forward and backward, the largest tensor of
@@ -389,8 +388,6 @@ def cross_entropy(
     targets = targets.reshape(-1)
     valid = targets != IGNORE_INDEX
     count = valid.sum().clamp_min(1)
-    if split is None:
-        split = comm is not SINGLE_PROCESS
     if not split:
         # log_softmax with an fp32 result is cross-entropy on ``logits.float()`` (widening is exact); where the
         # kernel can, it reads the low-precision logits directly instead of materialising an fp32 copy.
