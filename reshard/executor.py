@@ -8,6 +8,7 @@ and a safetensors target file is streamed to storage with its header written las
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 import time
@@ -24,13 +25,14 @@ from moeckpt.formats.backend import get_backend
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit
 from moeckpt.formats.errors import CheckpointIndexError, DataFileError, DestinationNotEmptyError, StorageError
-from moeckpt.formats.index import Index
+from moeckpt.formats.index import FileEntry, Index
 from moeckpt.formats.pieces import Piece, PieceRef, tensor_bytes, verify_blocks
 from moeckpt.formats.storage import Storage
 
 from .layout import Layout
 from .placement import placements
 from .planner import ReadItem, ReshardPlan, SourcePiece, TargetPiece, plan_reshard
+from .processes import balanced_groups, can_fork, run_forked
 
 # Offline defaults. 16 MB slabs with a 128 MB cache ran as fast as 64 MB / 384 MB with 300 MB less peak memory (1.1 GB
 # benchmark state). Chunks are one checksum block: writers that need different rows of the same stored piece
@@ -47,6 +49,9 @@ CACHE_BYTES = 128 * 1024 * 1024
 WRITE_BATCH_BYTES = 64 * 1024 * 1024
 #: each offline writer keeps the reads of its next pieces, up to about this many bytes, in flight.
 PREFETCH_BYTES = 16 * 1024 * 1024
+#: a writer without read-ahead threads asks the kernel to read the source rows of its next pieces, up to about this
+#: many bytes, ahead of it.
+ADVISE_BYTES = 128 * 1024 * 1024
 
 
 def _row_elems(box: Box) -> int:
@@ -76,9 +81,11 @@ class ChunkReader:
         cache_bytes: int = CACHE_BYTES,
         read_threads: int = 0,
         clip: bool = False,
+        map_files: bool = False,
     ):
         self.reader = reader
         self.clip = clip
+        self.map_files = map_files
         self.refs = refs
         self.chunk_bytes = chunk_bytes
         self.cache_bytes = cache_bytes
@@ -149,6 +156,39 @@ class ChunkReader:
         verify_blocks(memoryview(buf.numpy()), b0, ref, where)
         return buf[a - read_lo : b - read_lo].view(dtypes.to_torch(ref.dtype)).reshape((hi - lo,) + ref.box.shape[1:])
 
+    def _map_local(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of a safetensors piece on local disk, mapped from the page cache (``map_files``).
+
+        Checked like :meth:`_read_local` (whole checksum blocks), but nothing is copied into this process: the
+        checksums are computed over the mapped pages, and the caller copies what it needs straight from them. A
+        private mapping, so nothing written through it reaches the file; its pages are unmapped when the last view
+        of the chunk goes. Offline resharding only: a rank's state must not be backed by a file.
+        """
+        row = ref.nbytes // ref.box.shape[0] if ref.box.shape[0] else 0
+        a, b = lo * row, hi * row
+        block = ref.block_bytes
+        b0 = a // block
+        read_lo, read_hi = b0 * block, min(-(-b // block) * block if b else block, ref.nbytes)
+        where = self.reader.storage.path(ref.file)
+        fd = self._fd(where)
+        start = ref.start + read_lo
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            if os.fstat(fd).st_size < ref.start + read_hi:  # mapping past the end would raise SIGBUS on access
+                raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
+            mapped = mmap.mmap(fd, start - base + read_hi - read_lo, offset=base, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
+        verify_blocks(memoryview(mapped)[start - base :], b0, ref, where)
+        shape = (hi - lo,) + ref.box.shape[1:]
+        dtype = dtypes.to_torch(ref.dtype)
+        if b == a:
+            return torch.empty(shape, dtype=dtype)
+        # Not a uint8 view: safetensors data need not sit at an offset aligned for its dtype (the header's length
+        # is arbitrary), and torch refuses unaligned dtype views but reads an unaligned buffer fine.
+        count = (b - a) // dtypes.itemsize(ref.dtype)
+        return torch.frombuffer(mapped, dtype=dtype, offset=start - base + a - read_lo, count=count).reshape(shape)
+
     def ref(self, tensor: str, box: Box) -> PieceRef:
         try:
             return self.refs[(tensor, box)]
@@ -189,8 +229,11 @@ class ChunkReader:
         return (max(lo, r0), min(hi, r1)) if self.clip else (lo, hi)
 
     def prefetch(self, reads: Sequence[ReadItem], budget: int) -> None:
-        """Start reading in the background pool the first chunks ``reads`` will need, up to ``budget`` bytes."""
+        """Start reading the first chunks ``reads`` will need, up to ``budget`` bytes: in the background pool, or
+        without one, by asking the kernel to read them ahead (local safetensors files)."""
         if self.pool is None:
+            if self._local_safetensors:
+                self._advise(reads, budget)
             return
         for item in reads:
             ref = self.ref(item.tensor, item.src_box)
@@ -201,6 +244,21 @@ class ChunkReader:
             lo, hi = self._span(r0 // per, per, ref.box.shape[0], r0, r1)
             self._start(ref, lo, hi, background=True)
             budget -= (hi - lo) * (ref.nbytes // max(1, ref.box.shape[0]))
+
+    def _advise(self, reads: Sequence[ReadItem], budget: int) -> None:
+        """``posix_fadvise(WILLNEED)`` over the first rows of ``reads``: the kernel reads them while this thread
+        works, which is what the read-ahead threads do for a reader that has them."""
+        for item in reads:
+            ref = self.ref(item.tensor, item.src_box)
+            if budget <= 0:
+                return
+            if not ref.box.ndim or not ref.nbytes:
+                continue
+            row = ref.nbytes // ref.box.shape[0]
+            a = item.rows[0] * row
+            n = min((item.rows[1] - item.rows[0]) * row, budget)
+            os.posix_fadvise(self._fd(self.reader.storage.path(ref.file)), ref.start + a, n, os.POSIX_FADV_WILLNEED)
+            budget -= n
 
     def _chunk(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
         return self._start(ref, lo, hi, background=False).result()
@@ -224,7 +282,7 @@ class ChunkReader:
     def _read_into(self, fut: Future, key: tuple, ref: PieceRef, lo: int, hi: int) -> None:
         try:
             if self._local_safetensors and ref.box.ndim and ref.nbytes:
-                data = self._read_local(ref, lo, hi)
+                data = (self._map_local if self.map_files else self._read_local)(ref, lo, hi)
             else:
                 data = self.reader.read_piece(ref, None if not ref.box.ndim else (lo, hi))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chunk, and raised there
@@ -480,53 +538,125 @@ def _convert(reader, refs, index, dst, target, *, backend, workers, overwrite, o
         sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, -1))
     plan = plan_reshard(index, target, sources=sources)
     by_key = {(ref.tensor, ref.box): ref for ref in refs}
-    chunks = ChunkReader(reader, by_key, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, read_threads=max(1, workers))
+
+    def open_chunks(read_threads: int, cache: int) -> ChunkReader:
+        return ChunkReader(reader, by_key, chunk_bytes=chunk_bytes, cache_bytes=cache, read_threads=read_threads,
+                           map_files=True)
+
     new_index = replace(index, backend=backend, layout=target.to_json(), files={})
     storage = begin_save(dst, overwrite=overwrite)
+    writers = _Writers(index, plan, storage, out_backend, backend, target, slab_bytes)
     try:
-        with chunks:
-            new_index = _write_all(
-                index, plan, chunks, storage, out_backend, backend, target, new_index, workers, slab_bytes, on_bytes
-            )
+        with single_threaded_torch():
+            if workers > 1 and len(plan.ranks) > 1 and _forkable(reader, storage, backend):
+                entries, bytes_read = writers.in_processes(open_chunks, workers, cache_bytes, on_bytes)
+            else:
+                entries, bytes_read = writers.in_threads(open_chunks, workers, cache_bytes, on_bytes)
+        new_index = replace(new_index, files={e.path: e for e in out_backend.finish(storage, entries, index.tensors)})
     except BaseException:
         # Leave nothing behind that looks like a save in progress: the staging data of a failed write goes.
         if storage.is_local:
             storage.remove()
         raise
     commit(dst, new_index)
-    return new_index, plan, chunks.bytes_read
+    return new_index, plan, bytes_read
 
 
-def _write_all(index, plan, chunks, storage, out_backend, fmt, target, new_index, workers, slab_bytes, on_bytes):
-    """Write every target writer's file (``workers`` at a time) and return the index to commit."""
-    out_backend.prepare(
-        storage,
-        index.tensors,
-        {name: [p.box for p in placements(e, target) if not p.box.is_empty()] for name, e in index.tensors.items()},
+def _forkable(reader, storage: Storage, backend: str) -> bool:
+    """Whether the writers can run in forked processes: local safetensors in and out, on Linux.
+
+    Only there: zarr and fsspec (S3) keep event-loop threads that a forked child would inherit dead, and an S3
+    reshard waits on the network, not on the interpreter lock.
+    """
+    return (
+        can_fork()
+        and isinstance(reader, CheckpointReader)
+        and reader.index.backend == "safetensors"
+        and reader.storage.is_local
+        and backend == "safetensors"
+        and storage.is_local
     )
-    written = [0]
-    lock = threading.Lock()
 
-    def count(n: int) -> None:
-        with lock:
-            written[0] += n
-        if on_bytes is not None:
-            on_bytes(n)
 
-    def write_writer(rank_plan) -> list:
+class _Writers:
+    """Writes every target writer's file of an offline plan, in threads or in forked processes."""
+
+    def __init__(self, index, plan, storage, out_backend, fmt, target, slab_bytes):
+        self.index, self.plan, self.storage = index, plan, storage
+        self.out_backend, self.fmt, self.slab_bytes = out_backend, fmt, slab_bytes
+        out_backend.prepare(
+            storage,
+            index.tensors,
+            {name: [p.box for p in placements(e, target) if not p.box.is_empty()] for name, e in index.tensors.items()},
+        )
+
+    def in_threads(self, open_chunks, workers, cache_bytes, on_bytes) -> tuple[list[FileEntry], int]:
+        """``workers`` writer threads sharing one chunk cache and ``workers`` read-ahead threads."""
+        written = [0]
+        lock = threading.Lock()
+
+        def count(n: int) -> None:
+            with lock:
+                written[0] += n
+            if on_bytes is not None:
+                on_bytes(n)
+
+        with open_chunks(max(1, workers), cache_bytes) as chunks, ThreadPoolExecutor(max(1, workers)) as pool:
+            entries = [e for es in pool.map(lambda rp: self.write(rp, chunks, count), self.plan.ranks) for e in es]
+        self._check(written[0])
+        return entries, chunks.bytes_read
+
+    def in_processes(self, open_chunks, workers, cache_bytes, on_bytes) -> tuple[list[FileEntry], int]:
+        """Target writers spread over ``workers`` forked processes (balanced by bytes), each one thread reading
+        with kernel read-ahead, with a share of the cache budget."""
+        groups = balanced_groups(self.plan.ranks, [rp.nbytes for rp in self.plan.ranks], workers)
+
+        def job(group, report) -> dict:
+            written = [0]
+
+            def count(n: int) -> None:
+                written[0] += n
+                report(n)
+
+            with open_chunks(0, cache_bytes // len(groups)) as chunks:
+                files = [e for rp in group for e in self.write(rp, chunks, count)]
+            return {"files": [[e.path, e.size, e.checksum] for e in files], "read": chunks.bytes_read,
+                    "written": written[0]}
+
+        done = run_forked(groups, job, on_bytes)
+        self._check(sum(d["written"] for d in done))
+        return [FileEntry(path=p, size=n, checksum=c) for d in done for p, n, c in d["files"]], sum(d["read"] for d in done)
+
+    def _check(self, written: int) -> None:
+        if written != self.index.nbytes:
+            raise CheckpointIndexError(f"reshard wrote {written} bytes of {self.index.nbytes}: the plan is incomplete")
+
+    def write(self, rank_plan, chunks: ChunkReader, count: Callable[[int], None]) -> list[FileEntry]:
+        """Write one target writer's pieces; returns its file entries."""
+        index, storage, out_backend, slab_bytes = self.index, self.storage, self.out_backend, self.slab_bytes
         pieces = rank_plan.pieces
-        if fmt == "safetensors":
+        if self.fmt == "safetensors":
             from moeckpt.formats import safetensors_backend as st
 
             def stream():
+                sizes = [_nbytes(p, index) for p in pieces]
+                ahead = advised = done = 0  # pieces[:ahead] (advised bytes) have had their reads started
                 for pos, piece in enumerate(pieces):
-                    # While this piece is assembled and written, the first chunks of the next ones are read.
-                    budget = PREFETCH_BYTES
-                    for nxt in pieces[pos + 1 : pos + 9]:
-                        chunks.prefetch(nxt.reads, budget)
-                        budget -= _nbytes(nxt, index)
-                        if budget <= 0:
-                            break
+                    if chunks.pool is not None:
+                        # While this piece is assembled and written, the first chunks of the next ones are read.
+                        budget = PREFETCH_BYTES
+                        for nxt in pieces[pos + 1 : pos + 9]:
+                            chunks.prefetch(nxt.reads, budget)
+                            budget -= _nbytes(nxt, index)
+                            if budget <= 0:
+                                break
+                    else:
+                        # The kernel reads ahead into the page cache, not this process's memory: keep a wide window.
+                        while ahead < len(pieces) and advised - done < ADVISE_BYTES:
+                            chunks.prefetch(pieces[ahead].reads, sizes[ahead])
+                            advised += sizes[ahead]
+                            ahead += 1
+                        done += sizes[pos]
                     for slab in slabs(piece, index.tensors[piece.tensor].dtype, chunks, slab_bytes, reuse=True):
                         data = tensor_bytes(slab)
                         yield pos, data
@@ -552,10 +682,3 @@ def _write_all(index, plan, chunks, storage, out_backend, fmt, target, new_index
         if batch or not entries:
             entries += out_backend.write(storage, rank_plan.rank, batch, index.tensors)
         return entries
-
-    with single_threaded_torch(), ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        entries = [e for es in pool.map(write_writer, plan.ranks) for e in es]
-    entries = out_backend.finish(storage, entries, index.tensors)
-    if written[0] != index.nbytes:
-        raise CheckpointIndexError(f"reshard wrote {written[0]} bytes of {index.nbytes}: the plan is incomplete")
-    return replace(new_index, files={e.path: e for e in entries})
