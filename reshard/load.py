@@ -28,7 +28,7 @@ from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef
 
 from .collectives import all_gather_json
-from .executor import PREFETCH_BYTES, ChunkReader, fill, single_threaded_torch
+from .executor import PREFETCH_BYTES, ChunkReader, fill, paused_gc, single_threaded_torch
 from .layout import Layout
 from .placement import model_parallel_boxes, rule_of
 from .planner import ReshardPlan, SourcePiece, plan_load
@@ -86,7 +86,7 @@ def load_rank_state(
     index = reader.index
     names = _select(index.tensors, roles, tensors)
     stats = stats if stats is not None else LoadStats()
-    with single_threaded_torch():
+    with single_threaded_torch(), paused_gc():
         stored = _stored_refs(reader, names)
         sources = None if stored is None else _sources_of(stored.values(), names)
         if group is None:
@@ -369,7 +369,7 @@ def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, g
                 ref = chunks.ref(key[0], Box(key[1], key[2]))
                 per = chunks.chunk_rows(ref)
                 c = key[4]
-                chunks._start(ref, c * per, min((c + 1) * per, ref.box.shape[0]), background=True)
+                chunks.read_ahead(ref, c * per, min((c + 1) * per, ref.box.shape[0]))
         # Sizes first (every transfer padded to 8 bytes, so each slot can be viewed as its dtype), then one copy of
         # each region straight into its slot of the send buffer.
         in_sizes, recv_sizes = [0] * size, [0] * size
