@@ -4,11 +4,14 @@ The state is a ZAYA model (``zaya-small`` widened to ``--gb``) with bf16 paramet
 AdamW moments, saved once by moeckpt in the source layout and once by ``torch.distributed.checkpoint`` (DTensors
 on an (edp, ep, tp) CPU mesh with the same global shapes and placements) by 4 gloo ranks. Then:
 
-1. **offline**: ``moeckpt.reshard.executor.reshard`` (in a fresh process; its peak RSS is recorded) into the target
-   layout, against ``cp -r`` of the same checkpoint directory followed by ``sync``. Page cache dropped before each.
+1. **offline**: ``moeckpt.reshard.executor.reshard`` (in a fresh process; its peak RSS and its largest writer
+   process's are recorded) into the target layout, against ``cp -r`` of the same checkpoint directory followed by
+   ``sync``; ``--reps`` pairs run back to back, page cache dropped before each, the median of each kept.
 2. **load with reshard into 4 ranks**: every rank loads its state of the target layout, moeckpt collectively over
    gloo (and alone), DCP with ``dcp.load`` into DTensors of the target sharding. Timed from a barrier to a barrier,
-   page cache dropped before each; bytes read measured per process from ``/proc/self/io`` (``rchar``).
+   page cache dropped before each; ``--load-reps`` repetitions, each starting with another method (the first call
+   in a process pays one-time costs: DCP's first load took twice its later ones), the median kept; bytes read
+   measured per process from ``/proc/self/io`` (``rchar``).
 3. **bytes read / bytes needed at dp = 1, 4, 8** for moeckpt (collective, alone) and DCP; "needed" is the distinct
    bytes of the new layout (the logical state, each element once).
 
@@ -115,53 +118,79 @@ def dcp_save_worker(rank: int, world: int, port: int, gb: float, layout: dict, p
 
 
 def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: str, dcp_path: str, methods: list,
-                out: str) -> None:
+                reps: int, out: str) -> None:
     import torch.distributed.checkpoint as dcp
 
     _init(rank, world, port)
     target = Layout(**layout)
     tensors = state_tensors(scaled_model(gb))
-    result: dict = {}
-    for method in methods:
-        if rank == 0:
-            settle()
-        dist.barrier()
-        before = rchar()
-        t0 = time.perf_counter()
-        stats = LoadStats()
-        if method == "dcp":
-            state = dcp_state(tensors, target, None)
-            dcp.load(state, checkpoint_id=dcp_path)
-            needed = sum(v.to_local().numel() * v.to_local().element_size() for v in state.values())
-        else:
-            group = dist.group.WORLD if method == "moeckpt" else None
-            state = load_rank_state(src, target, rank, group=group, stats=stats)
-            needed = stats.bytes_needed
-        dist.barrier()
-        elapsed = time.perf_counter() - t0
-        result[method] = {"s": elapsed, "rchar": rchar() - before, "needed": needed, "data_read": stats.bytes_read}
-        del state
-    gathered = [None] * world if rank == 0 else None
-    dist.gather_object(result, gathered, dst=0)
+    result: dict = {m: [] for m in methods}
+    for rep in range(reps):
+        # Each repetition starts with another method, so no method always pays the processes' first-call costs.
+        for method in methods[rep % len(methods):] + methods[: rep % len(methods)]:
+            if rank == 0:
+                settle()
+            dist.barrier()
+            before = rchar()
+            t0 = time.perf_counter()
+            stats = LoadStats()
+            if method == "dcp":
+                state = dcp_state(tensors, target, None)
+                dcp.load(state, checkpoint_id=dcp_path)
+                needed = sum(v.to_local().numel() * v.to_local().element_size() for v in state.values())
+            else:
+                group = dist.group.WORLD if method == "moeckpt" else None
+                state = load_rank_state(src, target, rank, group=group, stats=stats)
+                needed = stats.bytes_needed
+            dist.barrier()
+            elapsed = time.perf_counter() - t0
+            result[method].append(
+                {"s": elapsed, "rchar": rchar() - before, "needed": needed, "data_read": stats.bytes_read}
+            )
+            del state
     if rank == 0:
+        gathered = [result] + [json.loads(bytes(t.tolist()).decode()) for t in _recv_json(world)]
         with open(out, "w") as f:
             json.dump(gathered, f)
+    else:
+        _send_json(result)
     dist.destroy_process_group()
 
 
-def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dcp_path: str) -> dict:
+def _send_json(value) -> None:
+    data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()]), dst=0)
+    dist.send(data, dst=0)
+
+
+def _recv_json(world: int) -> list:
+    out = []
+    for r in range(1, world):
+        n = torch.zeros(1, dtype=torch.int64)
+        dist.recv(n, src=r)
+        data = torch.empty(int(n), dtype=torch.uint8)
+        dist.recv(data, src=r)
+        out.append(data)
+    return out
+
+
+def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dcp_path: str, reps: int = 1) -> dict:
+    """Per method: the median time over ``reps`` repetitions (each the slowest rank's), every repetition's time,
+    and the bytes of the first repetition."""
     out = os.path.join(args.dir, f"load-{world}.json")
-    mp.spawn(load_worker, args=(world, free_port(), args.gb, layout.to_json(), src, dcp_path, methods, out),
+    mp.spawn(load_worker, args=(world, free_port(), args.gb, layout.to_json(), src, dcp_path, methods, reps, out),
              nprocs=world)
     with open(out) as f:
         per_rank = json.load(f)
     summary = {}
     for m in methods:
+        times = [max(r[m][i]["s"] for r in per_rank) for i in range(reps)]
         summary[m] = {
-            "s": max(r[m]["s"] for r in per_rank),
-            "bytes_read": sum(r[m]["rchar"] for r in per_rank),
-            "sum_rank_needs": sum(r[m]["needed"] for r in per_rank),
-            "moeckpt_data_bytes_read": sum(r[m]["data_read"] for r in per_rank),
+            "s": sorted(times)[len(times) // 2],
+            "runs_s": [round(t, 3) for t in times],
+            "bytes_read": sum(r[m][0]["rchar"] for r in per_rank),
+            "sum_rank_needs": sum(r[m][0]["needed"] for r in per_rank),
+            "moeckpt_data_bytes_read": sum(r[m][0]["data_read"] for r in per_rank),
         }
     return summary
 
@@ -175,7 +204,11 @@ gc.collect(); gc.freeze()  # as the moeckpt command does after its imports (cli/
 r = reshard(sys.argv[1], sys.argv[2], Layout(**json.loads(sys.argv[3])), workers=int(sys.argv[4]))
 # VmHWM, not getrusage: ru_maxrss would include the parent's pages between fork and exec.
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
-print(json.dumps({"s": r.seconds, "bytes_read": r.bytes_read, "bytes_written": r.bytes_written, "peak_rss_bytes": hwm}))
+# The largest writer process (forked, so its figure includes pages it shares with this one).
+import resource
+child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+print(json.dumps({"s": r.seconds, "bytes_read": r.bytes_read, "bytes_written": r.bytes_written, "peak_rss_bytes": hwm,
+                  "writer_peak_rss_bytes": child}))
 """
 BASELINE_CHILD = """
 import torch, moeckpt.reshard.executor
@@ -208,7 +241,8 @@ def run_offline(args, src: str, target: Layout) -> dict:
                 doc = json.loads(out)
                 doc.update(wall_with_startup_s=wall)
                 results["moeckpt"].append(doc)
-    best = {m: min(results[m], key=lambda r: r["s"]) for m in results}
+    # The median run of each (cp's own time varies 2x between runs on a shared machine).
+    best = {m: sorted(results[m], key=lambda r: r["s"])[len(results[m]) // 2] for m in results}
     # What the interpreter with torch and moeckpt imported takes before any work, to read the peak RSS against.
     base = subprocess.run([sys.executable, "-c", BASELINE_CHILD], capture_output=True, text=True, check=True)
     return {"runs": results, "best": best, "baseline_rss_bytes": int(base.stdout)}
@@ -222,7 +256,9 @@ def main() -> None:
     ap.add_argument("--target", default="tp=1,ep=4,dp=4", help="layout of the reshard and the 4-rank load")
     ap.add_argument("--sweep-dp", default="1,4,8", help="dp values of the bytes-read sweep (tp=1)")
     ap.add_argument("--workers", type=int, default=4, help="offline reshard workers")
-    ap.add_argument("--reps", type=int, default=1, help="repetitions of the offline comparison (best kept)")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of the offline comparison (median kept)")
+    ap.add_argument("--load-reps", type=int, default=3,
+                    help="repetitions of the 4-rank load comparison, in rotating order (median kept)")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where JSON and PNG go")
     args = ap.parse_args()
     source, target = parse_layout(args.source), parse_layout(args.target)
@@ -249,7 +285,7 @@ def main() -> None:
     print(f"offline: cp {ob['cp']['s']:.2f} s, moeckpt {ob['moeckpt']['s']:.2f} s "
           f"(peak RSS {ob['moeckpt']['peak_rss_bytes'] / 1e6:.0f} MB)", flush=True)
 
-    load4 = run_loads(args, target.world, target, ["moeckpt", "alone", "dcp"], src, dcp_path)
+    load4 = run_loads(args, target.world, target, ["moeckpt", "alone", "dcp"], src, dcp_path, reps=args.load_reps)
     print(f"load into {target}: " + ", ".join(f"{m} {v['s']:.2f} s" for m, v in load4.items()), flush=True)
 
     sweep = {}
@@ -283,6 +319,7 @@ def main() -> None:
             "moeckpt_gb_per_s": round(gb / ob["moeckpt"]["s"], 3),
             "ratio_moeckpt_over_cp": round(ob["cp"]["s"] / ob["moeckpt"]["s"], 3),
             "moeckpt_peak_rss_mb": round(ob["moeckpt"]["peak_rss_bytes"] / 1e6, 1),
+            "moeckpt_writer_peak_rss_mb": round(ob["moeckpt"]["writer_peak_rss_bytes"] / 1e6, 1),
             "interpreter_baseline_rss_mb": round(offline["baseline_rss_bytes"] / 1e6, 1),
             "moeckpt_bytes_read": ob["moeckpt"]["bytes_read"],
             "workers": args.workers,

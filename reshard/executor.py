@@ -479,14 +479,15 @@ def reshard(
     format ``backend`` (default: the source's). ``on_bytes`` is called with the bytes of each slab written.
     """
     started = time.perf_counter()
-    reader = CheckpointReader(src)
-    index = reader.index
-    _refuse_overlap(reader.location, Storage(dst).location)
-    new_index, plan, bytes_read = _convert(
-        reader, reader.pieces(), index, dst, target, backend=backend or index.backend, workers=workers,
-        overwrite=overwrite, on_bytes=on_bytes, chunk_bytes=chunk_bytes, slab_bytes=slab_bytes,
-        cache_bytes=cache_bytes,
-    )
+    with paused_gc():  # the index's and headers' parse make many objects too: see paused_gc
+        reader = CheckpointReader(src)
+        index = reader.index
+        _refuse_overlap(reader.location, Storage(dst).location)
+        new_index, plan, bytes_read = _convert(
+            reader, reader.pieces(), index, dst, target, backend=backend or index.backend, workers=workers,
+            overwrite=overwrite, on_bytes=on_bytes, chunk_bytes=chunk_bytes, slab_bytes=slab_bytes,
+            cache_bytes=cache_bytes,
+        )
     # _write_all checked that every byte of the state was written exactly once.
     return ReshardResult(new_index, plan, bytes_read, index.nbytes, time.perf_counter() - started)
 

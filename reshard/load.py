@@ -82,11 +82,11 @@ def load_rank_state(
     ``stats``, if given, is filled with the bytes read and needed.
     """
     started = time.perf_counter()
-    reader = location if isinstance(location, CheckpointReader) else CheckpointReader(location)
-    index = reader.index
-    names = _select(index.tensors, roles, tensors)
     stats = stats if stats is not None else LoadStats()
-    with single_threaded_torch(), paused_gc():
+    with single_threaded_torch(), paused_gc():  # from the index's parse on: see paused_gc
+        reader = location if isinstance(location, CheckpointReader) else CheckpointReader(location)
+        index = reader.index
+        names = _select(index.tensors, roles, tensors)
         stored = _stored_refs(reader, names)
         sources = None if stored is None else _sources_of(stored.values(), names)
         if group is None:
