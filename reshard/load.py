@@ -390,6 +390,16 @@ def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, g
                     recv_sizes[o] += nbytes
         in_starts = [sum(in_sizes[:g]) for g in range(size)]
         flat_in = torch.empty(sum(in_sizes), dtype=torch.uint8)
+        for g, off, key, sub in sends:
+            dtype = dtypes.to_torch(index.tensors[key[0]].dtype)
+            start = in_starts[g] + off
+            slot = flat_in[start : start + sub.numel * dtypes.itemsize(index.tensors[key[0]].dtype)]
+            slot.view(dtype).view(sub.shape).copy_(extract(chunks, key[0], Box(key[1], key[2]), sub))
+        flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        # Every rank takes part in every round (rounds are global), even with nothing to send or receive. The
+        # exchange runs in the backend's threads while this rank copies what stays here (and waits less on the
+        # slowest rank).
+        work = dist.all_to_all_single(flat_out, flat_in, recv_sizes, in_sizes, group=group, async_op=True)
         for key in keys:  # what stays on this rank
             if owner[key] != me:
                 continue
@@ -397,14 +407,7 @@ def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, g
             for g, pos, sub in units[key]:
                 if g == me:
                     state_list[pos][sub.relative_to(mine.pieces[pos].box).slices()] = extract(chunks, key[0], src, sub)
-        for g, off, key, sub in sends:
-            dtype = dtypes.to_torch(index.tensors[key[0]].dtype)
-            start = in_starts[g] + off
-            slot = flat_in[start : start + sub.numel * dtypes.itemsize(index.tensors[key[0]].dtype)]
-            slot.view(dtype).view(sub.shape).copy_(extract(chunks, key[0], Box(key[1], key[2]), sub))
-        flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        # Every rank takes part in every round (rounds are global), even with nothing to send or receive.
-        dist.all_to_all_single(flat_out, flat_in, recv_sizes, in_sizes, group=group)
+        work.wait()
         stats.rounds += 1
         stats.bytes_received += flat_out.numel()
         out_starts = [sum(recv_sizes[:o]) for o in range(size)]
