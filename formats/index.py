@@ -9,6 +9,7 @@ See ``docs/format.md`` for the versioned specification.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -61,6 +62,12 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @functools.cached_property
+    def sharding_key(self) -> str:
+        """The sharding rule as canonical JSON: a hashable key equal for tensors sharded alike (computed once; the
+        planner looks it up for every box of every rank)."""
+        return json.dumps(self.sharding, sort_keys=True)
 
     @property
     def nbytes(self) -> int:

@@ -6,7 +6,6 @@ these, so a checkpoint's pieces can be located from its index alone.
 
 from __future__ import annotations
 
-import json
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -84,7 +83,7 @@ _RANK_CACHE: dict[tuple, tuple[Box, ...]] = {}
 def rank_boxes(entry: TensorEntry, layout: Layout, rank: int) -> list[Box]:
     """Every box of ``entry`` that ``rank`` holds in ``layout`` (its local tensor, as boxes)."""
     # Same-structure tensors (one parameter in every layer) hold the same boxes: computed once, shared.
-    key = (entry.shape, entry.role in ZERO_ROLES, json.dumps(entry.sharding, sort_keys=True), layout, rank)
+    key = (entry.shape, entry.role in ZERO_ROLES, entry.sharding_key, layout, rank)
     found = _RANK_CACHE.get(key)
     if found is None:
         if len(_RANK_CACHE) > 200_000:
@@ -145,7 +144,7 @@ def name_seed(entry: TensorEntry) -> int:
 
 def geometry(entry: TensorEntry, layout: Layout) -> Geometry:
     """The (cached) :class:`Geometry` of ``entry`` in ``layout``."""
-    key = (entry.shape, entry.role in ZERO_ROLES, json.dumps(entry.sharding, sort_keys=True), layout)
+    key = (entry.shape, entry.role in ZERO_ROLES, entry.sharding_key, layout)
     found = _GEOMETRY.get(key)
     if found is None:
         if len(_GEOMETRY) > 10_000:
@@ -161,7 +160,7 @@ def placements(entry: TensorEntry, layout: Layout) -> list[Placement]:
     written once; the writer rotates over the replicas with the piece index and the tensor name, so the write
     volume spreads evenly over the ranks.
     """
-    key = (entry.name, entry.shape, entry.role, json.dumps(entry.sharding, sort_keys=True), layout)
+    key = (entry.name, entry.shape, entry.role, entry.sharding_key, layout)
     cached = _CACHE.get(key)
     if cached is None:
         geo = geometry(entry, layout)
