@@ -6,7 +6,7 @@ import click
 
 from moeckpt.trainer.launch import Elastic, run_torchrun, under_torchrun
 from moeckpt.trainer.metrics import read_metrics
-from moeckpt.trainer.train import DTYPES, TrainConfig, check_launch, run_model, train
+from moeckpt.trainer.train import DTYPES, RESUME_READS, TrainConfig, check_launch, run_model, train
 
 
 class _EpDegree(click.ParamType):
@@ -71,11 +71,15 @@ EP_DEGREE = _EpDegree()
 @click.option("--init-from", default=None, metavar="CKPT",
               help="start a new run from this checkpoint's weights and optimizer state (e.g. an import-hf output), "
                    "resharded to the run's layout; the run starts at step 0; --model defaults to its model")
+@click.option("--resume-reads", type=click.Choice(RESUME_READS), default="auto", show_default=True,
+              help="resuming, the ranks exchange replicated pieces over the process group (each stored byte read once), "
+                   "read their own, or auto: own on one host with a local checkpoint (the page cache shares the reads), "
+                   "else exchange")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="elastic run: how often this node's agent restarts its workers (each node loss or join is one)")
 def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, save_every, fmt, seed, global_batch, seq_len,
             lr, warmup_steps, weight_decay, max_grad_norm, dtype, sync_save, keep_last, cpu, inject, hang_timeout,
-            max_nan_rollbacks, nnodes, rdzv_endpoint, rdzv_id, rdzv_conf, init_from, max_restarts) -> None:
+            max_nan_rollbacks, nnodes, rdzv_endpoint, rdzv_id, rdzv_conf, init_from, resume_reads, max_restarts) -> None:
     """Train MODEL in layout (tp, ep, dp = world / tp), resuming from the newest checkpoint in RUN_DIR.
 
     World = nproc on one machine; with --nnodes MIN:MAX --rdzv-endpoint HOST:PORT (the same command on every
@@ -93,7 +97,7 @@ def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, sav
             seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, dtype=dtype, async_save=not sync_save, keep_last=keep_last, cpu=cpu,
             inject=tuple(inject), hang_timeout_s=hang_timeout, max_nan_rollbacks=max_nan_rollbacks,
-            init_from=init_from,
+            init_from=init_from, resume_reads=resume_reads,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None

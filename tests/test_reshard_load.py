@@ -86,9 +86,16 @@ def _worker(rank: int, port: int, world: int, location: str, layout: dict, out_d
         # Small rounds so the exchange takes several all_to_all rounds.
         state = load_rank_state(location, target, rank, group=dist.group.WORLD, stats=together, round_bytes=64 * 1024)
         solo = load_rank_state(location, target, rank, stats=alone)
-        same = state.keys() == solo.keys() and all(
-            a[0] == b[0] and torch.equal(a[1], b[1]) for n in state for a, b in zip(state[n], solo[n])
-        )
+        own_stats = LoadStats()
+        # Over the group without the exchange: each rank reads its own bytes, only the outcome is agreed.
+        own = load_rank_state(location, target, rank, group=dist.group.WORLD, exchange=False, stats=own_stats)
+
+        def equal(x, y):
+            return x.keys() == y.keys() and all(
+                a[0] == b[0] and torch.equal(a[1], b[1]) for n in x for a, b in zip(x[n], y[n])
+            )
+
+        same = equal(state, solo) and equal(own, solo) and own_stats.bytes_read == alone.bytes_read
         reader = CheckpointReader(location)
         exact = all(torch.equal(t, reader.read_box(n, box)) for n, boxes in state.items() for box, t in boxes)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -134,11 +141,12 @@ def test_load_from_zarr_source(tmp_path, preset, source, target):
                 assert torch.equal(t, values[name][box.slices()]), (name, rank)
 
 
-def _load_damaged(rank: int, location: str, layout: dict, out_dir: str) -> None:
+def _load_damaged(rank: int, location: str, layout: dict, out_dir: str, exchange: bool) -> None:
     import torch.distributed as dist
 
     try:
-        load_rank_state(location, Layout(**layout), rank, group=dist.group.WORLD, round_bytes=64 * 1024)
+        load_rank_state(location, Layout(**layout), rank, group=dist.group.WORLD, round_bytes=64 * 1024,
+                        exchange=exchange)
         outcome = {"error": None}
     except Exception as e:  # noqa: BLE001 - the test inspects which error each rank got
         outcome = {"error": type(e).__name__, "message": str(e)}
@@ -146,9 +154,11 @@ def _load_damaged(rank: int, location: str, layout: dict, out_dir: str) -> None:
         json.dump(outcome, f)
 
 
-def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path):
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path, exchange):
     """One rank meets a checksum mismatch; the others must not wait for it in the exchange until the timeout, and
-    all of them raise the same error class (so a trainer can fall back to an older checkpoint on every rank)."""
+    all of them raise the same error class (so a trainer can fall back to an older checkpoint on every rank);
+    without the exchange, the ranks that read clean bytes raise it too."""
     from moeckpt.trainer.parallel import run_local_world
 
     from .helpers import flip_byte
@@ -158,7 +168,7 @@ def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path):
     size = os.path.getsize(tmp_path / "a" / "rank-00001.safetensors")
     flip_byte(str(tmp_path / "a"), "rank-00001.safetensors", size - 3)  # in the data, not the header
     run_local_world(_load_damaged, 4, str(tmp_path / "a"), Layout(tp=1, ep=2, dp=4).to_json(), str(tmp_path),
-                    timeout_s=60)
+                    exchange, timeout_s=60)
     outcomes = [json.loads((tmp_path / f"damaged{r}.json").read_text()) for r in range(4)]
     assert {o["error"] for o in outcomes} == {"ChecksumMismatchError"}, outcomes
     assert all("rank-00001.safetensors" in o["message"] for o in outcomes), outcomes
@@ -216,3 +226,21 @@ def test_loads_and_reshards_keep_the_cyclic_collector_paused_and_restore_it(tmp_
     assert gc.isenabled()
     assert {name for name, _ in enabled} == {"index", "plan_load", "plan_reshard"}
     assert not any(on for _, on in enabled), enabled
+
+
+def test_the_exchange_pays_only_off_one_host_or_off_local_storage(monkeypatch):
+    """The policy a resume follows (``--resume-reads auto``), over a real 1-rank gloo group."""
+    import torch.distributed as dist
+
+    from moeckpt.reshard import load
+    from moeckpt.reshard.load import exchange_pays
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD
+        assert exchange_pays("/some/run/step-00000010", group) is False  # one host, the page cache shares reads
+        assert exchange_pays("s3://bucket/run/step-00000010", group) is True  # no shared cache for objects
+        monkeypatch.setattr(load, "all_gather_json", lambda value, group: [value, "another-host"])
+        assert exchange_pays("/some/run/step-00000010", group) is True  # ranks on two hosts
+    finally:
+        dist.destroy_process_group()

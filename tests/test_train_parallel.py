@@ -62,6 +62,9 @@ def test_ep2_dp2_matches_single_process_and_resumes_bit_exactly(reference, tmp_p
     assert losses == pytest.approx(reference["zaya-tiny"], abs=ATOL)
     assert _losses(split) == losses  # 20 straight == 10 + resume + 10, bit for bit
     assert [s for s, _ in committed_steps(str(split))] == [10, 15, 20]
+    (event,) = [r for r in read_metrics(str(split), events=True) if r.get("event") == "resume"]
+    # One host, a local run directory: each rank read its own bytes (replicated ones twice, from the page cache).
+    assert not event["exchanged"] and event["bytes_read"] > 1.05 * event["state_bytes"]
     records = read_metrics(str(split))
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "save_blocked_s"} <= set(records[-1])
@@ -87,13 +90,17 @@ def test_tp2_ep2_dp2_both_models_and_resume_from_single_process(reference, tmp_p
         [
             _config("zaya-tiny", tmp_path / "zaya", tp=2, ep=2),
             _config("qwen3moe-tiny", tmp_path / "qwen", tp=2, ep=2),
-            _config("zaya-tiny", resumed, tp=2, ep=2),  # a (1,1,1) checkpoint resharded to (2,2,2) at load
+            # a (1,1,1) checkpoint resharded to (2,2,2) at load, the ranks exchanging replicated pieces (the other
+            # resumes here run on one host: --resume-reads auto has each rank read its own)
+            _config("zaya-tiny", resumed, tp=2, ep=2, resume_reads="exchange"),
         ],
         timeout_s=400,
     )
     assert _losses(tmp_path / "zaya") == pytest.approx(reference["zaya-tiny"], abs=ATOL)
     assert _losses(tmp_path / "qwen") == pytest.approx(reference["qwen3moe-tiny"], abs=ATOL)
     assert _losses(resumed) == pytest.approx(reference["zaya-tiny"][10:], abs=ATOL)
+    (event,) = [r for r in read_metrics(str(resumed), events=True) if r.get("event") == "resume"]
+    assert event["exchanged"] and event["bytes_read"] <= 1.05 * event["state_bytes"]  # each stored byte read once
     from moeckpt.formats.checkpoint import CheckpointReader
 
     assert Layout.from_json(CheckpointReader(str(resumed / "step-00000020")).index.layout) == Layout(tp=2, ep=2, dp=2)

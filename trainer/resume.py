@@ -17,7 +17,7 @@ import torch
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.load import LoadStats, load_rank_state
+from moeckpt.reshard.load import LoadStats, exchange_pays, load_rank_state
 
 from .optim import StatePiece, ZeroAdamW
 
@@ -50,19 +50,22 @@ class Restored:
     source_layout: Layout
     #: bytes read and seconds spent on this rank.
     stats: LoadStats
+    #: whether the ranks exchanged replicated pieces (else each read its own bytes).
+    exchanged: bool = False
 
 
 def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layout, rank: int, *,
-                roles: Iterable[str], group=None, stats: LoadStats | None = None) -> set[str]:
+                roles: Iterable[str], group=None, stats: LoadStats | None = None, exchange: bool = True) -> set[str]:
     """Copy the checkpoint's data into ``pieces`` (live views: a rank's boxes in ``layout``); returns the names
     of the checkpoint's logical tensors of ``roles`` (pieces of others are left untouched).
 
     With ``group`` the read is collective: every rank must pass the same ``roles`` (a rank may hold no box of a
-    tensor, e.g. a TP window split that misses it, so the tensor list comes from the index, not from the pieces).
+    tensor, e.g. a TP window split that misses it, so the tensor list comes from the index, not from the pieces);
+    ``exchange`` as in :func:`~moeckpt.reshard.load.load_rank_state`.
     """
     keep = set(roles)
     present = sorted(n for n, e in reader.index.tensors.items() if e.role in keep)
-    state = load_rank_state(reader, layout, rank, tensors=present, group=group, stats=stats)
+    state = load_rank_state(reader, layout, rank, tensors=present, group=group, stats=stats, exchange=exchange)
     by_box = {name: dict(boxes) for name, boxes in state.items()}
     for piece in pieces:
         boxes = by_box.get(piece.name)
@@ -78,13 +81,16 @@ def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layo
 
 
 @torch.no_grad()
-def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None) -> Restored:
+def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None, reads: str = "auto") -> Restored:
     """Load the checkpoint at ``location`` into ``optimizer``'s parameters and state (this rank's boxes).
 
     ``model_json`` (``ModelSpec.to_json()``) must match the checkpoint's model; ``group`` (a gloo group of the
-    whole world, or ``None`` alone) makes the read collective. Collective over the (expert-)data-parallel groups
-    afterwards too (the fp32 masters are gathered into lower-precision parameters).
+    whole world, or ``None`` alone) makes the read collective: a failed read raises the same error on every rank.
+    ``reads`` says whether the ranks exchange replicated pieces over it (``exchange``), each read their own
+    (``own``), or ``auto`` (:func:`~moeckpt.reshard.load.exchange_pays`). Collective over the (expert-)data-parallel
+    groups afterwards too (the fp32 masters are gathered into lower-precision parameters).
     """
+    exchange = reads == "exchange" or (reads == "auto" and group is not None and exchange_pays(location, group))
     reader = CheckpointReader(location)
     index = reader.index
     if index.model and index.model != model_json:
@@ -100,7 +106,8 @@ def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None
     if missing:
         raise ResumeError(f"{location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
     state_pieces = optimizer.pieces()
-    loaded = load_pieces(reader, params + state_pieces, layout, rank, roles=_ROLES, group=group, stats=stats)
+    loaded = load_pieces(reader, params + state_pieces, layout, rank, roles=_ROLES, group=group, stats=stats,
+                         exchange=exchange)
     masters = {p.name for p in state_pieces if p.role == "master"}
     if masters and masters <= loaded:
         optimizer.load_params_from_master()
@@ -118,4 +125,5 @@ def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None
         train_state=train_state,
         source_layout=Layout.from_json(index.layout),
         stats=stats,
+        exchanged=exchange,
     )

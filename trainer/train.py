@@ -58,6 +58,10 @@ class NonFiniteLossError(MoeckptError, FloatingPointError):
     exit_code = 1
 
 
+#: values of ``TrainConfig.resume_reads``.
+RESUME_READS = ("auto", "exchange", "own")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything a training run needs; the ``moeckpt train`` options map one-to-one onto these fields."""
@@ -121,6 +125,11 @@ class TrainConfig:
     #: ``run_dir`` holds no checkpoint yet, resharded to this run's layout; the run starts at step 0 with a fresh
     #: data position and schedule (fine-tuning an ``import-hf`` checkpoint). Ignored once ``run_dir`` has one.
     init_from: str | None = None
+    #: how the ranks read a checkpoint they resume from: ``exchange`` replicated pieces over the process group
+    #: (each stored byte read once per group), each rank reads its ``own`` bytes, or ``auto``: ``own`` when the
+    #: checkpoint is on a local path and every rank runs on one host (its page cache already reads each byte from
+    #: the device once; the exchange only adds copies), else ``exchange`` (see ``reshard.load.exchange_pays``).
+    resume_reads: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model and not self.init_from:
@@ -139,6 +148,8 @@ class TrainConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         for spec in self.inject:
             parse_fault(spec)
+        if self.resume_reads not in RESUME_READS:
+            raise ValueError(f"resume_reads={self.resume_reads!r} must be one of {', '.join(RESUME_READS)}")
         if self.hang_timeout_s < 0 or self.max_nan_rollbacks < 0:
             raise ValueError("hang_timeout_s and max_nan_rollbacks must be >= 0")
         for name in ("tp", "ep", "global_batch", "seq_len", "keep_last"):
@@ -304,7 +315,8 @@ class Trainer:
             "to_layout": self.groups.layout.to_json(),
             # storage reads of all ranks against the bytes the new layout holds (replicas counted once per rank)
             "bytes_read": sum(r[0] for r in everyone), "bytes_needed": sum(r[1] for r in everyone),
-            "state_bytes": sum(e.nbytes for e in self.tensors.values()), "time": time.time(),
+            "state_bytes": sum(e.nbytes for e in self.tensors.values()), "exchanged": restored.exchanged,
+            "time": time.time(),
             "seconds": max(r[2] for r in everyone),
         })
         if self.rank == 0:
@@ -319,7 +331,8 @@ class Trainer:
 
     def _start_from(self, location: str) -> None:
         """Load ``init_from``'s parameters and optimizer state (resharded, collective); the run starts at step 0."""
-        restored = restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group)
+        restored = restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
+                reads=self.config.resume_reads)
         self.metrics.write({
             "event": "init_from", "location": restored.location, "checkpoint_step": restored.step,
             "from_layout": restored.source_layout.to_json(), "to_layout": self.groups.layout.to_json(),
@@ -348,7 +361,8 @@ class Trainer:
         )
         for step, location in candidates:
             try:
-                return restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group)
+                return restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
+                reads=self.config.resume_reads)
             except DAMAGED_CHECKPOINT_ERRORS as e:
                 # Every rank gets the same error class from a collective load, so all of them fall back together.
                 self._set_aside_damaged(step, location, e)
