@@ -18,6 +18,7 @@ import torch.distributed as dist
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.index import TensorEntry
 from moeckpt.reshard.local import split_local
+from moeckpt.reshard.load import exchange_pays
 
 from .data import BatchLoader, TokenDataset
 from .distributed import build_parallel_model
@@ -116,7 +117,8 @@ def evaluate(config: EvalConfig) -> float:
     # A dedicated gloo group for the collective read: the training world may be NCCL on GPUs.
     io_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
     pieces = _param_pieces(model, specs, layout, rank)
-    loaded = load_pieces(reader, pieces, layout, rank, roles=("param",), group=io_group)
+    exchange = io_group is not None and exchange_pays(reader.location, io_group)  # as a resume's --resume-reads auto
+    loaded = load_pieces(reader, pieces, layout, rank, roles=("param",), group=io_group, exchange=exchange)
     missing = sorted({p.name for p in pieces} - loaded)
     if missing:
         raise ResumeError(f"{reader.location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
