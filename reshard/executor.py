@@ -141,11 +141,7 @@ class ChunkReader:
         The same bytes and checks as the backend's ``read_piece`` (whole checksum blocks, each verified), minus
         the zero-filled ``bytearray`` it reads into: at load time that memset was a quarter of the wall time.
         """
-        row = ref.nbytes // ref.box.shape[0] if ref.box.shape[0] else 0
-        a, b = lo * row, hi * row
-        block = ref.block_bytes
-        b0 = a // block
-        read_lo, read_hi = b0 * block, min(-(-b // block) * block if b else block, ref.nbytes)
+        a, b, b0, read_lo, read_hi = _block_span(ref, lo, hi)
         buf = torch.empty(read_hi - read_lo, dtype=torch.uint8)
         where = self.reader.storage.path(ref.file)
         try:
@@ -165,11 +161,7 @@ class ChunkReader:
         private mapping, so nothing written through it reaches the file; its pages are unmapped when the last view
         of the chunk goes. Offline resharding only: a rank's state must not be backed by a file.
         """
-        row = ref.nbytes // ref.box.shape[0] if ref.box.shape[0] else 0
-        a, b = lo * row, hi * row
-        block = ref.block_bytes
-        b0 = a // block
-        read_lo, read_hi = b0 * block, min(-(-b // block) * block if b else block, ref.nbytes)
+        a, b, b0, read_lo, read_hi = _block_span(ref, lo, hi)
         where = self.reader.storage.path(ref.file)
         fd = self._fd(where)
         start = ref.start + read_lo
@@ -252,8 +244,7 @@ class ChunkReader:
             self._start(ref, lo, hi, background=True)
         elif self._local_safetensors and ref.box.ndim and ref.nbytes:
             row = ref.nbytes // ref.box.shape[0]
-            where = self.reader.storage.path(ref.file)
-            os.posix_fadvise(self._fd(where), ref.start + lo * row, (hi - lo) * row, os.POSIX_FADV_WILLNEED)
+            self._willneed(ref, lo * row, (hi - lo) * row)
 
     def _advise(self, reads: Sequence[ReadItem], budget: int) -> None:
         """``posix_fadvise(WILLNEED)`` over the first rows of ``reads``: the kernel reads them while this thread
@@ -265,10 +256,14 @@ class ChunkReader:
             if not ref.box.ndim or not ref.nbytes:
                 continue
             row = ref.nbytes // ref.box.shape[0]
-            a = item.rows[0] * row
             n = min((item.rows[1] - item.rows[0]) * row, budget)
-            os.posix_fadvise(self._fd(self.reader.storage.path(ref.file)), ref.start + a, n, os.POSIX_FADV_WILLNEED)
+            self._willneed(ref, item.rows[0] * row, n)
             budget -= n
+
+    def _willneed(self, ref: PieceRef, offset: int, nbytes: int) -> None:
+        """Ask the kernel to read ``nbytes`` of ``ref``'s data from ``offset`` (in the piece) into the page cache."""
+        os.posix_fadvise(self._fd(self.reader.storage.path(ref.file)), ref.start + offset, nbytes,
+                         os.POSIX_FADV_WILLNEED)
 
     def _chunk(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
         return self._start(ref, lo, hi, background=False).result()
@@ -321,6 +316,16 @@ class ChunkReader:
 
 def _nbytes(piece: TargetPiece, index: Index) -> int:
     return piece.box.numel * dtypes.itemsize(index.tensors[piece.tensor].dtype)
+
+
+def _block_span(ref: PieceRef, lo: int, hi: int) -> tuple[int, int, int, int, int]:
+    """Rows ``[lo, hi)`` of a stored piece as bytes ``[a, b)`` of its data, and the whole checksum blocks around
+    them: the first block's number and bytes ``[read_lo, read_hi)`` (what a verified read fetches)."""
+    row = ref.nbytes // ref.box.shape[0] if ref.box.shape[0] else 0
+    a, b = lo * row, hi * row
+    block = ref.block_bytes
+    b0 = a // block
+    return a, b, b0, b0 * block, min(-(-b // block) * block if b else block, ref.nbytes)
 
 
 def _widened(ref: PieceRef, lo: int, hi: int) -> int:
