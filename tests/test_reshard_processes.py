@@ -199,7 +199,8 @@ def test_writer_processes_stream_in_bounded_memory(tmp_path, moeckpt_cli):
     assert len(reports) == 4 and len({p.name.split("-")[0] for p in (tmp_path / "rss").iterdir()}) == 2
     file_bytes = nbytes / 4
     # A process's first file also pays its one-time costs (torch's first copies and hashes: measured 16 MB of
-    # growth, its second file 3 MB); a writer holding its file would grow by the file, 29 MB here (57 MB with a cache that keeps it).
+    # growth, its second file 3 MB); a writer holding its file would grow by the file, 29 MB here (57 MB measured
+    # with a cache that keeps every chunk).
     first = max(r["grew"] for r in reports if r["first"])
     later = max(r["grew"] for r in reports if not r["first"])
     assert 0 < later < file_bytes / 3, f"a writer process grew by {later / 1e6:.1f} MB for a {file_bytes / 1e6:.0f} MB file"
