@@ -659,7 +659,8 @@ class _Writers:
 
         done = run_forked(groups, job, on_bytes)
         self._check(sum(d["written"] for d in done))
-        return [FileEntry(path=p, size=n, checksum=c) for d in done for p, n, c in d["files"]], sum(d["read"] for d in done)
+        files = [FileEntry(path=p, size=n, checksum=c) for d in done for p, n, c in d["files"]]
+        return files, sum(d["read"] for d in done)
 
     def _check(self, written: int) -> None:
         if written != self.index.nbytes:

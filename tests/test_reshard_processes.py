@@ -203,7 +203,8 @@ def test_writer_processes_stream_in_bounded_memory(tmp_path, moeckpt_cli):
     # with a cache that keeps every chunk).
     first = max(r["grew"] for r in reports if r["first"])
     later = max(r["grew"] for r in reports if not r["first"])
-    assert 0 < later < file_bytes / 3, f"a writer process grew by {later / 1e6:.1f} MB for a {file_bytes / 1e6:.0f} MB file"
-    assert first < file_bytes, f"a writer process grew by {first / 1e6:.1f} MB for its first {file_bytes / 1e6:.0f} MB file"
+    mb = file_bytes / 1e6
+    assert 0 < later < file_bytes / 3, f"a writer process grew by {later / 1e6:.1f} MB for a {mb:.0f} MB file"
+    assert first < file_bytes, f"a writer process grew by {first / 1e6:.1f} MB for its first {mb:.0f} MB file"
     code, _, err = moeckpt_cli("diff", tmp_path / "src", tmp_path / "dst")
     assert code == 0, err
