@@ -17,8 +17,11 @@ import subprocess
 import sys
 import time
 
+# --resume-reads exchange: the ranks of a multi-node job exchange replicated tensors at a resume; on this one host
+# `auto` would have each read its own (the page cache shares them), and the storage-read figure would not show it.
 COMMON = ["--model", "zaya-tiny", "--tp", "2", "--ep", "2", "--steps", "36", "--save-every", "4",
-          "--global-batch", "16", "--seq-len", "64", "--warmup-steps", "3", "--seed", "5", "--cpu"]
+          "--global-batch", "16", "--seq-len", "64", "--warmup-steps", "3", "--seed", "5", "--cpu",
+          "--resume-reads", "exchange"]
 
 
 def _train(run: str, nproc: int, *extra: str) -> tuple[int, float]:
