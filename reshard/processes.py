@@ -64,28 +64,36 @@ def run_forked(
     child has been stopped and reaped.
     """
     children: list[tuple[int, int]] = []  # (pid, read end of its pipe)
-    finished = False
     try:
         for group in groups:
             r, w = os.pipe()
             sys.stdout.flush()
             sys.stderr.flush()
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError:
+                os.close(r)
+                os.close(w)
+                raise
             if pid == 0:  # the child: never returns
                 os.close(r)
                 _child(group, job, w)
             os.close(w)
             children.append((pid, r))
-        results = _collect(children, on_bytes)
-        finished = True
-        return results
-    finally:
-        for pid, r in children:
-            _reap(pid, kill=not finished)
-            try:
-                os.close(r)
-            except OSError:
-                pass
+        results, failure = _collect(children, on_bytes)
+    except BaseException:  # interrupted, or a fork failed: no child outlives the parent's error
+        _reap(children, kill=True)
+        raise
+    statuses = _reap(children, kill=failure is not None)
+    if failure is not None:
+        raise failure
+    for i, (pid, _) in enumerate(children):
+        if i not in results:
+            raise WorkerProcessError(
+                f"writer process {pid} ended without a result ({_describe(statuses[i])}); if it was killed for "
+                "memory, pass fewer --workers"
+            )
+    return [results[i] for i in range(len(children))]
 
 
 def _child(group: Sequence[T], job: Callable, fd: int) -> None:
@@ -118,47 +126,38 @@ def _child(group: Sequence[T], job: Callable, fd: int) -> None:
         os._exit(code)
 
 
-def _collect(children: list[tuple[int, int]], on_bytes: Callable[[int], None] | None) -> list[Any]:
+def _collect(
+    children: list[tuple[int, int]], on_bytes: Callable[[int], None] | None
+) -> tuple[dict[int, Any], BaseException | None]:
+    """Read the children's reports until every pipe is closed or one reports an error: results by child position,
+    and the first error (rebuilt in this process), if any."""
     results: dict[int, Any] = {}
-    failure: BaseException | None = None
     buffers = {r: b"" for _, r in children}
     order = {r: i for i, (_, r) in enumerate(children)}
-    sel = selectors.DefaultSelector()
-    for _, r in children:
-        sel.register(r, selectors.EVENT_READ)
-    open_ends = len(children)
-    while open_ends:
-        for key, _ in sel.select():
-            r = key.fd
-            data = os.read(r, 1 << 16)
-            if not data:
-                sel.unregister(r)
-                open_ends -= 1
-                continue
-            buffers[r] += data
-            *lines, buffers[r] = buffers[r].split(b"\n")
-            for line in lines:
-                msg = json.loads(line)
-                if "bytes" in msg:
-                    if on_bytes is not None:
-                        on_bytes(msg["bytes"])
-                elif "done" in msg:
-                    results[order[r]] = msg["done"]
-                elif failure is None:
-                    failure = _rebuild(msg["error"], msg["message"])
-        if failure is not None:
-            break
-    sel.close()
-    if failure is not None:
-        raise failure
-    for i, (pid, _) in enumerate(children):
-        if i not in results:
-            _, status = os.waitpid(pid, 0)
-            raise WorkerProcessError(
-                f"writer process {pid} ended without a result ({_describe(status)}); if it was killed for memory, "
-                "pass fewer --workers"
-            )
-    return [results[i] for i in range(len(children))]
+    with selectors.DefaultSelector() as sel:
+        for _, r in children:
+            sel.register(r, selectors.EVENT_READ)
+        open_ends = len(children)
+        while open_ends:
+            for key, _ in sel.select():
+                r = key.fd
+                data = os.read(r, 1 << 16)
+                if not data:
+                    sel.unregister(r)
+                    open_ends -= 1
+                    continue
+                buffers[r] += data
+                *lines, buffers[r] = buffers[r].split(b"\n")
+                for line in lines:
+                    msg = json.loads(line)
+                    if "bytes" in msg:
+                        if on_bytes is not None:
+                            on_bytes(msg["bytes"])
+                    elif "done" in msg:
+                        results[order[r]] = msg["done"]
+                    else:
+                        return results, _rebuild(msg["error"], msg["message"])
+    return results, None
 
 
 def _rebuild(name: str, message: str) -> BaseException:
@@ -182,14 +181,17 @@ def _error_classes() -> dict[str, type]:
     return found
 
 
-def _reap(pid: int, *, kill: bool) -> None:
-    """Wait for ``pid`` to end, killing it first when ``kill`` (the parent is failing or was interrupted)."""
-    try:
+def _reap(children: list[tuple[int, int]], *, kill: bool) -> list[int]:
+    """Close each child's pipe and wait for it to end, killing it first when ``kill`` (the parent is failing or was
+    interrupted); the children's wait statuses. A child that has already exited stays a zombie until reaped here,
+    so the kill cannot reach another process."""
+    statuses = []
+    for pid, r in children:
+        os.close(r)
         if kill:
             os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ChildProcessError, ProcessLookupError):
-        pass
+        statuses.append(os.waitpid(pid, 0)[1])
+    return statuses
 
 
 def _describe(status: int) -> str:
