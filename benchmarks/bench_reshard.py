@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.index import TensorEntry
+from moeckpt.reshard.collectives import all_gather_json
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
 from moeckpt.reshard.save import save_full_tensors
@@ -152,30 +153,11 @@ def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: 
                 {"s": elapsed, "rchar": rchar() - before, "needed": needed, "data_read": stats.bytes_read}
             )
             del state
+    gathered = all_gather_json(result)  # JSON, not pickled objects
     if rank == 0:
-        gathered = [result] + [json.loads(bytes(t.tolist()).decode()) for t in _recv_json(world)]
         with open(out, "w") as f:
             json.dump(gathered, f)
-    else:
-        _send_json(result)
     dist.destroy_process_group()
-
-
-def _send_json(value) -> None:
-    data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
-    dist.send(torch.tensor([data.numel()]), dst=0)
-    dist.send(data, dst=0)
-
-
-def _recv_json(world: int) -> list:
-    out = []
-    for r in range(1, world):
-        n = torch.zeros(1, dtype=torch.int64)
-        dist.recv(n, src=r)
-        data = torch.empty(int(n), dtype=torch.uint8)
-        dist.recv(data, src=r)
-        out.append(data)
-    return out
 
 
 def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dcp_path: str, reps: int = 1) -> dict:
