@@ -28,7 +28,7 @@ from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit
 from moeckpt.formats.errors import CheckpointIndexError, DataFileError, DestinationNotEmptyError, StorageError
 from moeckpt.formats.index import FileEntry, Index
 from moeckpt.formats.pieces import Piece, PieceRef, tensor_bytes, verify_blocks
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storage import Storage, is_url
 
 from .layout import Layout
 from .placement import placements
@@ -48,7 +48,8 @@ SLAB_BYTES = 16 * 1024 * 1024
 CACHE_BYTES = 128 * 1024 * 1024
 #: a backend that stores pieces one by one (zarr) is handed a writer's pieces in batches of about this size.
 WRITE_BATCH_BYTES = 64 * 1024 * 1024
-#: each offline writer keeps the reads of its next pieces, up to about this many bytes, in flight.
+#: each offline writer with read-ahead threads keeps the reads of its next pieces, up to about this many bytes, in
+#: flight.
 PREFETCH_BYTES = 16 * 1024 * 1024
 #: a writer without read-ahead threads asks the kernel to read the source rows of its next pieces, up to about this
 #: many bytes, ahead of it.
@@ -318,6 +319,22 @@ def _nbytes(piece: TargetPiece, index: Index) -> int:
     return piece.box.numel * dtypes.itemsize(index.tensors[piece.tensor].dtype)
 
 
+def reads_started_ahead(
+    pieces: Sequence[TargetPiece], index: Index, chunks: ChunkReader, window: int
+) -> Iterator[tuple[int, TargetPiece]]:
+    """``(position, piece)`` of ``pieces`` in order; before each, the reads of the pieces within ``window`` bytes
+    ahead are started (:meth:`ChunkReader.prefetch`, each piece's once), so they are read while it is filled."""
+    sizes = [_nbytes(p, index) for p in pieces]
+    ahead = started = done = 0  # pieces[:ahead], of `started` bytes, have had their reads started
+    for pos, piece in enumerate(pieces):
+        while ahead < len(pieces) and started - done < window:
+            chunks.prefetch(pieces[ahead].reads, sizes[ahead])
+            started += sizes[ahead]
+            ahead += 1
+        done += sizes[pos]
+        yield pos, piece
+
+
 def _block_span(ref: PieceRef, lo: int, hi: int) -> tuple[int, int, int, int, int]:
     """Rows ``[lo, hi)`` of a stored piece as bytes ``[a, b)`` of its data, and the whole checksum blocks around
     them: the first block's number and bytes ``[read_lo, read_hi)`` (what a verified read fetches)."""
@@ -332,10 +349,10 @@ def _widened(ref: PieceRef, lo: int, hi: int) -> int:
     """Bytes a row read fetches: whole checksum blocks around the rows (how every backend verifies reads)."""
     if not ref.box.ndim or not ref.box.shape[0]:
         return ref.nbytes
-    row = ref.nbytes // ref.box.shape[0]
-    a, b = lo * row, hi * row
-    block = getattr(ref, "block_bytes", 0) or 1
-    return min(-(-b // block) * block, ref.nbytes) - (a // block) * block
+    if not ref.block_bytes:  # rows a function produces (write_rows): no blocks, exactly the rows
+        return (hi - lo) * (ref.nbytes // ref.box.shape[0])
+    _, _, _, read_lo, read_hi = _block_span(ref, lo, hi)
+    return read_hi - read_lo
 
 
 def fill(out: torch.Tensor, out_box: Box, reads: Sequence[ReadItem], chunks: ChunkReader) -> int:
@@ -493,7 +510,7 @@ def reshard(
             overwrite=overwrite, on_bytes=on_bytes, chunk_bytes=chunk_bytes, slab_bytes=slab_bytes,
             cache_bytes=cache_bytes,
         )
-    # _write_all checked that every byte of the state was written exactly once.
+    # The writers checked that every byte of the state was written exactly once (_Writers._check).
     return ReshardResult(new_index, plan, bytes_read, index.nbytes, time.perf_counter() - started)
 
 
@@ -502,7 +519,7 @@ def _refuse_overlap(src: str, dst: str) -> None:
     step is being resharded): writing there, with ``--overwrite`` or not, would destroy the source."""
     def norm(loc: str) -> str:
         loc = loc.rstrip("/")
-        return os.path.realpath(loc) if "://" not in loc else loc
+        return loc if is_url(loc) else os.path.realpath(loc)
 
     a, b = norm(src), norm(dst)
     if a == b or a.startswith(b + "/") or b.startswith(a + "/"):
@@ -674,24 +691,9 @@ class _Writers:
             from moeckpt.formats import safetensors_backend as st
 
             def stream():
-                sizes = [_nbytes(p, index) for p in pieces]
-                ahead = advised = done = 0  # pieces[:ahead] (advised bytes) have had their reads started
-                for pos, piece in enumerate(pieces):
-                    if chunks.pool is not None:
-                        # While this piece is assembled and written, the first chunks of the next ones are read.
-                        budget = PREFETCH_BYTES
-                        for nxt in pieces[pos + 1 : pos + 9]:
-                            chunks.prefetch(nxt.reads, budget)
-                            budget -= _nbytes(nxt, index)
-                            if budget <= 0:
-                                break
-                    else:
-                        # The kernel reads ahead into the page cache, not this process's memory: keep a wide window.
-                        while ahead < len(pieces) and advised - done < ADVISE_BYTES:
-                            chunks.prefetch(pieces[ahead].reads, sizes[ahead])
-                            advised += sizes[ahead]
-                            ahead += 1
-                        done += sizes[pos]
+                # Read-ahead by the kernel goes to the page cache, not this process's memory: a wider window.
+                window = PREFETCH_BYTES if chunks.pool is not None else ADVISE_BYTES
+                for pos, piece in reads_started_ahead(pieces, index, chunks, window):
                     for slab in slabs(piece, index.tensors[piece.tensor].dtype, chunks, slab_bytes, reuse=True):
                         data = tensor_bytes(slab)
                         yield pos, data

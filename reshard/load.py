@@ -13,6 +13,7 @@ Two modes:
 
 from __future__ import annotations
 
+import socket
 import time
 import zlib
 from dataclasses import dataclass
@@ -26,9 +27,10 @@ from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError, StorageError
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef
+from moeckpt.formats.storage import is_url
 
 from .collectives import all_gather_json
-from .executor import PREFETCH_BYTES, ChunkReader, fill, paused_gc, single_threaded_torch
+from .executor import PREFETCH_BYTES, ChunkReader, fill, paused_gc, reads_started_ahead, single_threaded_torch
 from .layout import Layout
 from .placement import model_parallel_boxes, rule_of
 from .planner import ReshardPlan, SourcePiece, plan_load
@@ -93,22 +95,22 @@ def load_rank_state(
         names = _select(index.tensors, roles, tensors)
         stored = _stored_refs(reader, names)
         sources = None if stored is None else _sources_of(stored.values(), names)
-        if group is None:
-            plan = plan_load(index, layout, [rank], tensors=names, sources=sources)
-            state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes, stored)
-        elif not exchange:
-            failure = None
-            try:
-                plan = plan_load(index, layout, [rank], tensors=names, sources=sources)
-                state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes, stored)
-            except (MoeckptError, OSError) as e:  # raised below on every member, with the others' failures
-                failure, state = e.with_traceback(None), {}
-            _raise_if_any_failed(failure, group, reader.location)
-        else:
+        if group is not None and exchange:
             state = _load_collective(
                 reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes, sources,
                 stored,
             )
+        else:
+            failure = None
+            try:
+                plan = plan_load(index, layout, [rank], tensors=names, sources=sources)
+                state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes, stored)
+            except (MoeckptError, OSError) as e:
+                if group is None:
+                    raise
+                failure, state = e.with_traceback(None), {}  # raised below on every member alike
+            if group is not None:
+                _raise_if_any_failed(failure, group, reader.location)
     stats.bytes_needed = sum(t.numel() * t.element_size() for boxes in state.values() for _, t in boxes)
     stats.seconds = time.perf_counter() - started
     return state
@@ -124,10 +126,6 @@ def exchange_pays(location: str, group) -> bool:
     1.1 GB benchmark state took 1.82 s exchanging and 1.48 s reading alone (``benchmarks/bench_reshard.py``).
     Across hosts, or from an object store (no shared cache), the exchange saves the storage reads.
     """
-    import socket
-
-    from moeckpt.formats.storage import is_url
-
     hosts = all_gather_json(socket.gethostname(), group)
     return is_url(location) or len(set(hosts)) > 1
 
@@ -211,14 +209,7 @@ def _load_alone(
 
 def _fill_alone(rank_plan, reader: CheckpointReader, chunks: ChunkReader) -> RankState:
     state: RankState = {}
-    pieces = rank_plan.pieces
-    for pos, piece in enumerate(pieces):
-        budget = PREFETCH_BYTES  # the next pieces' first chunks are read while this one is filled
-        for nxt in pieces[pos + 1 : pos + 9]:
-            chunks.prefetch(nxt.reads, budget)
-            budget -= nxt.box.numel * dtypes.itemsize(reader.index.tensors[nxt.tensor].dtype)
-            if budget <= 0:
-                break
+    for _, piece in reads_started_ahead(rank_plan.pieces, reader.index, chunks, PREFETCH_BYTES):
         out = _whole_chunk(piece, chunks)
         if out is None:
             out = torch.empty(piece.box.shape, dtype=dtypes.to_torch(reader.index.tensors[piece.tensor].dtype))
