@@ -80,3 +80,25 @@ def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return True
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+#: a 16-layer Qwen3-MoE whose checkpoint (fp32, no optimizer state) is about 105 MB, largest tensor 4.2 MB: big
+#: enough that holding a writer's share shows in the peak RSS, small enough for CI.
+QWEN_105MB = {"arch": "qwen3_moe", "config": {
+    "vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 16, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "moe_intermediate_size": 128, "num_experts": 16,
+    "num_experts_per_tok": 2, "max_position_embeddings": 512}}
+
+
+def init_qwen_105mb(moeckpt_cli, tmp_path) -> tuple[str, int]:
+    """``moeckpt init`` of :data:`QWEN_105MB` at ``tmp_path/src`` in tp=1 ep=2 dp=2; its location and bytes."""
+    import json
+
+    from moeckpt.formats.checkpoint import CheckpointReader
+
+    (tmp_path / "m.json").write_text(json.dumps(QWEN_105MB))
+    code, _, err = moeckpt_cli("init", tmp_path / "src", "--model", tmp_path / "m.json", "--tp", 1, "--ep", 2, "--dp", 2)
+    assert code == 0, err
+    nbytes = CheckpointReader(str(tmp_path / "src")).index.nbytes
+    assert nbytes > 100e6
+    return str(tmp_path / "src"), nbytes

@@ -14,6 +14,7 @@ from moeckpt.reshard.executor import ChunkReader, reshard
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.models import presets
 
+from .helpers import init_qwen_105mb
 from .reshard_models import layouts, models, save_model
 
 _n = itertools.count()
@@ -175,26 +176,17 @@ def test_zarr_target_streams_in_bounded_memory(tmp_path, moeckpt_cli):
     is pinned so that freed buffers leave the process and the peak measures what the resharder holds, not what
     the allocator keeps.
     """
-    import json
     import os
     import subprocess
     import sys
 
-    cfg = {"arch": "qwen3_moe", "config": {
-        "vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 16, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "moe_intermediate_size": 128, "num_experts": 16,
-        "num_experts_per_tok": 2, "max_position_embeddings": 512}}
-    (tmp_path / "m.json").write_text(json.dumps(cfg))
-    code, _, err = moeckpt_cli("init", tmp_path / "src", "--model", tmp_path / "m.json", "--tp", 1, "--ep", 2, "--dp", 2)
-    assert code == 0, err
-    nbytes = CheckpointReader(str(tmp_path / "src")).index.nbytes
-    assert nbytes > 100e6
+    src, nbytes = init_qwen_105mb(moeckpt_cli, tmp_path)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "src"), str(tmp_path / "dst")],
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, src, str(tmp_path / "dst")],
                          capture_output=True, text=True, check=True, env=env)
     added = int(out.stdout.strip().splitlines()[-1])
     assert added < nbytes / 3, f"reshard to zarr added {added / 1e6:.1f} MB to the peak RSS for {nbytes / 1e6:.1f} MB"
-    code, _, err = moeckpt_cli("diff", tmp_path / "src", tmp_path / "dst")
+    code, _, err = moeckpt_cli("diff", src, tmp_path / "dst")
     assert code == 0, err
 
 

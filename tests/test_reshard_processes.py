@@ -16,7 +16,7 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.processes import WorkerProcessError, balanced_groups, run_forked
 from moeckpt.trainer.models import presets
 
-from .helpers import flip_byte
+from .helpers import flip_byte, init_qwen_105mb
 from .reshard_models import save_model
 
 pytestmark = pytest.mark.skipif(not processes.can_fork(), reason="writer processes need fork (Linux)")
@@ -182,18 +182,10 @@ def test_writer_processes_stream_in_bounded_memory(tmp_path, moeckpt_cli):
     import subprocess
     import sys
 
-    cfg = {"arch": "qwen3_moe", "config": {
-        "vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 16, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "moe_intermediate_size": 128, "num_experts": 16,
-        "num_experts_per_tok": 2, "max_position_embeddings": 512}}
-    (tmp_path / "m.json").write_text(json.dumps(cfg))
-    code, _, err = moeckpt_cli("init", tmp_path / "src", "--model", tmp_path / "m.json", "--tp", 1, "--ep", 2, "--dp", 2)
-    assert code == 0, err
-    nbytes = CheckpointReader(str(tmp_path / "src")).index.nbytes
-    assert nbytes > 100e6
+    src, nbytes = init_qwen_105mb(moeckpt_cli, tmp_path)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")  # freed buffers leave the process: peaks are holdings
     (tmp_path / "rss").mkdir()
-    subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "src"), str(tmp_path / "dst"),
+    subprocess.run([sys.executable, "-c", _RSS_SCRIPT, src, str(tmp_path / "dst"),
                     str(tmp_path / "rss")], capture_output=True, text=True, check=True, env=env)
     reports = [json.loads(p.read_text()) for p in (tmp_path / "rss").iterdir()]
     assert len(reports) == 4 and len({p.name.split("-")[0] for p in (tmp_path / "rss").iterdir()}) == 2
@@ -206,5 +198,5 @@ def test_writer_processes_stream_in_bounded_memory(tmp_path, moeckpt_cli):
     mb = file_bytes / 1e6
     assert 0 < later < file_bytes / 3, f"a writer process grew by {later / 1e6:.1f} MB for a {mb:.0f} MB file"
     assert first < file_bytes, f"a writer process grew by {first / 1e6:.1f} MB for its first {mb:.0f} MB file"
-    code, _, err = moeckpt_cli("diff", tmp_path / "src", tmp_path / "dst")
+    code, _, err = moeckpt_cli("diff", src, tmp_path / "dst")
     assert code == 0, err
