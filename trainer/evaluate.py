@@ -18,14 +18,13 @@ import torch.distributed as dist
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.index import TensorEntry
 from moeckpt.reshard.local import split_local
-from moeckpt.reshard.load import exchange_pays
 
 from .data import BatchLoader, TokenDataset
 from .distributed import build_parallel_model
 from .models import ModelSpec
 from .optim import StatePiece
 from .parallel import build_groups, choose_layout, default_device, init_from_env
-from .resume import ResumeError, load_pieces
+from .resume import ResumeError, exchanges, load_pieces
 
 __all__ = ["EvalConfig", "check_launch", "evaluate"]
 
@@ -117,7 +116,7 @@ def evaluate(config: EvalConfig) -> float:
     # A dedicated gloo group for the collective read: the training world may be NCCL on GPUs.
     io_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
     pieces = _param_pieces(model, specs, layout, rank)
-    exchange = io_group is not None and exchange_pays(reader.location, io_group)  # as a resume's --resume-reads auto
+    exchange = exchanges("auto", reader.location, io_group)  # as a resume's --resume-reads auto
     loaded = load_pieces(reader, pieces, layout, rank, roles=("param",), group=io_group, exchange=exchange)
     missing = sorted({p.name for p in pieces} - loaded)
     if missing:

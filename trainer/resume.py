@@ -21,7 +21,7 @@ from moeckpt.reshard.load import LoadStats, exchange_pays, load_rank_state
 
 from .optim import StatePiece, ZeroAdamW
 
-__all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "load_pieces", "restore"]
+__all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "exchanges", "load_pieces", "restore"]
 
 #: what a damaged checkpoint raises on load (on every rank of a collective load alike): the trainer then falls
 #: back to the previous checkpoint. Other errors (another model, a permission problem) stop the run instead.
@@ -80,6 +80,14 @@ def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layo
     return set(present)
 
 
+def exchanges(reads: str, location: str, group) -> bool:
+    """Whether ranks loading ``location`` over ``group`` exchange replicated pieces: ``reads`` is ``exchange``,
+    ``own`` or ``auto`` (:func:`~moeckpt.reshard.load.exchange_pays`; collective over ``group`` then)."""
+    if group is None or reads == "own":
+        return False
+    return reads == "exchange" or exchange_pays(location, group)
+
+
 @torch.no_grad()
 def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None, reads: str = "auto") -> Restored:
     """Load the checkpoint at ``location`` into ``optimizer``'s parameters and state (this rank's boxes).
@@ -90,7 +98,7 @@ def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None
     (``own``), or ``auto`` (:func:`~moeckpt.reshard.load.exchange_pays`). Collective over the (expert-)data-parallel
     groups afterwards too (the fp32 masters are gathered into lower-precision parameters).
     """
-    exchange = reads == "exchange" or (reads == "auto" and group is not None and exchange_pays(location, group))
+    exchange = exchanges(reads, location, group)
     reader = CheckpointReader(location)
     index = reader.index
     if index.model and index.model != model_json:
