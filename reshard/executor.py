@@ -240,12 +240,10 @@ class ChunkReader:
             budget -= (hi - lo) * (ref.nbytes // max(1, ref.box.shape[0]))
 
     def read_ahead(self, ref: PieceRef, lo: int, hi: int) -> None:
-        """Start reading rows ``[lo, hi)`` of ``ref`` (one chunk): in the pool, or by kernel read-ahead."""
+        """Start reading rows ``[lo, hi)`` of ``ref`` (one chunk) in the read-ahead pool; without one they are read
+        when asked for."""
         if self.pool is not None:
             self._start(ref, lo, hi, background=True)
-        elif self._local_safetensors and ref.box.ndim and ref.nbytes:
-            row = ref.nbytes // ref.box.shape[0]
-            self._willneed(ref, lo * row, (hi - lo) * row)
 
     def _advise(self, reads: Sequence[ReadItem], budget: int) -> None:
         """``posix_fadvise(WILLNEED)`` over the first rows of ``reads``: the kernel reads them while this thread
@@ -258,13 +256,9 @@ class ChunkReader:
                 continue
             row = ref.nbytes // ref.box.shape[0]
             n = min((item.rows[1] - item.rows[0]) * row, budget)
-            self._willneed(ref, item.rows[0] * row, n)
+            where = self.reader.storage.path(ref.file)
+            os.posix_fadvise(self._fd(where), ref.start + item.rows[0] * row, n, os.POSIX_FADV_WILLNEED)
             budget -= n
-
-    def _willneed(self, ref: PieceRef, offset: int, nbytes: int) -> None:
-        """Ask the kernel to read ``nbytes`` of ``ref``'s data from ``offset`` (in the piece) into the page cache."""
-        os.posix_fadvise(self._fd(self.reader.storage.path(ref.file)), ref.start + offset, nbytes,
-                         os.POSIX_FADV_WILLNEED)
 
     def _chunk(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
         return self._start(ref, lo, hi, background=False).result()
