@@ -1,19 +1,13 @@
 """Saving and opening whole checkpoints: the commit protocol and the reader.
 
-A checkpoint exists only once its index ``moeckpt.json`` is written, last, after every data file is durable.
-
-* Local disk: everything is written into a sibling staging directory ``.<name>.partial``, fsynced, and renamed
-  into place; the rename is the commit.
-* Object stores (and every other fsspec URL): data objects are written in place and the index is uploaded last;
-  object stores make single objects appear atomically, so a reader never sees an index before all the data.
-
-Readers ignore any directory without an index; ``moeckpt gc`` removes such leftovers.
+A checkpoint exists only once its index ``moeckpt.json`` is written, last, after every data file is durable. How
+that is made atomic is the storage's commit strategy (:mod:`moeckpt.formats.commit`): a staging directory renamed
+into place on local disk, the index uploaded last on object stores. Readers ignore any directory without an
+index; ``moeckpt gc`` removes such leftovers.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Callable, Iterable, Sequence
@@ -21,8 +15,9 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from . import dtypes
-from .backend import Backend, get_backend
+from .backend import Backend, PieceReader, get_backend
 from .box import Box, covers_exactly_once
+from .commit import STAGING_SUFFIX
 from .errors import (
     CheckpointIndexError,
     DestinationNotEmptyError,
@@ -31,9 +26,25 @@ from .errors import (
 )
 from .index import INDEX_NAME, FileEntry, Index, TensorEntry
 from .pieces import Piece, PieceRef
-from .storage import Storage
+from .storage import Storage, open_storage
 
-STAGING_SUFFIX = ".partial"
+__all__ = [
+    "STAGING_SUFFIX",
+    "STEP_PREFIX",
+    "CheckpointReader",
+    "begin_save",
+    "commit",
+    "committed_steps",
+    "discard",
+    "is_committed",
+    "quarantine",
+    "resolve",
+    "save_pieces",
+    "staging_storage",
+    "step_dir_name",
+    "verify",
+]
+
 STEP_PREFIX = "step-"
 
 
@@ -43,11 +54,8 @@ def step_dir_name(step: int) -> str:
 
 def staging_storage(location: str) -> Storage:
     """Where the data of a save to ``location`` is written before the commit (same for every rank)."""
-    final = Storage(location)
-    if not final.is_local:
-        return final
-    parent, name = os.path.split(final.location)
-    return Storage(os.path.join(parent, f".{name}{STAGING_SUFFIX}"))
+    final = open_storage(location)
+    return final.commit_strategy.staging(final)
 
 
 def is_committed(storage: Storage) -> bool:
@@ -60,7 +68,7 @@ def begin_save(location: str, *, overwrite: bool = False, replace_uncommitted: b
     Refuses a non-empty destination unless ``overwrite``; ``replace_uncommitted`` lets a trainer reuse a
     location that only holds the leftovers of a failed save.
     """
-    final = Storage(location)
+    final = open_storage(location)
     final.refuse_file()
     contents = final.listdir()
     if contents and not overwrite:
@@ -69,35 +77,20 @@ def begin_save(location: str, *, overwrite: bool = False, replace_uncommitted: b
                 f"{final.location}: destination is not empty ({len(contents)} entries); "
                 "choose an empty location or pass --overwrite"
             )
-    staging = staging_storage(location)
-    if final.is_local:
-        staging.remove()
-        staging.makedirs()
-    elif contents:
-        # On an object store the index goes first, so the old checkpoint stops being committed before any of
-        # its data is touched.
-        final.remove(INDEX_NAME)
-        final.remove()
-    return staging
+    return final.commit_strategy.begin(final, contents)
 
 
 def commit(location: str, index: Index) -> None:
-    """Write the index last and make the checkpoint visible; on local disk an atomic directory rename."""
-    final = Storage(location)
-    staging = staging_storage(location)
-    staging.write_bytes(INDEX_NAME, index.dumps())
-    if not final.is_local:
-        return
-    staging.fsync_dir()
-    parent = os.path.dirname(final.location)
-    old = None
-    if os.path.exists(final.location):
-        old = os.path.join(parent, f".{os.path.basename(final.location)}.old-{uuid.uuid4().hex[:8]}")
-        os.rename(final.location, old)
-    os.rename(staging.location, final.location)
-    Storage(parent).fsync_dir()
-    if old is not None:
-        Storage(old).remove()
+    """Write the index last and make the checkpoint visible (on local disk an atomic directory rename)."""
+    final = open_storage(location)
+    final.commit_strategy.commit(final, index.dumps())
+
+
+def discard(location: str) -> None:
+    """After a failed save to ``location``: remove its staging directory (local disk), or abort the uploads it still
+    has in flight (object stores, whose written objects ``gc`` removes)."""
+    final = open_storage(location)
+    final.commit_strategy.discard(final)
 
 
 def quarantine(location: str) -> str:
@@ -109,15 +102,8 @@ def quarantine(location: str) -> str:
     removed first: the checkpoint becomes an uncommitted leftover that the next save of that step (or ``gc``)
     replaces.
     """
-    final = Storage(location)
-    if final.is_local:
-        name = os.path.basename(final.location.rstrip("/"))
-        target = os.path.join(os.path.dirname(final.location.rstrip("/")), f"damaged-{name}-{uuid.uuid4().hex[:8]}")
-        os.rename(final.location, target)
-        Storage(os.path.dirname(target)).fsync_dir()
-        return target
-    final.remove(INDEX_NAME)
-    return final.location
+    final = open_storage(location)
+    return final.commit_strategy.quarantine(final)
 
 
 def save_pieces(
@@ -149,7 +135,12 @@ def save_pieces(
         return out
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        entries = [e for es in pool.map(write, sorted(pieces_by_writer)) for e in es]
+        try:
+            entries = [e for es in pool.map(write, sorted(pieces_by_writer)) for e in es]
+        except BaseException:
+            # Before the pool waits for its other writers: they stop at their next upload, none is left behind.
+            storage.cancel_uploads()
+            raise
     entries = backend.finish(storage, entries, index.tensors)
     final_index = replace(index, files={e.path: e for e in entries})
     commit(location, final_index)
@@ -158,7 +149,7 @@ def save_pieces(
 
 def resolve(location: str) -> Storage:
     """The committed checkpoint at ``location``: the checkpoint itself, or the newest committed step of a run."""
-    storage = Storage(location)
+    storage = open_storage(location)
     if is_committed(storage):
         return storage
     steps = [n for n in storage.listdir() if n.startswith(STEP_PREFIX) and n[len(STEP_PREFIX) :].isdigit()]
@@ -176,7 +167,7 @@ def resolve(location: str) -> Storage:
 
 def committed_steps(run_dir: str) -> list[tuple[int, Storage]]:
     """``(step, storage)`` of every committed ``step-*`` checkpoint in a run directory, oldest first."""
-    storage = Storage(run_dir)
+    storage = open_storage(run_dir)
     out = []
     for name in storage.listdir():
         if name.startswith(STEP_PREFIX) and name[len(STEP_PREFIX) :].isdigit():
@@ -218,6 +209,10 @@ class CheckpointReader:
 
     def read_piece(self, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self.backend.read_piece(self.storage, ref, rows)
+
+    def open_reader(self) -> PieceReader:
+        """A read session for many row reads (the resharder's chunk cache); close it when done."""
+        return self.backend.open_reader(self.storage)
 
     def read_box(self, name: str, box: Box, refs: Sequence[PieceRef] | None = None) -> torch.Tensor:
         """Assemble ``box`` of tensor ``name`` from the stored pieces, reading only the rows that overlap it."""

@@ -10,11 +10,13 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from moeckpt.formats import errors
-from moeckpt.formats import storage as storage_mod
+from moeckpt.formats.storages import retry as retry_mod
+from moeckpt.formats.storages import url as url_mod
 from moeckpt.formats.checkpoint import CheckpointReader, save_pieces, step_dir_name, verify
 from moeckpt.formats.index import Index
 from moeckpt.formats.pieces import Piece
-from moeckpt.formats.storage import RetryPolicy, Storage
+from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages.retry import RetryPolicy
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements
 
@@ -69,7 +71,7 @@ def flaky_s3(moto_endpoint, monkeypatch):
     proxy = FaultyProxy(moto_endpoint)
     make_bucket(moto_endpoint, "flaky")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.endpoint)
-    monkeypatch.setattr(storage_mod, "DEFAULT_RETRY", FAST_RETRY)
+    monkeypatch.setattr(retry_mod, "DEFAULT_RETRY", FAST_RETRY)
     # botocore's and s3fs's own retries, short, so that a dead endpoint fails in well under a second
     import s3fs
 
@@ -143,7 +145,7 @@ def test_cli_on_unreachable_s3_is_one_line_and_exit_2(flaky_s3, moeckpt_cli):
 
 
 def test_s3_save_and_reads_of_both_formats_and_plain_zarr(s3_url, moto_endpoint, monkeypatch):
-    monkeypatch.setattr(storage_mod, "JOIN_LIMIT_BYTES", 64)  # the larger zarr objects take the spooled upload
+    monkeypatch.setattr(url_mod, "JOIN_LIMIT_BYTES", 64)  # the larger zarr objects take the spooled upload
     for fmt in ("safetensors", "zarr"):
         loc = f"{s3_url}-{fmt}"
         save_toy(loc, Layout(tp=2, ep=2, dp=2), fmt)
@@ -225,11 +227,11 @@ def test_error_classification_of_real_botocore_errors():
         return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
                            "PutObject")
 
-    assert storage_mod.is_transient(client_error("SlowDown", 503))
-    assert storage_mod.is_transient(client_error("InternalError", 500))
-    assert not storage_mod.is_transient(client_error("NoSuchBucket", 404))
-    assert not storage_mod.is_transient(client_error("AccessDenied", 403))
-    assert storage_mod.is_transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
-    assert storage_mod.is_transient(ConnectionClosedError(endpoint_url="http://127.0.0.1:1"))
-    assert not storage_mod.is_transient(PermissionError("denied"))
-    assert not storage_mod.is_transient(FileNotFoundError("gone"))
+    assert retry_mod.is_transient(client_error("SlowDown", 503))
+    assert retry_mod.is_transient(client_error("InternalError", 500))
+    assert not retry_mod.is_transient(client_error("NoSuchBucket", 404))
+    assert not retry_mod.is_transient(client_error("AccessDenied", 403))
+    assert retry_mod.is_transient(EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert retry_mod.is_transient(ConnectionClosedError(endpoint_url="http://127.0.0.1:1"))
+    assert not retry_mod.is_transient(PermissionError("denied"))
+    assert not retry_mod.is_transient(FileNotFoundError("gone"))

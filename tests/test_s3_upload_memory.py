@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from moeckpt.formats import errors
-from moeckpt.formats import safetensors_backend as st
-from moeckpt.formats import storage as storage_mod
+from moeckpt.formats.backends import safetensors as st
+from moeckpt.formats.storages import s3 as storage_mod
 from moeckpt.formats.box import Box
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import Piece, tensor_bytes
-from moeckpt.formats.storage import RetryPolicy, Storage
+from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages.retry import RetryPolicy
 
 from .s3_fixtures import BUCKET
 
