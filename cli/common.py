@@ -7,6 +7,7 @@ from typing import Callable
 
 import click
 
+from moeckpt.formats.backend import backend_names
 from moeckpt.formats.errors import MoeckptError
 
 
@@ -47,10 +48,26 @@ def layout_options(f: Callable | None = None, *, default_source: bool = False) -
     return add(f) if f is not None else add
 
 
+class FormatChoice(click.Choice):
+    """The checkpoint formats, asked of the backend registry when the option is parsed (so a backend registered
+    after this module was imported is a choice too)."""
+
+    def __init__(self) -> None:
+        super().__init__(backend_names())
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        return backend_names()
+
+    @choices.setter
+    def choices(self, value: object) -> None:
+        del value  # always the registry's
+
+
 format_option = click.option(
     "--format",
     "fmt",
-    type=click.Choice(["safetensors", "zarr"]),
+    type=FormatChoice(),
     default="safetensors",
     show_default=True,
     help="on-disk format of the checkpoint written",

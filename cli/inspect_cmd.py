@@ -3,72 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 
 import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
-from moeckpt.formats.errors import StorageError
-from moeckpt.formats.storage import Storage
-
-
-def _object_sizes(storage: Storage) -> dict[str, int]:
-    """``{relative path: size}`` of every object below ``storage``: one recursive listing, no data read."""
-    if storage.is_local:
-        root = storage.location
-        out = {}
-        for dirpath, _, names in os.walk(root):
-            for n in names:
-                full = os.path.join(dirpath, n)
-                out[os.path.relpath(full, root).replace(os.sep, "/")] = os.path.getsize(full)
-        return out
-    root = storage._fspath().rstrip("/")
-
-    def find() -> dict:
-        storage.fs.invalidate_cache(root)
-        return storage.fs.find(root, detail=True)
-
-    try:
-        found = storage._remote(find, "listing the checkpoint's objects")
-    except StorageError:
-        raise
-    except Exception as e:  # noqa: BLE001 - fsspec backends raise anything; name the location
-        raise StorageError(f"{storage.location}: listing the checkpoint's objects failed: {e}") from e
-    out = {}
-    for path, info in found.items():
-        rel = path.rstrip("/")[len(root) + 1 :] if path.rstrip("/").startswith(root + "/") else None
-        if rel and info.get("type", "file") != "directory":
-            out[rel] = int(info.get("size") or 0)
-    return out
-
-
-def _chunk_array(path: str, tensors) -> str | None:
-    """The tensor whose zarr chunk (or shard) object ``path`` is (``<tensor>/c/<i>/...``, or ``<tensor>/c`` for a
-    0-d array), else ``None``."""
-    i = path.find("/c")
-    while i != -1:
-        rest = path[i + 2 :]
-        if (rest == "" or rest.startswith("/")) and path[:i] in tensors:
-            return path[:i]
-        i = path.find("/c", i + 1)
-    return None
 
 
 def stored_sizes(reader: CheckpointReader) -> tuple[int, int]:
     """``(bytes, objects)`` the checkpoint occupies on its storage, its index ``moeckpt.json`` left out.
 
-    safetensors: the data files, whose sizes the index records. zarr: the index records only the ``zarr.json``
-    documents, so the chunk/shard objects of its arrays are added from one listing of the storage (no data read).
+    Asked of the backend: safetensors' data files are what the index records; zarr adds the chunk/shard objects
+    of its arrays from one listing of the storage (no data read).
     """
-    idx = reader.index
-    nbytes, count = sum(f.size for f in idx.files.values()), len(idx.files)
-    if idx.backend == "zarr":
-        for path, size in _object_sizes(reader.storage).items():
-            if path not in idx.files and _chunk_array(path, idx.tensors) is not None:
-                nbytes += size
-                count += 1
-    return nbytes, count
+    objects = reader.backend.stored_objects(reader.storage, reader.index)
+    return sum(objects.values()), len(objects)
 
 
 def summary(reader: CheckpointReader) -> dict:

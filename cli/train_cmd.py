@@ -8,6 +8,8 @@ from moeckpt.trainer.launch import Elastic, run_torchrun, under_torchrun
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import DTYPES, RESUME_READS, TrainConfig, check_launch, run_model, train
 
+from .common import FormatChoice
+
 
 class _EpDegree(click.ParamType):
     """A positive integer, or ``auto`` (``None``: chosen per world size)."""
@@ -43,7 +45,7 @@ EP_DEGREE = _EpDegree()
 @click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True, help="total steps of the run (a resumed run continues up to it)")
 @click.option("--stop-at", type=click.IntRange(min=0), default=None, help="stop this invocation after this step (saving first)")
 @click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True, help="checkpoint every K steps (0: only at the end)")
-@click.option("--format", "fmt", type=click.Choice(["safetensors", "zarr"]), default="safetensors", show_default=True, help="checkpoint format")
+@click.option("--format", "fmt", type=FormatChoice(), default="safetensors", show_default=True, help="checkpoint format")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the initial weights and the data order")
 @click.option("--global-batch", type=click.IntRange(min=1), default=8, show_default=True, help="samples per step over all ranks")
 @click.option("--seq-len", type=click.IntRange(min=1), default=64, show_default=True, help="tokens per sample")

@@ -1,36 +1,104 @@
-"""The backend protocol every on-disk format implements, and the registry that picks one by name."""
+"""The backend protocol every on-disk format implements, and the registry that picks one by name.
+
+A backend turns pieces (boxes of logical tensors) into stored bytes and back. The built-in ones live in
+:mod:`moeckpt.formats.backends` (``safetensors``, ``zarr``) and are imported only when first asked for; another
+one is added with :func:`register_backend`, after which the index, the CLI's ``--format`` and the trainer accept
+its name (they all ask :func:`backend_names`). ``moeckpt.testing.BackendTests`` is the contract a backend passes.
+
+This module imports nothing of the format layer at run time, so the index can validate names against the
+registry without an import cycle.
+"""
 
 from __future__ import annotations
 
-from typing import Collection, Protocol, Sequence
+import importlib
+from typing import TYPE_CHECKING, Callable, Collection, Iterable, Protocol, Sequence
 
-import torch
-
-from .box import Box
 from .errors import CheckpointIndexError
-from .index import FileEntry, Index, TensorEntry
-from .pieces import Piece, PieceRef
-from .storage import Storage
+
+if TYPE_CHECKING:
+    import torch
+
+    from .box import Box
+    from .index import FileEntry, Index, TensorEntry
+    from .pieces import Piece, PieceRef
+    from .storage import Storage
+
+
+class PieceReader(Protocol):
+    """A read session over one checkpoint's stored pieces (``Backend.open_reader``): what a resharder's chunk
+    cache calls, from several threads at once. Every byte returned was verified against its checksum."""
+
+    #: where the pieces are (for error messages).
+    location: str
+    #: whether the session may be opened again in a forked child (no threads or event loops it depends on).
+    fork_safe: bool
+
+    def read_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of the stored piece ``ref`` (its dim 0; a 0-d piece is read whole), verified."""
+        ...
+
+    def map_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor | None:
+        """The same rows without a copy into this process (mapped from the page cache, then verified), or
+        ``None`` where the backend or storage cannot map. Offline resharding only: a trainer's state must not be
+        backed by a file."""
+        ...
+
+    def advise(self, ref: PieceRef, lo: int, hi: int) -> None:
+        """Ask the storage to read rows ``[lo, hi)`` ahead (a hint; a no-op where there is none)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the session holds (after the reads in flight ended)."""
+        ...
 
 
 class Backend(Protocol):
-    """How pieces become stored bytes and back. Implementations: safetensors (one file per writer) and zarr."""
+    """How pieces become stored bytes and back. Built in: safetensors (one file per writer) and zarr."""
 
     name: str
     #: True when :meth:`write` may be called several times for one writer, each with some of its pieces (the
     #: backend stores each piece on its own); False when a writer's pieces must come in one call (one file each).
     piecewise_writes: bool
+    #: True when :meth:`write_stream` writes each slab before it draws the next, so the caller may hand every slab
+    #: in one reused buffer; False when it keeps slabs until it has whole pieces.
+    streams_slabs: bool
+    #: True when the backend's readers and writers hold no threads of their own that a forked child would
+    #: inherit dead, so a resharder may run writers in forked processes (where the storage allows it too).
+    fork_safe: bool
+    #: True when the stored pieces are exactly the writing layout's placements, each in its writer's own files:
+    #: a reader then locates them from the index alone and reads only the files of the writers it needs
+    #: (:meth:`list_pieces` honours ``writers``). False when pieces are stored otherwise (zarr: grid cells).
+    stores_placements: bool
 
     def prepare(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> None:
         """Run once before any writer: ``boxes`` lists every non-empty piece of every tensor, over all writers."""
+        ...
 
     def write(
         self, storage: Storage, writer: int, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]
     ) -> list[FileEntry]:
         """Store one writer's pieces (durably, on local disk) and return the index entries of what it wrote."""
+        ...
+
+    def write_stream(
+        self,
+        storage: Storage,
+        writer: int,
+        layout: Sequence[tuple[str, Box]],
+        tensors: dict[str, TensorEntry],
+        slabs: Iterable[tuple[int, torch.Tensor]],
+        *,
+        batch_bytes: int,
+    ) -> list[FileEntry]:
+        """Store one writer's pieces ``layout`` (``(tensor, box)`` in order) from row slabs arriving in order:
+        ``(position in layout, contiguous rows)``, each piece's slabs complete, at least one per piece. Memory
+        stays a slab (or, with ``piecewise_writes``, a batch of about ``batch_bytes``), never the writer's share."""
+        ...
 
     def finish(self, storage: Storage, files: list[FileEntry], tensors: dict[str, TensorEntry]) -> list[FileEntry]:
         """Run once after every writer, before the commit; may add entries (e.g. zarr metadata)."""
+        ...
 
     def list_pieces(
         self,
@@ -40,64 +108,50 @@ class Backend(Protocol):
         writers: Collection[int] | None = None,
     ) -> list[PieceRef]:
         """The stored pieces of ``tensors`` (all if ``None``), looking only at ``writers``' files if given."""
+        ...
 
     def read_piece(self, storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The data of one piece, or rows ``[r0, r1)`` of its dim 0, checksums verified."""
+        ...
+
+    def open_reader(self, storage: Storage) -> PieceReader:
+        """A read session for many row reads of pieces at ``storage`` (see :class:`PieceReader`)."""
+        ...
+
+    def stored_objects(self, storage: Storage, index: Index) -> dict[str, int]:
+        """``{path: size}`` of every object the checkpoint occupies, its index ``moeckpt.json`` left out."""
+        ...
 
 
-class SafetensorsBackend:
-    """One ``rank-NNNNN.safetensors`` file per writer; see :mod:`moeckpt.formats.safetensors_backend`."""
-
-    name = "safetensors"
-    piecewise_writes = False  # one file per writer, its header listing every piece
-
-    def prepare(self, storage, tensors, boxes) -> None:
-        del storage, tensors, boxes  # nothing shared to set up: every writer owns its file
-
-    def write(self, storage, writer, pieces, tensors):
-        from . import safetensors_backend as st
-
-        return [st.write_file(storage, st.file_name(writer), pieces, tensors)]
-
-    def finish(self, storage, files, tensors):
-        del storage, tensors
-        return files
-
-    def list_pieces(self, storage, index, tensors=None, writers=None):
-        from . import safetensors_backend as st
-
-        files = index.files.values()
-        if writers is not None:
-            wanted = {st.file_name(w) for w in writers}
-            files = [f for f in files if f.path in wanted]
-        refs = st.list_pieces(storage, files, index.tensors)
-        if tensors is not None:
-            keep = set(tensors)
-            refs = [r for r in refs if r.tensor in keep]
-        return refs
-
-    def read_piece(self, storage, ref, rows=None):
-        from . import safetensors_backend as st
-
-        return st.read_piece(storage, ref, rows)
+#: built-in backends by name -> "module:class", imported on first use.
+_BUILTIN: dict[str, str] = {
+    "safetensors": "moeckpt.formats.backends.safetensors:SafetensorsBackend",
+    "zarr": "moeckpt.formats.backends.zarr:ZarrBackend",
+}
+_REGISTERED: dict[str, Callable[[], Backend]] = {}
 
 
-_BACKENDS: dict[str, type] = {"safetensors": SafetensorsBackend}
+def register_backend(name: str, factory: Callable[[], Backend]) -> None:
+    """Add (or replace) the backend ``name``; ``factory()`` makes an instance (a class will do)."""
+    if not isinstance(name, str) or not name or not name.replace("_", "").replace("-", "").isalnum():
+        raise ValueError(f"a backend name is a non-empty word (letters, digits, '-', '_'), got {name!r}")
+    _REGISTERED[name] = factory
 
 
-def register_backend(name: str, cls: type) -> None:
-    _BACKENDS[name] = cls
+def backend_names() -> tuple[str, ...]:
+    """Every backend name the index, the CLI and the trainer accept: the built-ins, then the registered ones."""
+    return tuple(dict.fromkeys([*_BUILTIN, *_REGISTERED]))
 
 
 def get_backend(name: str) -> Backend:
-    if name not in _BACKENDS and name == "zarr":
+    """A new instance of the backend ``name``; :class:`CheckpointIndexError` naming the known ones otherwise."""
+    factory = _REGISTERED.get(name)
+    if factory is None and name in _BUILTIN:
+        module, _, cls = _BUILTIN[name].partition(":")
         try:
-            from . import zarr_backend  # noqa: F401  (registers itself)
+            factory = getattr(importlib.import_module(module), cls)
         except ImportError as e:
-            raise CheckpointIndexError(f"the zarr backend is not available: {e}") from None
-    try:
-        return _BACKENDS[name]()
-    except KeyError:
-        raise CheckpointIndexError(
-            f"unknown checkpoint format {name!r}; choose one of: {', '.join(sorted(set(_BACKENDS) | {'zarr'}))}"
-        ) from None
+            raise CheckpointIndexError(f"the {name} backend is not available: {e}") from None
+    if factory is None:
+        raise CheckpointIndexError(f"unknown checkpoint format {name!r}; choose one of: {', '.join(backend_names())}")
+    return factory()

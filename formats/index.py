@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes
+from .backend import backend_names
 from .checksum import is_checksum
 from .errors import CheckpointIndexError, UnsafePathError, UnsupportedVersionError
+from .roles import ROLES
 
 INDEX_NAME = "moeckpt.json"
 FORMAT_NAME = "moeckpt"
 FORMAT_VERSION = 1
-BACKENDS = ("safetensors", "zarr")
-ROLES = ("param", "master", "exp_avg", "exp_avg_sq", "buffer")
 
 
 def check_relative_path(path: object, where: str) -> str:
@@ -138,8 +138,8 @@ class Index:
     format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise CheckpointIndexError(f"index: unknown backend {self.backend!r}; known: {', '.join(BACKENDS)}")
+        if self.backend not in backend_names():
+            raise CheckpointIndexError(f"index: unknown backend {self.backend!r}; known: {', '.join(backend_names())}")
 
     @property
     def nbytes(self) -> int:
@@ -229,8 +229,8 @@ class Index:
                 )
             files[path] = FileEntry(path=path, size=value["size"], checksum=value["checksum"])
         backend = doc.get("backend")
-        if backend not in BACKENDS:
-            raise CheckpointIndexError(f"{where}: unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+        if backend not in backend_names():
+            raise CheckpointIndexError(f"{where}: unknown backend {backend!r}; known: {', '.join(backend_names())}")
         return cls(
             backend=backend,
             step=step,

@@ -51,6 +51,27 @@ class PieceRef:
     stored_shape: tuple[int, ...] | None = None
 
 
+def block_span(ref: PieceRef, lo: int, hi: int) -> tuple[int, int, int, int, int]:
+    """Rows ``[lo, hi)`` of a stored piece as bytes ``[a, b)`` of its data, and the whole checksum blocks around
+    them: the first block's number and bytes ``[read_lo, read_hi)`` (what a verified read fetches)."""
+    row = ref.nbytes // ref.box.shape[0] if ref.box.shape[0] else 0
+    a, b = lo * row, hi * row
+    block = ref.block_bytes
+    b0 = a // block
+    return a, b, b0, b0 * block, min(-(-b // block) * block if b else block, ref.nbytes)
+
+
+def fetched_bytes(ref: PieceRef, lo: int, hi: int) -> int:
+    """Bytes a verified read of rows ``[lo, hi)`` fetches: the whole checksum blocks around them (how every
+    backend verifies reads), or exactly the rows for a piece without blocks (rows a function produces)."""
+    if not ref.box.ndim or not ref.box.shape[0]:
+        return ref.nbytes
+    if not ref.block_bytes:
+        return (hi - lo) * (ref.nbytes // ref.box.shape[0])
+    _, _, _, read_lo, read_hi = block_span(ref, lo, hi)
+    return read_hi - read_lo
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor without a copy when it is contiguous (any dtype, bf16 included)."""
     t = t.detach()

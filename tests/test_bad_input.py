@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from moeckpt.formats import errors
 from moeckpt.formats.checkpoint import CheckpointReader, verify
 from moeckpt.formats.index import INDEX_NAME, Index
-from moeckpt.formats.safetensors_backend import read_header
+from moeckpt.formats.backends.safetensors import read_header
 from moeckpt.formats.storage import Storage
 from moeckpt.reshard.layout import Layout
 
@@ -220,7 +220,7 @@ def test_write_failing_midway_leaves_nothing_committed():
 
 
 def test_local_write_failing_midway_leaves_only_a_staging_dir(tmp_path, monkeypatch):
-    from moeckpt.formats import safetensors_backend
+    from moeckpt.formats.backends import safetensors as safetensors_backend
 
     real = safetensors_backend.write_file
     calls = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from moeckpt.formats import safetensors_backend as st
+from moeckpt.formats.backends import safetensors as st
 from moeckpt.formats.box import Box
 from moeckpt.formats.checksum import checksum
 from moeckpt.formats.index import TensorEntry

@@ -13,7 +13,7 @@ import zarr
 from fsspec.implementations.memory import MemoryFileSystem
 
 from moeckpt.formats import errors
-from moeckpt.formats import zarr_backend as zb
+from moeckpt.formats.backends import zarr as zb
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit, verify
 from moeckpt.formats.dtypes import DTYPE_NAMES, to_torch

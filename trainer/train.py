@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moeckpt.formats.backend import backend_names
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps, quarantine
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import INDEX_NAME, TensorEntry
@@ -140,8 +141,8 @@ class TrainConfig:
             raise ValueError(f"stop_at={self.stop_at!r} must lie in [0, steps={self.steps}]")
         if self.save_every < 0:
             raise ValueError(f"save_every={self.save_every} must be >= 0")
-        if self.format not in ("safetensors", "zarr"):
-            raise ValueError(f"format={self.format!r} must be safetensors or zarr")
+        if self.format not in backend_names():
+            raise ValueError(f"format={self.format!r} must be one of {', '.join(backend_names())}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         if self.warmup_steps < 0:

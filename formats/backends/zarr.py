@@ -39,14 +39,14 @@ import google_crc32c
 import numpy as np
 import torch
 
-from . import dtypes
-from .backend import register_backend
-from .box import Box, covers_exactly_once
-from .checksum import checksum
-from .errors import ChecksumMismatchError, CheckpointIndexError, DataFileError
-from .index import INDEX_NAME, FileEntry, Index, TensorEntry, check_relative_path
-from .pieces import CHECKSUM_BLOCK_BYTES, Piece, PieceRef, tensor_bytes
-from .storage import Storage
+from .. import dtypes
+from ..box import Box, covers_exactly_once
+from ..checksum import checksum
+from ..errors import ChecksumMismatchError, CheckpointIndexError, DataFileError
+from ..index import INDEX_NAME, FileEntry, Index, TensorEntry, check_relative_path
+from ..pieces import CHECKSUM_BLOCK_BYTES, Piece, PieceRef, tensor_bytes
+from ..storage import Storage
+from .base import BackendBase
 
 NAME = "zarr"
 META_NAME = "zarr.json"
@@ -422,7 +422,7 @@ def _check_crc(buf: bytearray, off: int, nbytes: int, ref: PieceRef, where: str,
         )
 
 
-class ZarrBackend:
+class ZarrBackend(BackendBase):
     """One zarr v3 array per tensor; see the module docstring for the layout and why writers never collide.
 
     In one process (``save_pieces``) :meth:`prepare` keeps the plan in memory for :meth:`write` and
@@ -435,6 +435,13 @@ class ZarrBackend:
     #: a writer's pieces may be stored in several :meth:`write` calls: every grid cell is its own object, named by
     #: tensor and cell, so a batch never depends on the rest of the writer's pieces (the offline resharder streams).
     piecewise_writes = True
+    #: pieces are joined from their slabs, then cut into cells (write_stream_by_pieces).
+    streams_slabs = False
+    #: writers stay threads: each stores its cells through a pool of writer threads of its own (see _run), whose
+    #: I/O releases the interpreter lock; forked writers are built for one streamed file per writer.
+    fork_safe = False
+    #: cells of a grid, not placements: readers list them from the array documents.
+    stores_placements = False
 
     def __init__(self) -> None:
         self._plans: dict[str, dict[str, ArrayPlan]] = {}
@@ -561,6 +568,27 @@ class ZarrBackend:
     def read_piece(self, storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return read_piece(storage, ref, rows)
 
+    def stored_objects(self, storage: Storage, index: Index) -> dict[str, int]:
+        """The documents the index lists, plus the chunk (shard) objects of its arrays, from one listing of the
+        storage (the index does not list them: it grows with tensors, not pieces)."""
+        out = {f.path: f.size for f in index.files.values()}
+        for path, size in storage.list_files().items():
+            if path not in out and chunk_array(path, index.tensors) is not None:
+                out[path] = size
+        return out
+
+
+def chunk_array(path: str, tensors: Collection[str]) -> str | None:
+    """The tensor whose chunk (or shard) object ``path`` is (``<tensor>/c/<i>/...``, or ``<tensor>/c`` for a 0-d
+    array), else ``None``."""
+    i = path.find("/c")
+    while i != -1:
+        rest = path[i + 2 :]
+        if (rest == "" or rest.startswith("/")) and path[:i] in tensors:
+            return path[:i]
+        i = path.find("/c", i + 1)
+    return None
+
 
 def _array_of(path: str) -> str | None:
     """The tensor whose array document ``path`` is, or ``None`` for the root document."""
@@ -582,5 +610,3 @@ def _refs(plan: ArrayPlan) -> list[PieceRef]:
         )
     return out
 
-
-register_backend(NAME, ZarrBackend)
