@@ -7,10 +7,11 @@ import click
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.tensors import check_layout
 from moeckpt.trainer.models import ModelSpec
 
-from .common import layout_options, progress
+from .common import FormatChoice, layout_options, progress
 
 
 @click.command("reshard")
@@ -20,7 +21,7 @@ from .common import layout_options, progress
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["safetensors", "zarr"]),
+    type=FormatChoice(),
     default=None,
     help="on-disk format of the checkpoint written  [default: the source's]",
 )
@@ -41,7 +42,8 @@ def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     ModelSpec.from_json(index.model).check_layout(tp, ep)
     check_layout(index.tensors, layout)
     with progress(index.nbytes, f"reshard -> {layout}") as bar:
-        result = reshard(src, dst, layout, backend=fmt, workers=workers, overwrite=overwrite, on_bytes=bar.update)
+        result = reshard(src, dst, layout, backend=fmt, overwrite=overwrite, on_bytes=bar.update,
+                         options=ReshardOptions(workers=workers))
     gb = result.bytes_written / 1e9
     click.echo(
         f"wrote {dst}: {layout}, {len(result.index.files)} files, {gb:.3f} GB ({result.index.backend}) in "

@@ -26,23 +26,17 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError, StorageError
 from moeckpt.formats.index import TensorEntry
-from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef
+from moeckpt.formats.pieces import PieceRef
 from moeckpt.formats.storage import is_url
 
+from .chunks import ChunkReader, chunk_rows, reads_started_ahead
 from .collectives import all_gather_json
-from .executor import PREFETCH_BYTES, ChunkReader, fill, paused_gc, reads_started_ahead, single_threaded_torch
 from .layout import Layout
-from .placement import model_parallel_boxes, rule_of
+from .local import join_local
+from .options import LoadOptions
 from .planner import ReshardPlan, SourcePiece, plan_load
-
-#: a load reads in larger chunks than the offline executor: a box that is one whole chunk is kept without a copy.
-CHUNK_BYTES = 64 * 1024 * 1024
-#: byte budget of a loading rank's chunk cache (beyond the state it returns).
-CACHE_BYTES = 256 * 1024 * 1024
-#: threads reading ahead of a loading rank.
-READ_THREADS = 2
-#: collective loads exchange at most about this many bytes per rank per round.
-ROUND_BYTES = 128 * 1024 * 1024
+from .runtime import paused_gc, single_threaded_torch
+from .slabs import assemble
 
 RankState = dict[str, list[tuple[Box, torch.Tensor]]]
 
@@ -73,9 +67,7 @@ def load_rank_state(
     peers: Sequence[int] | None = None,
     exchange: bool = True,
     stats: LoadStats | None = None,
-    chunk_bytes: int = CHUNK_BYTES,
-    cache_bytes: int = CACHE_BYTES,
-    round_bytes: int = ROUND_BYTES,
+    options: LoadOptions | None = None,
 ) -> RankState:
     """Every box ``rank`` holds in ``layout``, per tensor, in the order its local tensor concatenates them.
 
@@ -85,10 +77,11 @@ def load_rank_state(
     ``exchange=False``, each member reads its own bytes as if alone and the members only agree on the outcome
     (a failed read raises the same error class on every member): for members that share one host's page cache,
     where the exchange costs more than the storage reads it saves (see :func:`exchange_pays`).
-    ``stats``, if given, is filled with the bytes read and needed.
+    ``stats``, if given, is filled with the bytes read and needed; ``options`` tunes chunks, cache and rounds.
     """
     started = time.perf_counter()
     stats = stats if stats is not None else LoadStats()
+    options = options or LoadOptions()
     with single_threaded_torch(), paused_gc():  # from the index's parse on: see paused_gc
         reader = location if isinstance(location, CheckpointReader) else CheckpointReader(location)
         index = reader.index
@@ -96,15 +89,12 @@ def load_rank_state(
         stored = _stored_refs(reader, names)
         sources = None if stored is None else _sources_of(stored.values(), names)
         if group is not None and exchange:
-            state = _load_collective(
-                reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes, sources,
-                stored,
-            )
+            state = _load_collective(reader, layout, rank, names, group, peers, stats, options, sources, stored)
         else:
             failure = None
             try:
                 plan = plan_load(index, layout, [rank], tensors=names, sources=sources)
-                state = _load_alone(reader, plan, stats, chunk_bytes, cache_bytes, stored)
+                state = _load_alone(reader, plan, stats, options, stored)
             except (MoeckptError, OSError) as e:
                 if group is None:
                     raise
@@ -122,35 +112,17 @@ def exchange_pays(location: str, group) -> bool:
     this host. Collective over ``group`` (every member must call it).
 
     On one host the kernel's page cache already serves each stored byte from the device once, however many
-    members read it, so exchanging it over the process group only adds copies: 4 ranks on 2 cores loading the
-    1.1 GB benchmark state took 1.82 s exchanging and 1.48 s reading alone (``benchmarks/bench_reshard.py``).
-    Across hosts, or from an object store (no shared cache), the exchange saves the storage reads.
+    members read it, so exchanging it over the process group only adds copies (measured slower than reading
+    alone: docs/benchmarks/README.md). Across hosts, or from an object store (no shared cache), the exchange saves
+    the storage reads.
     """
     hosts = all_gather_json(socket.gethostname(), group)
     return is_url(location) or len(set(hosts)) > 1
 
 
 def local_tensors(state: RankState, tensors: dict[str, TensorEntry], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
-    """The local tensor of each loaded tensor: its boxes concatenated along the TP dim (placement's order)."""
-    c = layout.coords(rank)
-    out = {}
-    for name, boxes in state.items():
-        entry = tensors[name]
-        rule = rule_of(entry)
-        dim = rule.tp.dim if rule.tp is not None else 0
-        if len(boxes) == 1:
-            out[name] = boxes[0][1]
-        elif boxes:
-            out[name] = torch.cat([t for _, t in boxes], dim=dim)
-        else:  # an empty ZeRO part: no rows, the local tensor's other dims
-            mp = model_parallel_boxes(entry, layout, c.tp_rank, c.ep_rank)
-            shape = list(mp[0].shape) if mp else list(entry.shape)
-            if len(mp) > 1 and dim != 0:
-                shape[dim] = sum(b.shape[dim] for b in mp)
-            if shape:
-                shape[0] = 0
-            out[name] = torch.empty(shape, dtype=dtypes.to_torch(entry.dtype))
-    return out
+    """The local tensor of each loaded tensor: its boxes joined along the TP dim (:func:`~.local.join_local`)."""
+    return {name: join_local(tensors[name], layout, rank, dict(boxes)) for name, boxes in state.items()}
 
 
 def _select(tensors: dict[str, TensorEntry], roles, names) -> list[str]:
@@ -164,19 +136,20 @@ def _select(tensors: dict[str, TensorEntry], roles, names) -> list[str]:
 def _stored_refs(reader: CheckpointReader, names: list[str]) -> dict[tuple[str, Box], PieceRef] | None:
     """The stored pieces to plan from, when they are not the source layout's placements; else None.
 
-    safetensors stores exactly the placements, which the planner derives from the index alone (and a load reads
-    only the headers of the files it needs). zarr stores grid cells, and where the writers' boxes share no coarser
-    regular grid (ZAYA's fused q/k convolution bias at tp 2: blocks of 32 and 16) a placement spans several
-    cells, so the load plans from the cells its documents list, read once here.
+    A backend that stores exactly the placements (safetensors) lets the planner derive them from the index alone
+    (and a load reads only the headers of the files it needs). Others store pieces of their own: zarr stores grid
+    cells, and where the writers' boxes share no coarser regular grid (ZAYA's fused q/k convolution bias at tp 2:
+    blocks of 32 and 16) a placement spans several cells, so the load plans from the cells its documents list,
+    read once here.
     """
-    if reader.index.backend == "safetensors":
+    if reader.backend.stores_placements:
         return None
     return {(ref.tensor, ref.box): ref for ref in reader.pieces(tensors=set(names))}
 
 
 def _sources_of(refs, names: list[str]) -> dict[str, list[SourcePiece]]:
-    """Planner sources for stored zarr cells: objects are named by cell, not writer, so every cell gets writer 0,
-    the same on every rank."""
+    """Planner sources for pieces that are not placements (zarr cells, named by cell, not writer): every piece gets
+    writer 0, the same on every rank."""
     sources: dict[str, list[SourcePiece]] = {name: [] for name in names}
     for ref in refs:
         sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, 0))
@@ -195,62 +168,24 @@ def _refs_for(reader: CheckpointReader, sources: set, stored) -> dict[tuple[str,
 
 
 def _load_alone(
-    reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, chunk_bytes: int, cache_bytes: int, stored
+    reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, options: LoadOptions, stored
 ) -> RankState:
     (rank_plan,) = plan.ranks
     refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads}, stored)
+    state: RankState = {}
     with ChunkReader(
-        reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, read_threads=READ_THREADS, clip=True
+        reader, refs, chunk_bytes=options.chunk_bytes, cache_bytes=options.cache_bytes,
+        read_threads=options.read_threads, clip=True,
     ) as chunks:
-        state = _fill_alone(rank_plan, reader, chunks)
+        for _, piece in reads_started_ahead(rank_plan.pieces, reader.index, chunks, options.prefetch_bytes):
+            out = assemble(piece, reader.index.tensors[piece.tensor].dtype, chunks)
+            state.setdefault(piece.tensor, []).append((piece.box, out))
     stats.bytes_read += chunks.bytes_read
     return state
 
 
-def _fill_alone(rank_plan, reader: CheckpointReader, chunks: ChunkReader) -> RankState:
-    state: RankState = {}
-    for _, piece in reads_started_ahead(rank_plan.pieces, reader.index, chunks, PREFETCH_BYTES):
-        out = _whole_chunk(piece, chunks)
-        if out is None:
-            out = torch.empty(piece.box.shape, dtype=dtypes.to_torch(reader.index.tensors[piece.tensor].dtype))
-            fill(out, piece.box, piece.reads, chunks)
-        state.setdefault(piece.tensor, []).append((piece.box, out))
-    return state
-
-
-def _whole_chunk(piece, chunks: ChunkReader) -> torch.Tensor | None:
-    """The read buffer itself when a box is exactly one whole read chunk of a stored piece (no copy)."""
-    if len(piece.reads) != 1 or not piece.box.ndim:
-        return None
-    r = piece.reads[0]
-    src = r.src_box
-    if r.region != piece.box or src.offsets[1:] != piece.box.offsets[1:] or src.shape[1:] != piece.box.shape[1:]:
-        return None
-    r0, r1 = r.rows
-    per = chunks.chunk_rows(chunks.ref(r.tensor, src))
-    if chunks.clip:
-        if r0 // per != (r1 - 1) // per:
-            return None  # several chunks: they are joined into a new tensor anyway
-        return chunks.rows(r.tensor, src, r0, r1)  # a clipped chunk holds exactly these rows
-    if r0 % per or (r1 != src.shape[0] and r1 - r0 != per) or r1 - r0 > per:
-        return None  # a part of a chunk: a view would pin the rest of it in memory
-    return chunks.rows(r.tensor, src, r0, r1)
-
-
-def chunk_rows(box: Box, dtype: str, chunk_bytes: int = CHUNK_BYTES, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> int:
-    """Rows per read chunk of a stored piece: the grid the collective mode divides reads on."""
-    if not box.ndim or not box.shape[0]:
-        return 1
-    row = box.numel // box.shape[0] * dtypes.itemsize(dtype)
-    rows = max(1, chunk_bytes // max(1, row))
-    if row and (rows * row) % block_bytes and block_bytes % row == 0:
-        rows = max(block_bytes // row, rows - rows % (block_bytes // row))
-    return rows
-
-
-def _load_collective(
-    reader, layout, rank, names, group, peers, stats, chunk_bytes, cache_bytes, round_bytes, sources, stored
-) -> RankState:
+def _load_collective(reader, layout, rank, names, group, peers, stats, options: LoadOptions, sources, stored
+                     ) -> RankState:
     import torch.distributed as dist
 
     index = reader.index
@@ -271,7 +206,7 @@ def _load_collective(
             item_bytes = dtypes.itemsize(entry.dtype)
             for item in piece.reads:
                 src = item.src_box
-                per = chunk_rows(src, entry.dtype, chunk_bytes)
+                per = chunk_rows(src, entry.dtype, options.chunk_bytes)
                 r0, r1 = item.rows
                 for c in range(r0 // per, (r1 - 1) // per + 1):
                     lo, hi = c * per, min((c + 1) * per, src.shape[0] if src.ndim else 1)
@@ -301,7 +236,7 @@ def _load_collective(
     round_load = [0] * size
     for key in order:
         o = owner[key]
-        if rounds[-1] and round_load[o] + unit_bytes[key] > round_bytes:
+        if rounds[-1] and round_load[o] + unit_bytes[key] > options.round_bytes:
             rounds.append([])
             round_load = [0] * size
         rounds[-1].append(key)
@@ -318,7 +253,8 @@ def _load_collective(
     except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail
         extract.failure, refs = e.with_traceback(None), {}
     with ChunkReader(
-        reader, refs, chunk_bytes=chunk_bytes, cache_bytes=cache_bytes, read_threads=READ_THREADS
+        reader, refs, chunk_bytes=options.chunk_bytes, cache_bytes=options.cache_bytes,
+        read_threads=options.read_threads,
     ) as chunks:
         _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
     failure, extract.failure = extract.failure, None

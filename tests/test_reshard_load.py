@@ -17,6 +17,7 @@ from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state, local_tensors
+from moeckpt.reshard.options import LoadOptions, ReshardOptions
 from moeckpt.reshard.placement import model_parallel_boxes, rule_of
 from moeckpt.trainer.models import presets
 
@@ -38,7 +39,7 @@ def test_load_agrees_with_offline_and_full_tensors(tmp_path, data):
     reader = CheckpointReader(str(base / "a"))
     for rank in range(b.world):
         stats = LoadStats()
-        state = load_rank_state(reader, b, rank, stats=stats, chunk_bytes=128)
+        state = load_rank_state(reader, b, rank, stats=stats, options=LoadOptions(chunk_bytes=128))
         for name, boxes in state.items():
             for box, t in boxes:
                 assert torch.equal(t, values[name][box.slices()]), (name, rank)
@@ -84,7 +85,8 @@ def _worker(rank: int, port: int, world: int, location: str, layout: dict, out_d
         target = Layout(**layout)
         together, alone = LoadStats(), LoadStats()
         # Small rounds so the exchange takes several all_to_all rounds.
-        state = load_rank_state(location, target, rank, group=dist.group.WORLD, stats=together, round_bytes=64 * 1024)
+        state = load_rank_state(location, target, rank, group=dist.group.WORLD, stats=together,
+                                options=LoadOptions(round_bytes=64 * 1024))
         solo = load_rank_state(location, target, rank, stats=alone)
         own_stats = LoadStats()
         # Over the group without the exchange: each rank reads its own bytes, only the outcome is agreed.
@@ -145,8 +147,8 @@ def _load_damaged(rank: int, location: str, layout: dict, out_dir: str, exchange
     import torch.distributed as dist
 
     try:
-        load_rank_state(location, Layout(**layout), rank, group=dist.group.WORLD, round_bytes=64 * 1024,
-                        exchange=exchange)
+        load_rank_state(location, Layout(**layout), rank, group=dist.group.WORLD,
+                        options=LoadOptions(round_bytes=64 * 1024), exchange=exchange)
         outcome = {"error": None}
     except Exception as e:  # noqa: BLE001 - the test inspects which error each rank got
         outcome = {"error": type(e).__name__, "message": str(e)}
@@ -222,7 +224,7 @@ def test_loads_and_reshards_keep_the_cyclic_collector_paused_and_restore_it(tmp_
     assert gc.isenabled()
     load_rank_state(str(tmp_path / "a"), Layout(tp=1, ep=4, dp=4), 1)
     assert gc.isenabled()
-    reshard(str(tmp_path / "a"), str(tmp_path / "b"), Layout(tp=1, ep=2, dp=2), workers=1)
+    reshard(str(tmp_path / "a"), str(tmp_path / "b"), Layout(tp=1, ep=2, dp=2), options=ReshardOptions(workers=1))
     assert gc.isenabled()
     assert {name for name, _ in enabled} == {"index", "plan_load", "plan_reshard"}
     assert not any(on for _, on in enabled), enabled

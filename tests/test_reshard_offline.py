@@ -10,7 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeckpt.formats.checkpoint import CheckpointReader, verify
-from moeckpt.reshard.executor import ChunkReader, reshard
+from moeckpt.reshard.chunks import ChunkReader
+from moeckpt.reshard.executor import reshard
+from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.models import presets
 
@@ -37,14 +39,14 @@ def test_a_to_b_equals_full_tensors_and_back_to_a_is_bitwise_identical(tmp_path,
     tensors, values = save_model(str(base / "a"), spec, a)
     # Tiny chunks, slabs and cache: every piece crosses several slab and chunk boundaries.
     small = dict(chunk_bytes=64, slab_bytes=96, cache_bytes=512, workers=3)
-    out = reshard(str(base / "a"), str(base / "b"), b, backend=middle, **small)
+    out = reshard(str(base / "a"), str(base / "b"), b, backend=middle, options=ReshardOptions(**small))
     assert out.bytes_written == sum(e.nbytes for e in tensors.values())
     rb = CheckpointReader(str(base / "b"))
     assert rb.index.layout == b.to_json() and rb.index.step == 11 and rb.index.train_state["consumed_samples"] == 352
     assert verify(rb) == []
     for name, full in values.items():
         assert torch.equal(rb.read_tensor(name), full), name
-    reshard(str(base / "b"), str(base / "c"), a, backend="safetensors", **small)
+    reshard(str(base / "b"), str(base / "c"), a, backend="safetensors", options=ReshardOptions(**small))
     before, after = _stored(str(base / "a")), _stored(str(base / "c"))
     assert before.keys() == after.keys()  # same files hold the same pieces
     for key, t in before.items():
@@ -68,7 +70,8 @@ def test_formats_and_storages_round_trip(tmp_path, storage_url):
     """safetensors (local) -> zarr on each storage -> safetensors (local): identical tensors, valid checkpoints."""
     spec = presets()["qwen3moe-tiny"]
     _, values = save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))
-    reshard(str(tmp_path / "a"), storage_url, Layout(tp=1, ep=4, dp=4), backend="zarr", workers=2)
+    reshard(str(tmp_path / "a"), storage_url, Layout(tp=1, ep=4, dp=4), backend="zarr",
+            options=ReshardOptions(workers=2))
     mid = CheckpointReader(storage_url)
     assert mid.index.backend == "zarr" and verify(mid) == []
     reshard(storage_url, str(tmp_path / "c"), Layout(tp=2, ep=1, dp=3), backend="safetensors")
@@ -130,7 +133,7 @@ def test_streaming_writer_to_object_store(tmp_path, dst_kind):
     spec = presets()["zaya-tiny"]
     _, values = save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))
     url = f"memory://reshard-tests/{next(_n)}/ckpt"
-    reshard(str(tmp_path / "a"), url, Layout(tp=1, ep=2, dp=4), slab_bytes=256)
+    reshard(str(tmp_path / "a"), url, Layout(tp=1, ep=2, dp=4), options=ReshardOptions(slab_bytes=256))
     reader = CheckpointReader(url)
     assert verify(reader) == []
     for name, full in values.items():
@@ -156,13 +159,13 @@ def test_corrupt_or_missing_source_fails_cleanly(tmp_path, moeckpt_cli):
 
 _RSS_SCRIPT = """
 import resource, sys
-from moeckpt.formats import zarr_backend  # imported before the baseline: zarr's own import is not the reshard
+from moeckpt.formats.backends import zarr  # imported before the baseline: zarr's own import is not the reshard
 from moeckpt.reshard import executor
 from moeckpt.reshard.layout import Layout
-executor.WRITE_BATCH_BYTES = 1 << 20
+from moeckpt.reshard.options import ReshardOptions
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-executor.reshard(sys.argv[1], sys.argv[2], Layout(), backend="zarr", workers=1,
-                 chunk_bytes=1 << 20, slab_bytes=1 << 20, cache_bytes=4 << 20)
+executor.reshard(sys.argv[1], sys.argv[2], Layout(), backend="zarr", options=ReshardOptions(
+    workers=1, chunk_bytes=1 << 20, slab_bytes=1 << 20, cache_bytes=4 << 20, write_batch_bytes=1 << 20))
 print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 

@@ -11,7 +11,9 @@ import torch
 from moeckpt.formats.checkpoint import CheckpointReader, verify
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError
 from moeckpt.reshard import executor, processes
-from moeckpt.reshard.executor import ChunkReader, reshard
+from moeckpt.reshard.chunks import ChunkReader
+from moeckpt.reshard.executor import reshard
+from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.processes import WorkerProcessError, balanced_groups, run_forked
 from moeckpt.trainer.models import presets
@@ -52,9 +54,9 @@ def test_processes_write_the_same_files_as_threads_and_report_progress(tmp_path,
     seen: list[int] = []
     # Small chunks and cache: every writer process crosses many chunk boundaries and evicts.
     small = dict(chunk_bytes=4096, slab_bytes=8192, cache_bytes=64 * 1024)
-    out = reshard(str(source), str(tmp_path / "p"), TARGET, workers=3, on_bytes=seen.append, **small)
+    out = reshard(str(source), str(tmp_path / "p"), TARGET, on_bytes=seen.append, options=ReshardOptions(workers=3, **small))
     assert forks == [3]  # 4 target writers over 3 processes
-    reshard(str(source), str(tmp_path / "t"), TARGET, workers=1, **small)  # one writer: threads
+    reshard(str(source), str(tmp_path / "t"), TARGET, options=ReshardOptions(workers=1, **small))  # one writer: threads
     assert forks == [3]
     assert sum(seen) == out.bytes_written == CheckpointReader(str(source)).index.nbytes
     assert verify(CheckpointReader(str(tmp_path / "p"))) == []
@@ -67,7 +69,7 @@ def test_processes_write_the_same_files_as_threads_and_report_progress(tmp_path,
 
 
 def test_zarr_targets_stay_in_threads(tmp_path, source, forks):
-    reshard(str(source), str(tmp_path / "z"), TARGET, backend="zarr", workers=3)
+    reshard(str(source), str(tmp_path / "z"), TARGET, backend="zarr", options=ReshardOptions(workers=3))
     assert forks == []  # zarr keeps an event-loop thread a forked child would inherit dead
     assert verify(CheckpointReader(str(tmp_path / "z"))) == []
 
@@ -77,7 +79,7 @@ def test_a_corrupt_source_block_fails_in_the_child_with_the_checksum_error(tmp_p
     ref = max(reader.pieces(), key=lambda p: p.nbytes)
     flip_byte(str(source), ref.file, ref.start + ref.nbytes // 2)
     with pytest.raises(ChecksumMismatchError, match=r"checksum mismatch in tensor .* the file is corrupt"):
-        reshard(str(source), str(tmp_path / "b"), TARGET, workers=2)
+        reshard(str(source), str(tmp_path / "b"), TARGET, options=ReshardOptions(workers=2))
     assert forks == [2]
     assert sorted(os.listdir(tmp_path)) == ["a"]  # neither the checkpoint nor its staging directory
 
@@ -92,7 +94,7 @@ def test_a_killed_writer_process_is_named_and_nothing_is_committed(tmp_path, sou
 
     monkeypatch.setattr(executor._Writers, "write", dies_on_writer_2)
     with pytest.raises(WorkerProcessError, match=r"writer process \d+ ended without a result \(killed by signal 9\)"):
-        reshard(str(source), str(tmp_path / "b"), TARGET, workers=4)
+        reshard(str(source), str(tmp_path / "b"), TARGET, options=ReshardOptions(workers=4))
     assert forks == [4]
     assert sorted(os.listdir(tmp_path)) == ["a"]
 
@@ -153,6 +155,7 @@ _RSS_SCRIPT = """
 import json, os, sys
 from moeckpt.reshard import executor
 from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.options import ReshardOptions
 
 def status(key):
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
@@ -169,8 +172,8 @@ def measured(self, rank_plan, chunks, count):  # runs in a writer process
     files_done.append(rank_plan.rank)
     return out
 executor._Writers.write = measured
-executor.reshard(sys.argv[1], sys.argv[2], Layout(tp=2, ep=2, dp=2), workers=2,
-                 chunk_bytes=1 << 20, slab_bytes=1 << 20, cache_bytes=4 << 20)
+executor.reshard(sys.argv[1], sys.argv[2], Layout(tp=2, ep=2, dp=2), options=ReshardOptions(
+    workers=2, chunk_bytes=1 << 20, slab_bytes=1 << 20, cache_bytes=4 << 20))
 """
 
 

@@ -23,7 +23,9 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index
 from moeckpt.formats.storage import Storage
 from moeckpt.reshard.layout import Layout
+from moeckpt.formats.roles import MOMENT_ROLES
 from moeckpt.reshard.executor import write_rows
+from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.tensors import logical_tensors
 
 from .hf_export import INDEX_FILE, hf_module
@@ -229,7 +231,7 @@ class HfImport:
         entry's dtype), zeros for the AdamW moments (an optimizer starting on these weights has zero moments)."""
         entry = self.index.tensors[name]
         shape = (r1 - r0,) + entry.shape[1:] if entry.shape else entry.shape
-        if entry.role in ("exp_avg", "exp_avg_sq"):
+        if entry.role in MOMENT_ROLES:
             return torch.zeros(shape, dtype=dtypes.to_torch(entry.dtype))
         return self._read(entry.param, r0, r1).to(dtypes.to_torch(entry.dtype))
 
@@ -243,10 +245,10 @@ class HfImport:
         **limits: int,
     ) -> Index:
         """Write and commit the checkpoint at ``dst``, streaming: memory is a few row chunks, not the model.
-        ``limits`` are the executor's ``chunk_bytes``, ``slab_bytes`` and ``cache_bytes``."""
+        ``limits`` are the other fields of :class:`~moeckpt.reshard.options.ReshardOptions` (``chunk_bytes``, ...)."""
         return write_rows(
-            dst, self.index, self.layout, self.read_rows, source_name=self.hf_dir.location, workers=workers,
-            overwrite=overwrite, on_bytes=on_bytes, **limits,
+            dst, self.index, self.layout, self.read_rows, source_name=self.hf_dir.location, overwrite=overwrite,
+            on_bytes=on_bytes, options=ReshardOptions(workers=workers, **limits),
         )
 
 

@@ -1,0 +1,236 @@
+"""The chunk cache: rows of stored source pieces, read in whole row chunks through a byte-bounded LRU cache.
+
+Both the offline run and a load read source pieces through a :class:`ChunkReader`. It reads through the source
+backend's :class:`~moeckpt.formats.backend.PieceReader` (row reads verified against the checksums; mapped rows
+offline, where the backend and storage can map), and never touches files itself.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator, Mapping, Sequence
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.backend import PieceReader
+from moeckpt.formats.box import Box
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.errors import CheckpointIndexError
+from moeckpt.formats.index import Index
+from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef, fetched_bytes
+
+from .options import OFFLINE_CACHE_BYTES, OFFLINE_CHUNK_BYTES
+from .planner import ReadItem, TargetPiece
+
+
+def chunk_rows(box: Box, dtype: str, chunk_bytes: int, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> int:
+    """Rows per read chunk of a stored piece of ``box``: about ``chunk_bytes``, aligned to checksum blocks of
+    ``block_bytes`` when rows divide them, so neighbouring chunks never read a block twice (``0``: no blocks).
+
+    The grid every reader of the piece shares: the chunk cache reads on it, and a collective load divides the
+    reads between ranks on it.
+    """
+    if not box.ndim or not box.shape[0]:
+        return 1
+    row = box.numel // box.shape[0] * dtypes.itemsize(dtype)
+    rows = max(1, chunk_bytes // max(1, row))
+    if block_bytes and row and (rows * row) % block_bytes and block_bytes % row == 0:
+        rows = max(block_bytes // row, rows - rows % (block_bytes // row))
+    return rows
+
+
+class ChunkReader:
+    """Rows of stored source pieces, read in whole row chunks through a byte-bounded LRU cache.
+
+    Several target boxes often need rows of the same stored piece (a TP split along dim 1 needs every row, a
+    column range of each); the cache lets them share one read. Concurrent requests for the same chunk wait for
+    the one read in flight. ``bytes_read`` counts the bytes fetched from storage, widened to checksum blocks.
+
+    ``source`` is a checkpoint (its backend's read session is opened here and closed by :meth:`close`) or a
+    read session (the caller closes it). With ``clip``, a chunk is read only where it overlaps the request (its rows, widened to checksum
+    blocks), for a reader whose requests rarely share chunks: one rank loading alone, whose ZeRO part of a piece
+    may be a small slice of a chunk. With ``map_files``, chunks are mapped rather than copied where the session can
+    map (offline only).
+    """
+
+    def __init__(
+        self,
+        source: CheckpointReader | PieceReader,
+        refs: Mapping[tuple[str, Box], PieceRef],
+        *,
+        chunk_bytes: int = OFFLINE_CHUNK_BYTES,
+        cache_bytes: int = OFFLINE_CACHE_BYTES,
+        read_threads: int = 0,
+        clip: bool = False,
+        map_files: bool = False,
+    ):
+        #: the read session; opened here (and closed by :meth:`close`) for a checkpoint, else the caller's.
+        self.pieces: PieceReader = source.open_reader() if isinstance(source, CheckpointReader) else source
+        self._owns_pieces = isinstance(source, CheckpointReader)
+        self.location = source.location
+        self.clip = clip
+        self.map_files = map_files
+        self.refs = refs
+        self.chunk_bytes = chunk_bytes
+        self.cache_bytes = cache_bytes
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._cached = 0
+        #: the most bytes the cache kept at once (checked after each read's evictions).
+        self.peak_cached = 0
+        #: ``read_threads`` threads that read ahead of the consumers (:meth:`prefetch`), or None.
+        self.pool: ThreadPoolExecutor | None = (
+            ThreadPoolExecutor(read_threads, thread_name_prefix="moeckpt-read") if read_threads else None
+        )
+
+    def close(self) -> None:
+        """Wait for the reads in flight, then close the read session (in that order: a read racing a close could
+        read a descriptor number the system has since given to another file)."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+        if self._owns_pieces:
+            self.pieces.close()
+
+    def __enter__(self) -> "ChunkReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def ref(self, tensor: str, box: Box) -> PieceRef:
+        try:
+            return self.refs[(tensor, box)]
+        except KeyError:
+            raise CheckpointIndexError(
+                f"{self.location}: no stored piece of {tensor!r} with box {box.to_json()}, which the index "
+                "implies; a data file is missing or does not match the index (run `moeckpt verify`)"
+            ) from None
+
+    def chunk_rows(self, ref: PieceRef) -> int:
+        """Rows per chunk of the stored piece ``ref`` (:func:`chunk_rows` on its own checksum blocks)."""
+        return chunk_rows(ref.box, ref.dtype, self.chunk_bytes, ref.block_bytes)
+
+    def rows(self, tensor: str, box: Box, r0: int, r1: int) -> torch.Tensor:
+        """Rows ``[r0, r1)`` (piece coordinates) of the stored piece ``(tensor, box)``."""
+        ref = self.ref(tensor, box)
+        if not box.ndim:
+            return self._chunk(ref, 0, 1)
+        per = self.chunk_rows(ref)
+        parts = []
+        last = (r1 - 1) // per
+        for c in range(r0 // per, last + 1):
+            lo, hi = self._span(c, per, box.shape[0], r0, r1)
+            if self.pool is not None and c < last:  # read the next chunk of this request while this one is used
+                self._start(ref, *self._span(c + 1, per, box.shape[0], r0, r1), background=True)
+            data = self._chunk(ref, lo, hi)
+            parts.append(data[max(r0, lo) - lo : min(r1, hi) - lo])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _span(self, c: int, per: int, n: int, r0: int, r1: int) -> tuple[int, int]:
+        """The rows chunk ``c`` reads for a request of rows ``[r0, r1)``: all of it, or with ``clip`` the overlap."""
+        lo, hi = c * per, min((c + 1) * per, n)
+        return (max(lo, r0), min(hi, r1)) if self.clip else (lo, hi)
+
+    def prefetch(self, reads: Sequence[ReadItem], budget: int) -> None:
+        """Start reading the first chunks ``reads`` will need, up to ``budget`` bytes: in the background pool, or
+        without one, by asking the storage to read them ahead (the kernel's read-ahead on local disk)."""
+        if self.pool is None:
+            self._advise(reads, budget)
+            return
+        for item in reads:
+            ref = self.ref(item.tensor, item.src_box)
+            if not ref.box.ndim or budget <= 0:
+                continue
+            per = self.chunk_rows(ref)
+            r0, r1 = item.rows
+            lo, hi = self._span(r0 // per, per, ref.box.shape[0], r0, r1)
+            self._start(ref, lo, hi, background=True)
+            budget -= (hi - lo) * (ref.nbytes // max(1, ref.box.shape[0]))
+
+    def read_ahead(self, ref: PieceRef, lo: int, hi: int) -> None:
+        """Start reading rows ``[lo, hi)`` of ``ref`` (one chunk) in the read-ahead pool; without one they are read
+        when asked for."""
+        if self.pool is not None:
+            self._start(ref, lo, hi, background=True)
+
+    def _advise(self, reads: Sequence[ReadItem], budget: int) -> None:
+        """Read-ahead hints over the first rows of ``reads``: the kernel reads them while this thread works, which
+        is what the read-ahead threads do for a reader that has them."""
+        for item in reads:
+            if budget <= 0:
+                return
+            ref = self.ref(item.tensor, item.src_box)
+            if not ref.box.ndim or not ref.nbytes:
+                continue
+            row = ref.nbytes // ref.box.shape[0]
+            r0, r1 = item.rows
+            n = min(r1 - r0, -(-budget // max(1, row)))
+            self.pieces.advise(ref, r0, r0 + n)
+            budget -= n * row
+
+    def _chunk(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
+        return self._start(ref, lo, hi, background=False).result()
+
+    def _start(self, ref: PieceRef, lo: int, hi: int, *, background: bool) -> Future:
+        """The future of the rows ``[lo, hi)`` of ``ref``: cached, in flight, or started now (inline, or in the
+        pool)."""
+        key = (ref.file, ref.start, ref.tensor, lo, hi)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._cache[key] = Future()
+        if background and self.pool is not None:
+            self.pool.submit(self._read_into, fut, key, ref, lo, hi)
+        else:
+            self._read_into(fut, key, ref, lo, hi)
+        return fut
+
+    def _read_into(self, fut: Future, key: tuple, ref: PieceRef, lo: int, hi: int) -> None:
+        try:
+            data = self.pieces.map_rows(ref, lo, hi) if self.map_files else None
+            if data is None:
+                data = self.pieces.read_rows(ref, lo, hi)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chunk, and raised there
+            with self._lock:
+                self._cache.pop(key, None)
+            fut.set_exception(e)
+            return
+        fut.set_result(data)
+        nbytes = data.numel() * data.element_size()
+        evicted = []  # freed after the lock is released: freeing a chunk unmaps it, a syscall every thread would wait on
+        with self._lock:
+            self.bytes_read += fetched_bytes(ref, lo, hi)
+            self._cached += nbytes
+            while self._cached > self.cache_bytes and len(self._cache) > 1:
+                old_key, old = next(iter(self._cache.items()))
+                if not old.done():
+                    break
+                del self._cache[old_key]
+                if old.exception() is None:
+                    t = old.result()
+                    self._cached -= t.numel() * t.element_size()
+                evicted.append(old)
+            self.peak_cached = max(self.peak_cached, self._cached)
+        del evicted
+
+
+def reads_started_ahead(
+    pieces: Sequence[TargetPiece], index: Index, chunks: ChunkReader, window: int
+) -> Iterator[tuple[int, TargetPiece]]:
+    """``(position, piece)`` of ``pieces`` in order; before each, the reads of the pieces within ``window`` bytes
+    ahead are started (:meth:`ChunkReader.prefetch`, each piece's once), so they are read while it is filled."""
+    sizes = [p.box.numel * dtypes.itemsize(index.tensors[p.tensor].dtype) for p in pieces]
+    ahead = started = done = 0  # pieces[:ahead], of `started` bytes, have had their reads started
+    for pos, piece in enumerate(pieces):
+        while ahead < len(pieces) and started - done < window:
+            chunks.prefetch(pieces[ahead].reads, sizes[ahead])
+            started += sizes[ahead]
+            ahead += 1
+        done += sizes[pos]
+        yield pos, piece

@@ -1,0 +1,86 @@
+"""Tuning of the resharder: the offline run (:class:`ReshardOptions`) and a load (:class:`LoadOptions`).
+
+Defaults are the settings measured best on the benchmark state (docs/benchmarks/README.md holds the figures):
+small chunks offline, where writers read rows of the same stored pieces and a chunk shared by two writers must
+not be read twice; large chunks at load time, where a box that is one whole chunk is kept without a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+MiB = 1024 * 1024
+
+#: offline: source pieces are read in row chunks of about this size (one checksum block, so that writers needing
+#: different rows of one stored piece rarely share a chunk, and no block is read twice).
+OFFLINE_CHUNK_BYTES = 4 * MiB
+#: offline: byte budget of the chunk cache shared by all writers.
+OFFLINE_CACHE_BYTES = 128 * MiB
+#: offline: target pieces are assembled and written in row slabs of about this size.
+SLAB_BYTES = 16 * MiB
+#: offline: a backend that stores pieces one by one (zarr) is handed a writer's pieces in batches of this size.
+WRITE_BATCH_BYTES = 64 * MiB
+#: a writer (or a rank loading alone) with read-ahead threads keeps the reads of its next pieces, up to about
+#: this many bytes, in flight.
+PREFETCH_BYTES = 16 * MiB
+#: a writer without read-ahead threads asks the kernel to read ahead the source rows of its next pieces, up to
+#: about this many bytes (they go to the page cache, not the process: a wider window).
+ADVISE_BYTES = 128 * MiB
+
+#: load: source pieces are read in row chunks of about this size.
+LOAD_CHUNK_BYTES = 64 * MiB
+#: load: byte budget of a loading rank's chunk cache (beyond the state it returns).
+LOAD_CACHE_BYTES = 256 * MiB
+#: load: threads reading ahead of a loading rank.
+LOAD_READ_THREADS = 2
+#: load, collective: ranks exchange at most about this many bytes per rank per round.
+ROUND_BYTES = 128 * MiB
+
+
+def _check_positive(obj: object) -> None:
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReshardOptions:
+    """How an offline reshard (:func:`~moeckpt.reshard.executor.reshard`, ``write_rows``) uses memory and cores."""
+
+    #: target files written in parallel (forked processes where backends and storages allow it, else threads).
+    workers: int = 4
+    #: source pieces are read in row chunks of about this many bytes.
+    chunk_bytes: int = OFFLINE_CHUNK_BYTES
+    #: target pieces are assembled and written in row slabs of about this many bytes.
+    slab_bytes: int = SLAB_BYTES
+    #: byte budget of the chunk cache (shared by threads, split between processes).
+    cache_bytes: int = OFFLINE_CACHE_BYTES
+    #: a backend storing pieces one by one gets a writer's pieces in batches of about this many bytes.
+    write_batch_bytes: int = WRITE_BATCH_BYTES
+    #: bytes of the next pieces' reads kept in flight by the read-ahead threads.
+    prefetch_bytes: int = PREFETCH_BYTES
+    #: bytes of the next pieces' rows the kernel is asked to read ahead, where there are no read-ahead threads.
+    advise_bytes: int = ADVISE_BYTES
+
+    def __post_init__(self) -> None:
+        _check_positive(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadOptions:
+    """How a load (:func:`~moeckpt.reshard.load.load_rank_state`) uses memory and threads on each rank."""
+
+    #: source pieces are read in row chunks of about this many bytes (a box that is one whole chunk is kept as is).
+    chunk_bytes: int = LOAD_CHUNK_BYTES
+    #: byte budget of the rank's chunk cache, beyond the state it returns.
+    cache_bytes: int = LOAD_CACHE_BYTES
+    #: collective loads exchange at most about this many bytes per rank per round.
+    round_bytes: int = ROUND_BYTES
+    #: threads reading ahead of the rank.
+    read_threads: int = LOAD_READ_THREADS
+    #: bytes of the next boxes' reads kept in flight by the read-ahead threads.
+    prefetch_bytes: int = PREFETCH_BYTES
+
+    def __post_init__(self) -> None:
+        _check_positive(self)

@@ -1,0 +1,42 @@
+"""The process settings a reshard or a load runs under: no cyclic collector pauses, one torch thread per worker."""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Keep the cyclic garbage collector off for the duration (restored afterwards).
+
+    Planning and reading a checkpoint allocate some 100,000 small objects (boxes, read items, tuples), which
+    trigger full collections, and each full collection walks every object of the process, torch's included: a
+    multi-rank load spent a fifth of its time in them (docs/benchmarks/README.md). The objects are freed by
+    reference counting; cycles made meanwhile are collected after.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextmanager
+def single_threaded_torch() -> Iterator[None]:
+    """Run torch ops on one intra-op thread each for the duration (restored afterwards).
+
+    The resharder parallelises over pieces with its own workers; letting every copy also fan out over torch's
+    thread pool oversubscribes the cores, and strided copies then crawl (docs/benchmarks/README.md).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

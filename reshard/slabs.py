@@ -1,0 +1,130 @@
+"""Slab assembly: target boxes filled from the reads of a plan, whole or in row slabs, or taken as read.
+
+A target box is filled from its :class:`~moeckpt.reshard.planner.ReadItem` values through a
+:class:`~moeckpt.reshard.chunks.ChunkReader`. Where a box is the full width of one stored piece, its rows are
+the source chunks themselves (a *direct read*), and no copy is made.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Sequence
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.box import Box
+from moeckpt.formats.errors import CheckpointIndexError
+
+from .chunks import ChunkReader
+from .options import SLAB_BYTES
+from .planner import ReadItem, TargetPiece
+
+
+def fill(out: torch.Tensor, out_box: Box, reads: Sequence[ReadItem], chunks: ChunkReader) -> int:
+    """Copy into ``out`` (holding ``out_box``) every part of ``reads`` that falls in it; returns elements copied."""
+    copied = 0
+    for item in reads:
+        sub = item.region.intersect(out_box) if out_box.ndim else item.region
+        if sub is None:
+            continue
+        rel = sub.relative_to(item.src_box)
+        if out_box.ndim:
+            r0 = rel.offsets[0]
+            data = chunks.rows(item.tensor, item.src_box, r0, r0 + rel.shape[0])
+            out[sub.relative_to(out_box).slices()] = data[(slice(None),) + rel.slices()[1:]]
+        else:
+            out.copy_(chunks.rows(item.tensor, item.src_box, 0, 1))
+        copied += sub.numel
+    return copied
+
+
+def direct_read(piece: TargetPiece) -> ReadItem | None:
+    """The single read that is the whole piece at the full width of its stored piece, if there is one."""
+    if len(piece.reads) != 1 or not piece.box.ndim:
+        return None
+    r = piece.reads[0]
+    src, box = r.src_box, piece.box
+    if r.region != box or src.offsets[1:] != box.offsets[1:] or src.shape[1:] != box.shape[1:]:
+        return None
+    return r
+
+
+def slabs(
+    piece: TargetPiece, dtype: str, chunks: ChunkReader, slab_bytes: int = SLAB_BYTES, *, reuse: bool = False
+) -> Iterator[torch.Tensor]:
+    """A target piece in row slabs of about ``slab_bytes``, each filled from its reads.
+
+    When the piece is a full-width row range of one stored piece, the slabs are the source chunks themselves (no
+    copy). With ``reuse``, other slabs share one per-thread buffer: the caller must consume each slab before
+    asking for the next (a streaming writer does), which spares a fresh allocation and its page faults per slab.
+    """
+    box = piece.box
+    torch_dtype = dtypes.to_torch(dtype)
+    if not box.ndim or box.is_empty():
+        out = torch.empty(box.shape, dtype=torch_dtype)
+        if not box.is_empty():
+            fill(out, box, piece.reads, chunks)
+        yield out
+        return
+    direct = direct_read(piece)
+    if direct is not None:
+        src = direct.src_box
+        per = chunks.chunk_rows(chunks.ref(direct.tensor, src))
+        r0, r1 = direct.rows
+        lo = r0
+        while lo < r1:
+            hi = min(r1, (lo // per + 1) * per)  # stay inside one source chunk: a view, not a concatenation
+            yield chunks.rows(direct.tensor, src, lo, hi)
+            lo = hi
+        return
+    row = box.numel // box.shape[0] * dtypes.itemsize(dtype)
+    per = max(1, slab_bytes // max(1, row))
+    for lo in range(0, box.shape[0], per):
+        n = min(per, box.shape[0] - lo)
+        sbox = Box((box.offsets[0] + lo,) + box.offsets[1:], (n,) + box.shape[1:])
+        if reuse:
+            out = _buffer(sbox.numel * dtypes.itemsize(dtype)).view(torch_dtype).reshape(sbox.shape)
+        else:
+            out = torch.empty(sbox.shape, dtype=torch_dtype)
+        if fill(out, sbox, piece.reads, chunks) != sbox.numel:
+            raise CheckpointIndexError(f"tensor {piece.tensor!r}: reads do not fill box {sbox.to_json()}")
+        yield out
+
+
+def whole_chunk(piece: TargetPiece, chunks: ChunkReader) -> torch.Tensor | None:
+    """The read buffer itself when a box is exactly one whole read chunk of a stored piece (no copy), else None."""
+    r = direct_read(piece)
+    if r is None:
+        return None
+    r0, r1 = r.rows
+    src = r.src_box
+    per = chunks.chunk_rows(chunks.ref(r.tensor, src))
+    if chunks.clip:
+        if r0 // per != (r1 - 1) // per:
+            return None  # several chunks: they are joined into a new tensor anyway
+        return chunks.rows(r.tensor, src, r0, r1)  # a clipped chunk holds exactly these rows
+    if r0 % per or (r1 != src.shape[0] and r1 - r0 != per) or r1 - r0 > per:
+        return None  # a part of a chunk: a view would pin the rest of it in memory
+    return chunks.rows(r.tensor, src, r0, r1)
+
+
+def assemble(piece: TargetPiece, dtype: str, chunks: ChunkReader) -> torch.Tensor:
+    """The whole target box of ``piece``: the read chunk itself where it is one (:func:`whole_chunk`), else a new
+    tensor filled from its reads."""
+    out = whole_chunk(piece, chunks)
+    if out is None:
+        out = torch.empty(piece.box.shape, dtype=dtypes.to_torch(dtype))
+        fill(out, piece.box, piece.reads, chunks)
+    return out
+
+
+_local = threading.local()
+
+
+def _buffer(nbytes: int) -> torch.Tensor:
+    """A per-thread byte buffer of at least ``nbytes``, reused across slabs."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _local.buf = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    return buf[:nbytes]
