@@ -12,12 +12,10 @@ from typing import Sequence
 
 from moeckpt.formats.box import Box
 from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.roles import ZERO_ROLES
 
 from .layout import Layout
 from .rules import ShardingRule, check_rule, tp_ranges
-
-#: roles whose tensors ZeRO-1 splits across the (expert-)data-parallel group.
-ZERO_ROLES = frozenset({"master", "exp_avg", "exp_avg_sq"})
 
 
 def rule_of(entry: TensorEntry) -> ShardingRule:
@@ -101,8 +99,7 @@ def _rank_boxes(entry: TensorEntry, layout: Layout, rank: int) -> list[Box]:
             parts, part = layout.edp, c.edp_rank
         else:
             parts, part = layout.dp, c.dp_rank
-        concat = rule.tp.dim if rule.tp is not None else None
-        boxes = zero_part(boxes, concat, parts, part)
+        boxes = zero_part(boxes, rule.concat_dim, parts, part)
     return [b for b in boxes if not b.is_empty()]
 
 
@@ -186,7 +183,7 @@ def _compute_geometry(entry: TensorEntry, layout: Layout) -> Geometry:
     tp_split = rule.tp is not None and tp > 1
     experts = rule.expert_dim is not None
     zero = entry.role in ZERO_ROLES
-    concat = rule.tp.dim if rule.tp is not None else None
+    concat = rule.concat_dim
     # (offsets, shape) -> (tp ranks holding it, dp ranks holding it), both sorted; plain tuples hash and sort in C.
     found: dict[tuple, tuple[Sequence[int], Sequence[int]]] = {}
     for tp_rank in range(tp) if tp_split else (0,):
@@ -209,19 +206,11 @@ def _compute_geometry(entry: TensorEntry, layout: Layout) -> Geometry:
                     found[b] = (tps, dps)
     # Sorting (offsets, shape) tuples gives the same order as sorting Boxes (dataclass order compares fields).
     keys = sorted(found)
-    return Geometry(tuple(_box(*k) for k in keys), tuple(found[k] for k in keys), tp)
+    return Geometry(tuple(Box.trusted(*k) for k in keys), tuple(found[k] for k in keys), tp)
 
 
 _new = object.__new__
 _set = object.__setattr__
-
-
-def _box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> Box:
-    """A Box without re-validating: callers build it from an already valid box (hot loop at 1,024 ranks)."""
-    b = _new(Box)
-    _set(b, "offsets", offsets)
-    _set(b, "shape", shape)
-    return b
 
 
 def _placement(box: Box, writer: int) -> "Placement":

@@ -50,6 +50,12 @@ class ShardingRule:
     tp: TpSplit | None = None
     expert_dim: int | None = None
 
+    @property
+    def concat_dim(self) -> int | None:
+        """The dimension along which a rank's boxes concatenate into its local tensor (the TP dim), or ``None``
+        when TP does not split the tensor (a rank then holds one box of it)."""
+        return self.tp.dim if self.tp is not None else None
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if self.tp is not None:

@@ -6,13 +6,11 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.roles import MASTER, MOMENT_ROLES, PARAM
 
 from .layout import Layout
 from .placement import check_tensor
 from .rules import ShardingRule
-
-#: optimizer roles a ZeRO-1 AdamW keeps per parameter (``master`` only when parameters are not fp32).
-OPTIMIZER_ROLES = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,18 +29,18 @@ class ParamSpec:
 
 def tensor_name(param: str, role: str) -> str:
     """The layout-independent name of a logical tensor: the parameter name, prefixed by the role if not a param."""
-    return param if role == "param" else f"{role}/{param}"
+    return param if role == PARAM else f"{role}/{param}"
 
 
 def logical_tensors(
     params: Iterable[ParamSpec], *, param_dtype: str = "float32", with_optimizer: bool = False
 ) -> dict[str, TensorEntry]:
     """Every logical tensor of a checkpoint of these parameters."""
-    roles = ["param"]
+    roles = [PARAM]
     if with_optimizer:
         if param_dtype != "float32":
-            roles.append("master")
-        roles.extend(OPTIMIZER_ROLES)
+            roles.append(MASTER)  # an fp32 parameter is its own master copy
+        roles.extend(MOMENT_ROLES)
     out: dict[str, TensorEntry] = {}
     for p in params:
         for role in roles:
@@ -50,7 +48,7 @@ def logical_tensors(
             out[name] = TensorEntry(
                 name=name,
                 shape=tuple(p.shape),
-                dtype=param_dtype if role == "param" else "float32",
+                dtype=param_dtype if role == PARAM else "float32",
                 role=role,
                 param=p.name,
                 sharding=p.rule.to_json(),
@@ -61,5 +59,5 @@ def logical_tensors(
 def check_layout(tensors: dict[str, TensorEntry], layout: Layout) -> None:
     """Raise :class:`~moeckpt.formats.errors.LayoutError` naming the first tensor the layout cannot split."""
     for entry in tensors.values():
-        if entry.role == "param":
+        if entry.role == PARAM:
             check_tensor(entry, layout)

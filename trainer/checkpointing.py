@@ -26,8 +26,8 @@ from moeckpt.formats.pieces import Piece
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
 from moeckpt.formats.storage import Storage, join
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.local import concat_dim, local_shape
-from moeckpt.reshard.placement import placements, rank_boxes
+from moeckpt.reshard.local import local_shape, local_views
+from moeckpt.reshard.placement import placements
 
 from moeckpt.reshard import collectives
 from .faults import FaultInjector
@@ -91,11 +91,7 @@ class CheckpointManager:
         self._plan: dict[str, tuple[tuple[int, ...], list[tuple[Box, int, int, int]]]] = {}
         for name, e in tensors.items():
             wanted = {p.box for p in placements(e, layout) if p.writer == self.rank}
-            dim, start, views = concat_dim(e), 0, []
-            for box in rank_boxes(e, layout, self.rank):
-                if box in wanted:
-                    views.append((box, dim, start, box.shape[dim] if box.ndim else 0))
-                start += box.shape[dim] if box.ndim else 0
+            views = [v for v in local_views(e, layout, self.rank) if v[0] in wanted]
             self._plan[name] = (local_shape(e, layout, self.rank), views)
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
         self._inflight: _InFlight | None = None

@@ -37,6 +37,8 @@ import torch.distributed as dist
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import LayoutError
 from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.roles import MASTER, MOMENT_ROLES, PARAM
+from moeckpt.reshard.local import joined_shape, slices_in_local
 from moeckpt.reshard.placement import model_parallel_boxes, rank_boxes
 from moeckpt.reshard.tensors import ParamSpec, tensor_name
 
@@ -136,40 +138,16 @@ class _Bucket:
 
 def _local_layout(spec: ParamSpec, groups: ParallelGroups) -> tuple[TensorEntry, list[Box], int | None]:
     entry = TensorEntry(
-        name=tensor_name(spec.name, "master"),
+        name=tensor_name(spec.name, MASTER),
         shape=tuple(spec.shape),
         dtype="float32",
-        role="master",
+        role=MASTER,
         param=spec.name,
         sharding=spec.rule.to_json(),
     )
     c = groups.coords
     mp = model_parallel_boxes(entry, groups.layout, c.tp_rank, c.ep_rank)
-    concat = spec.rule.tp.dim if spec.rule.tp is not None else None
-    return entry, mp, concat
-
-
-def _local_shape(mp: list[Box], concat: int | None) -> tuple[int, ...]:
-    shape = list(mp[0].shape)
-    if concat is not None:
-        shape[concat] = sum(b.shape[concat] for b in mp)
-    return tuple(shape)
-
-
-def _box_slices(z: Box, mp: list[Box], concat: int | None, lo: int) -> tuple[slice, ...]:
-    """Where ZeRO box ``z`` sits in the owned part (rows ``lo..`` of the local tensor made of boxes ``mp``)."""
-    start = 0
-    for m in mp:
-        if m.contains(z):
-            rel = list(z.relative_to(m).offsets)
-            if concat is not None:
-                rel[concat] += start
-            if rel:
-                rel[0] -= lo
-            return tuple(slice(o, o + s) for o, s in zip(rel, z.shape))
-        if concat is not None:
-            start += m.shape[concat]
-    raise LayoutError(f"ZeRO box {z.to_json()} lies in no model-parallel box of this rank; this is a bug")
+    return entry, mp, spec.rule.concat_dim
 
 
 class ZeroAdamW:
@@ -210,7 +188,7 @@ class ZeroAdamW:
     @staticmethod
     def _describe(name: str, tensor: torch.Tensor, spec: ParamSpec, groups: ParallelGroups) -> _Param:
         entry, mp, concat = _local_layout(spec, groups)
-        want = _local_shape(mp, concat)
+        want = joined_shape(mp, concat)
         if tuple(tensor.shape) != want:
             raise LayoutError(
                 f"parameter {name!r}: local shape {list(tensor.shape)} does not match {list(want)}, what its rule "
@@ -240,11 +218,11 @@ class ZeroAdamW:
             part_shape=part_shape,
         )
         rank = groups.coords.rank
-        p.boxes = [(z, _box_slices(z, mp, concat, lo)) for z in rank_boxes(entry, groups.layout, rank)]
+        p.boxes = [(z, slices_in_local(z, mp, concat, lo)) for z in rank_boxes(entry, groups.layout, rank)]
         param_entry = TensorEntry(
-            name=spec.name, shape=entry.shape, dtype="float32", role="param", param=spec.name, sharding=entry.sharding
+            name=spec.name, shape=entry.shape, dtype="float32", role=PARAM, param=spec.name, sharding=entry.sharding
         )
-        p.param_boxes = [(b, _box_slices(b, mp, concat, 0)) for b in rank_boxes(param_entry, groups.layout, rank)]
+        p.param_boxes = [(b, slices_in_local(b, mp, concat)) for b in rank_boxes(param_entry, groups.layout, rank)]
         return p
 
     def _make_buckets(self) -> list[_Bucket]:
@@ -400,8 +378,8 @@ class ZeroAdamW:
     def roles(self, name: str) -> tuple[str, ...]:
         """The optimizer roles stored for parameter ``name``: ``master`` only when it is not fp32."""
         p = self._params[name]
-        extra = ("master",) if p.tensor.dtype != torch.float32 else ()
-        return extra + ("exp_avg", "exp_avg_sq")
+        extra = (MASTER,) if p.tensor.dtype != torch.float32 else ()
+        return extra + MOMENT_ROLES
 
     def pieces(self) -> list[StatePiece]:
         """Every box of ``master`` (non-fp32 parameters), ``exp_avg`` and ``exp_avg_sq`` this rank holds.
@@ -425,7 +403,7 @@ class ZeroAdamW:
         out = []
         for p in self._params.values():
             local = p.tensor.detach()
-            out.extend(StatePiece(p.name, "param", box, local[sl]) for box, sl in p.param_boxes)
+            out.extend(StatePiece(p.name, PARAM, box, local[sl]) for box, sl in p.param_boxes)
         return out
 
     def piece_map(self) -> dict[str, list[StatePiece]]:

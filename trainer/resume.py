@@ -16,6 +16,7 @@ import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError
+from moeckpt.formats.roles import MASTER, TRAINING_ROLES
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, exchange_pays, load_rank_state
 
@@ -28,8 +29,6 @@ __all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "exchanges", 
 DAMAGED_CHECKPOINT_ERRORS = (ChecksumMismatchError, DataFileError)
 
 
-#: the roles a training run restores: parameters, fp32 masters and the AdamW moments.
-_ROLES = ("param", "master", "exp_avg", "exp_avg_sq")
 
 
 class ResumeError(MoeckptError, ValueError):
@@ -114,9 +113,9 @@ def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None
     if missing:
         raise ResumeError(f"{location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
     state_pieces = optimizer.pieces()
-    loaded = load_pieces(reader, params + state_pieces, layout, rank, roles=_ROLES, group=group, stats=stats,
+    loaded = load_pieces(reader, params + state_pieces, layout, rank, roles=TRAINING_ROLES, group=group, stats=stats,
                          exchange=exchange)
-    masters = {p.name for p in state_pieces if p.role == "master"}
+    masters = {p.name for p in state_pieces if p.role == MASTER}
     if masters and masters <= loaded:
         optimizer.load_params_from_master()
     else:
