@@ -186,8 +186,9 @@ OFFLINE_CHILD = """
 import gc, json, sys, time
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.options import ReshardOptions
 gc.collect(); gc.freeze()  # as the moeckpt command does after its imports (cli/main.py)
-r = reshard(sys.argv[1], sys.argv[2], Layout(**json.loads(sys.argv[3])), workers=int(sys.argv[4]))
+r = reshard(sys.argv[1], sys.argv[2], Layout(**json.loads(sys.argv[3])), options=ReshardOptions(workers=int(sys.argv[4])))
 # VmHWM, not getrusage: ru_maxrss would include the parent's pages between fork and exec.
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 # The largest writer process (forked, so its figure includes pages it shares with this one).

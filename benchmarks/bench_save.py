@@ -49,7 +49,8 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index, TensorEntry
 from moeckpt.formats.pieces import Piece
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.placement import pieces_written_by, rank_boxes, rule_of
+from moeckpt.reshard.local import concat_dim
+from moeckpt.reshard.placement import pieces_written_by, rank_boxes
 from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.models import ModelSpec, presets
 
@@ -77,12 +78,6 @@ def state_tensors(model: ModelSpec) -> dict[str, TensorEntry]:
 
 def state_bytes(model: ModelSpec) -> int:
     return sum(e.nbytes for e in state_tensors(model).values())
-
-
-def concat_dim(entry: TensorEntry) -> int:
-    """The dimension along which a rank's local tensor concatenates its boxes (the TP dim)."""
-    rule = rule_of(entry)
-    return rule.tp.dim if rule.tp is not None else 0
 
 
 def local_state(tensors: dict[str, TensorEntry], layout: Layout, rank: int, seed: int):

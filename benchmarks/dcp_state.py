@@ -10,8 +10,9 @@ import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.roles import ZERO_ROLES
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.placement import ZERO_ROLES, rule_of
+from moeckpt.reshard.placement import rule_of
 
 
 def dcp_state(tensors: dict[str, TensorEntry], layout: Layout, generator: torch.Generator | None):
