@@ -8,13 +8,17 @@ import sys
 
 import pytest
 
+from moeckpt.formats.backend import backend_names
+
+from . import raw_backend  # noqa: F401  (registers the tests' third format, "raw")
 from .s3_fixtures import moto_endpoint, s3_url  # noqa: F401  (fixtures: S3 via moto's server mode)
 
 _counter = itertools.count()
 
 #: storages of the shared suite; S3 is added by the S3 fixture module when moto is installed.
 STORAGES = ["local", "memory", "s3"]
-BACKENDS = ["safetensors", "zarr"]
+#: every registered format: the built-ins and the tests' own "raw".
+BACKENDS = list(backend_names())
 
 
 @pytest.fixture(params=STORAGES)

@@ -8,7 +8,7 @@ becomes a :class:`~moeckpt.formats.errors.StorageError` at once, with one line t
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, BinaryIO, Callable, Iterator, Sequence, TypeVar
 
 from ..commit import CommitStrategy, IndexLast
@@ -171,14 +171,24 @@ class FsspecStorage(Storage):
     # -- writing ---------------------------------------------------------------------------------------
     @contextmanager
     def open_write(self, relpath: str) -> Iterator[BinaryIO]:
-        """A write-once stream (not seekable); the object appears when the stream is closed."""
+        """A write-once stream (not seekable); the object appears when the stream is closed. If the body raises,
+        what it wrote is removed again (an fsspec file writes itself out when closed, error or not)."""
+        failed = False
         try:
             with self.fs.open(self._fspath(relpath), "wb") as f:
-                yield f
+                try:
+                    yield f
+                except BaseException:
+                    failed = True
+                    raise
         except (StorageError, KeyboardInterrupt):
             raise
         except Exception as e:  # noqa: BLE001
             raise storage_error(e, "writing", self.path(relpath)) from e
+        finally:
+            if failed:
+                with suppress(Exception):  # the body's error is the one to report
+                    self.fs.rm(self._fspath(relpath))
 
     def write_parts(self, relpath: str, parts: Sequence[bytes | bytearray | memoryview], *, fsync: bool = True) -> None:
         """An object of up to :data:`JOIN_LIMIT_BYTES` is uploaded from one buffer in one request, retried as a
