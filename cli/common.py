@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
+import signal
 import sys
-from typing import Callable
+import threading
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import click
 
 from moeckpt.formats.backend import backend_names
 from moeckpt.formats.errors import MoeckptError
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread so that saves in progress clean up (abort their S3 uploads) on the way
+    out; not a KeyboardInterrupt, which click would report as an abort."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
+@contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises in the main thread for the duration, so a command writing a checkpoint unwinds like on Ctrl-C:
+    its uploads in flight are aborted and its staging data removed (the default action would kill it on the spot,
+    leaving incomplete S3 multipart uploads billed). Commands that launch processes keep their own handling."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_main(group: click.Group) -> None:
@@ -29,6 +56,9 @@ def run_main(group: click.Group) -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except _Terminated:
+        click.echo("terminated", err=True)
+        sys.exit(128 + signal.SIGTERM)
     sys.exit(0)
 
 

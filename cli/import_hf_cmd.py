@@ -7,7 +7,7 @@ import click
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.hf_import import HfImport
 
-from .common import format_option, layout_options, progress
+from .common import format_option, layout_options, progress, sigterm_unwinds
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -26,7 +26,7 @@ def command(hf_dir, dst, tp, ep, dp, fmt, dtype, overwrite, workers) -> None:
     (tp, ep, dp), with fresh optimizer state, ready for `moeckpt train` to fine-tune."""
     layout = Layout(tp=tp, ep=ep, dp=dp)
     job = HfImport(hf_dir, layout=layout, backend=fmt, dtype=DTYPES[dtype])
-    with progress(job.index.nbytes, "import-hf") as bar:
+    with sigterm_unwinds(), progress(job.index.nbytes, "import-hf") as bar:
         index = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=bar.update)
     arch = index.model["arch"]
     click.echo(f"wrote {dst}: {arch}, {layout}, {len(index.tensors)} tensors, {index.nbytes / 1e6:.2f} MB ({fmt})")

@@ -10,7 +10,7 @@ from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.init_values import initial_value
 from moeckpt.trainer.models import resolve_model
 
-from .common import format_option, layout_options
+from .common import format_option, layout_options, sigterm_unwinds
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -38,17 +38,18 @@ def command(out, model_name, tp, ep, dp, fmt, with_optimizer, seed, dtype, overw
     init_of = {p.name: p.init for p in params}
     tensors = logical_tensors(params, param_dtype=DTYPES[dtype], with_optimizer=with_optimizer)
     std = getattr(spec.config, "initializer_range", 0.02)
-    index = save_full_tensors(
-        out,
-        tensors=tensors,
-        layout=layout,
-        values=lambda e: initial_value(e, seed=seed, init=init_of[e.param], std=std),
-        model=spec.to_json(),
-        backend=fmt,
-        train_state={"step": 0, "seed": seed},
-        overwrite=overwrite,
-        workers=workers,
-    )
+    with sigterm_unwinds():
+        index = save_full_tensors(
+            out,
+            tensors=tensors,
+            layout=layout,
+            values=lambda e: initial_value(e, seed=seed, init=init_of[e.param], std=std),
+            model=spec.to_json(),
+            backend=fmt,
+            train_state={"step": 0, "seed": seed},
+            overwrite=overwrite,
+            workers=workers,
+        )
     click.echo(
         f"wrote {out}: {spec.arch} ({model_name}), {layout}, {len(index.tensors)} tensors, "
         f"{len(index.files)} files, {index.nbytes / 1e6:.2f} MB ({fmt})"

@@ -11,7 +11,7 @@ from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.tensors import check_layout
 from moeckpt.trainer.models import ModelSpec
 
-from .common import FormatChoice, layout_options, progress
+from .common import FormatChoice, layout_options, progress, sigterm_unwinds
 
 
 @click.command("reshard")
@@ -41,7 +41,7 @@ def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     # The model's own constraints (heads, vocabulary) first, then the stored rules of every tensor.
     ModelSpec.from_json(index.model).check_layout(tp, ep)
     check_layout(index.tensors, layout)
-    with progress(index.nbytes, f"reshard -> {layout}") as bar:
+    with sigterm_unwinds(), progress(index.nbytes, f"reshard -> {layout}") as bar:
         result = reshard(src, dst, layout, backend=fmt, overwrite=overwrite, on_bytes=bar.update,
                          options=ReshardOptions(workers=workers))
     gb = result.bytes_written / 1e9

@@ -99,7 +99,8 @@ def run_forked(
 def _child(group: Sequence[T], job: Callable, fd: int) -> None:
     code = 0
     try:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent handles Ctrl-C; a child just stops
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent handles Ctrl-C and SIGTERM; a child just stops
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         gc.freeze()  # the inherited objects are never collected here: collections would copy their pages
         out = os.fdopen(fd, "w", buffering=1)
         pending = [0]

@@ -54,6 +54,11 @@ def s3_part_bytes(size: int) -> int:
     return max(S3_PART_BYTES, -(-size // _S3_MAX_PARTS))
 
 
+def _age(now: datetime.datetime, when: object) -> float:
+    """Seconds from ``when`` (a timestamp S3 returned) to ``now``; infinite when S3 gave none."""
+    return (now - when).total_seconds() if isinstance(when, datetime.datetime) else float("inf")
+
+
 class UploadCancelledError(Exception):
     """An upload below a location whose save was interrupted (raised inside s3fs, which then aborts it)."""
 
@@ -229,28 +234,35 @@ class S3Storage(FsspecStorage):
             tracker.cancelled = {p for p in tracker.cancelled if not (p == prefix or p.startswith(prefix + "/"))}
 
     def stale_uploads(self, older_than_s: float) -> list[S3Upload]:
-        """Incomplete multipart uploads below this location started more than ``older_than_s`` seconds ago."""
+        """Incomplete multipart uploads below this location with no activity (start, or a part uploaded) for more
+        than ``older_than_s`` seconds: an upload still receiving parts belongs to a save in flight."""
         prefix = self._fspath().rstrip("/")
         bucket, _, key_prefix = prefix.partition("/")
         now = datetime.datetime.now(datetime.timezone.utc)
         out: list[S3Upload] = []
-        marker: dict[str, str] = {}
+        for u in self._list("list_multipart_uploads", "Uploads", Bucket=bucket, Prefix=key_prefix + "/" if key_prefix else ""):
+            age = _age(now, u.get("Initiated"))
+            if age < older_than_s:
+                continue
+            for part in self._list("list_parts", "Parts", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]):
+                age = min(age, _age(now, part.get("LastModified")))
+            if age >= older_than_s:
+                rel = u["Key"][len(key_prefix) + 1 :] if key_prefix else u["Key"]
+                out.append(S3Upload(rel, age, bucket, u["Key"], u["UploadId"]))
+        return out
+
+    def _list(self, method: str, field: str, **kwargs: Any) -> Iterator[dict]:
+        """The items of a paginated S3 listing (``list_multipart_uploads`` or ``list_parts``)."""
+        markers: dict[str, Any] = {}
         while True:
-            page = self._remote(
-                lambda: self.fs.call_s3(
-                    "list_multipart_uploads", Bucket=bucket, Prefix=key_prefix + "/" if key_prefix else "", **marker
-                ),
-                "listing multipart uploads",
-            )
-            for u in page.get("Uploads", []) or []:
-                started = u.get("Initiated")
-                age = (now - started).total_seconds() if isinstance(started, datetime.datetime) else float("inf")
-                if age >= older_than_s:
-                    rel = u["Key"][len(key_prefix) + 1 :] if key_prefix else u["Key"]
-                    out.append(S3Upload(rel, age, bucket, u["Key"], u["UploadId"]))
+            page = self._remote(lambda: self.fs.call_s3(method, **kwargs, **markers), f"calling {method}")
+            yield from page.get(field, []) or []
             if not page.get("IsTruncated"):
-                return out
-            marker = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+                return
+            if method == "list_parts":
+                markers = {"PartNumberMarker": page.get("NextPartNumberMarker", 0)}
+            else:
+                markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
 
     def abort_upload(self, upload: Any) -> None:
         if not isinstance(upload, S3Upload):
