@@ -8,9 +8,10 @@ index; ``moeckpt gc`` removes such leftovers.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -46,6 +47,8 @@ __all__ = [
 ]
 
 STEP_PREFIX = "step-"
+
+log = logging.getLogger(__name__)
 
 
 def step_dir_name(step: int) -> str:
@@ -84,6 +87,7 @@ def commit(location: str, index: Index) -> None:
     """Write the index last and make the checkpoint visible (on local disk an atomic directory rename)."""
     final = open_storage(location)
     final.commit_strategy.commit(final, index.dumps())
+    log.info("committed %s (step %d, %s, %d files)", final.location, index.step, index.backend, len(index.files))
 
 
 def discard(location: str) -> None:
@@ -91,6 +95,7 @@ def discard(location: str) -> None:
     has in flight (object stores, whose written objects ``gc`` removes)."""
     final = open_storage(location)
     final.commit_strategy.discard(final)
+    log.info("discarded the failed save to %s", final.location)
 
 
 def quarantine(location: str) -> str:
@@ -103,13 +108,15 @@ def quarantine(location: str) -> str:
     replaces.
     """
     final = open_storage(location)
-    return final.commit_strategy.quarantine(final)
+    moved = final.commit_strategy.quarantine(final)
+    log.warning("quarantined the damaged checkpoint %s (now %s)", final.location, moved)
+    return moved
 
 
 def save_pieces(
     location: str,
     index: Index,
-    pieces_by_writer: dict[int, Sequence[Piece]],
+    pieces_by_writer: Mapping[int, Sequence[Piece]],
     *,
     overwrite: bool = False,
     workers: int = 4,
@@ -285,8 +292,10 @@ def verify(reader: CheckpointReader, on_piece: Callable[[PieceRef], None] | None
             cover.append(f"{reader.location}: tensor {name!r}: {problem}")
     if cover and unreadable:
         # Every tensor with a piece in an unreadable file is incomplete: one line, not one per tensor.
-        cover = [f"{reader.location}: {len(cover)} tensor(s) incomplete because of the unreadable file(s) above, "
-                 f"e.g. {cover[0].split(': ', 1)[1]}"]
+        cover = [
+            f"{reader.location}: {len(cover)} tensor(s) incomplete because of the unreadable file(s) above, "
+            f"e.g. {cover[0].split(': ', 1)[1]}"
+        ]
     return problems + cover
 
 

@@ -13,9 +13,9 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -76,13 +76,30 @@ def reshard(
         source = _Source(reader.open_reader(), reader.pieces())
         try:
             new_index, plan, bytes_read = _convert(
-                source, index, dst, target, backend=backend or index.backend, overwrite=overwrite, on_bytes=on_bytes,
+                source,
+                index,
+                dst,
+                target,
+                backend=backend or index.backend,
+                overwrite=overwrite,
+                on_bytes=on_bytes,
                 options=options or ReshardOptions(),
             )
         finally:
             source.pieces.close()
     # The writers checked that every byte of the state was written exactly once (_Writers._check).
-    return ReshardResult(new_index, plan, bytes_read, index.nbytes, time.perf_counter() - started)
+    result = ReshardResult(new_index, plan, bytes_read, index.nbytes, time.perf_counter() - started)
+    log.info(
+        "resharded %s to %s (%s, %s): %d bytes read, %d written in %.2f s",
+        reader.location,
+        dst,
+        target,
+        new_index.backend,
+        bytes_read,
+        index.nbytes,
+        result.seconds,
+    )
+    return result
 
 
 def _refuse_overlap(src: str, dst: str) -> None:
@@ -152,7 +169,13 @@ def write_rows(
         refs.append(PieceRef(name, box, entry.dtype, source_name, 0, nbytes, (), block_bytes=0))
     source = _Source(_RowFunctionReader(read_rows, source_name), refs)
     new_index, _plan, _read = _convert(
-        source, index, dst, target, backend=index.backend, overwrite=overwrite, on_bytes=on_bytes,
+        source,
+        index,
+        dst,
+        target,
+        backend=index.backend,
+        overwrite=overwrite,
+        on_bytes=on_bytes,
         options=options or ReshardOptions(),
     )
     return new_index
@@ -187,7 +210,11 @@ def _convert(
 
     def open_chunks(read_threads: int, cache: int) -> ChunkReader:
         return ChunkReader(
-            source.pieces, by_key, chunk_bytes=options.chunk_bytes, cache_bytes=cache, read_threads=read_threads,
+            source.pieces,
+            by_key,
+            chunk_bytes=options.chunk_bytes,
+            cache_bytes=cache,
+            read_threads=read_threads,
             map_files=True,
         )
 
@@ -223,7 +250,12 @@ class _Writers:
     """Writes every target writer's file of an offline plan, in threads or in forked processes."""
 
     def __init__(
-        self, index: Index, plan: ReshardPlan, storage: Storage, out_backend: Backend, target: Layout,
+        self,
+        index: Index,
+        plan: ReshardPlan,
+        storage: Storage,
+        out_backend: Backend,
+        target: Layout,
         options: ReshardOptions,
     ):
         self.index, self.plan, self.storage = index, plan, storage
@@ -274,8 +306,11 @@ class _Writers:
 
             with open_chunks(0, self.options.cache_bytes // len(groups)) as chunks:
                 files = [e for rp in group for e in self.write(rp, chunks, count)]
-            return {"files": [[e.path, e.size, e.checksum] for e in files], "read": chunks.bytes_read,
-                    "written": written[0]}
+            return {
+                "files": [[e.path, e.size, e.checksum] for e in files],
+                "read": chunks.bytes_read,
+                "written": written[0],
+            }
 
         done = run_forked(groups, job, on_bytes)
         self._check(sum(d["written"] for d in done))

@@ -13,11 +13,12 @@ Two modes:
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 import zlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 
@@ -39,6 +40,8 @@ from .runtime import paused_gc, single_threaded_torch
 from .slabs import assemble
 
 RankState = dict[str, list[tuple[Box, torch.Tensor]]]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,6 +106,15 @@ def load_rank_state(
                 _raise_if_any_failed(failure, group, reader.location)
     stats.bytes_needed = sum(t.numel() * t.element_size() for boxes in state.values() for _, t in boxes)
     stats.seconds = time.perf_counter() - started
+    log.debug(
+        "rank %d loaded %d bytes from %s (%d read, %d received) in %.2f s",
+        rank,
+        stats.bytes_needed,
+        reader.location,
+        stats.bytes_read,
+        stats.bytes_received,
+        stats.seconds,
+    )
     return state
 
 
@@ -120,7 +132,9 @@ def exchange_pays(location: str, group) -> bool:
     return is_url(location) or len(set(hosts)) > 1
 
 
-def local_tensors(state: RankState, tensors: dict[str, TensorEntry], layout: Layout, rank: int) -> dict[str, torch.Tensor]:
+def local_tensors(
+    state: RankState, tensors: dict[str, TensorEntry], layout: Layout, rank: int
+) -> dict[str, torch.Tensor]:
     """The local tensor of each loaded tensor: its boxes joined along the TP dim (:func:`~.local.join_local`)."""
     return {name: join_local(tensors[name], layout, rank, dict(boxes)) for name, boxes in state.items()}
 
@@ -174,8 +188,12 @@ def _load_alone(
     refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads}, stored)
     state: RankState = {}
     with ChunkReader(
-        reader, refs, chunk_bytes=options.chunk_bytes, cache_bytes=options.cache_bytes,
-        read_threads=options.read_threads, clip=True,
+        reader,
+        refs,
+        chunk_bytes=options.chunk_bytes,
+        cache_bytes=options.cache_bytes,
+        read_threads=options.read_threads,
+        clip=True,
     ) as chunks:
         for _, piece in reads_started_ahead(rank_plan.pieces, reader.index, chunks, options.prefetch_bytes):
             out = assemble(piece, reader.index.tensors[piece.tensor].dtype, chunks)
@@ -184,8 +202,9 @@ def _load_alone(
     return state
 
 
-def _load_collective(reader, layout, rank, names, group, peers, stats, options: LoadOptions, sources, stored
-                     ) -> RankState:
+def _load_collective(
+    reader, layout, rank, names, group, peers, stats, options: LoadOptions, sources, stored
+) -> RankState:
     import torch.distributed as dist
 
     index = reader.index
@@ -220,7 +239,9 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, options: 
                     key = (item.tensor, src.offsets, src.shape, item.writer, c)
                     if key not in units:
                         units[key] = []
-                        unit_bytes[key] = (hi - lo) * (src.numel // max(1, src.shape[0]) if src.ndim else 1) * item_bytes
+                        unit_bytes[key] = (
+                            (hi - lo) * (src.numel // max(1, src.shape[0]) if src.ndim else 1) * item_bytes
+                        )
                     units[key].append((g, pos, sub))
     order = sorted(units)
     # One reader per unit, among the ranks that need it, balancing the bytes each rank reads.
@@ -243,9 +264,7 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, options: 
         round_load[o] += unit_bytes[key]
 
     mine = plan.ranks[me]
-    state_list = [
-        torch.empty(p.box.shape, dtype=dtypes.to_torch(index.tensors[p.tensor].dtype)) for p in mine.pieces
-    ]
+    state_list = [torch.empty(p.box.shape, dtype=dtypes.to_torch(index.tensors[p.tensor].dtype)) for p in mine.pieces]
     owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
     extract = _GuardedExtract(index)
     try:
@@ -253,7 +272,10 @@ def _load_collective(reader, layout, rank, names, group, peers, stats, options: 
     except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail
         extract.failure, refs = e.with_traceback(None), {}
     with ChunkReader(
-        reader, refs, chunk_bytes=options.chunk_bytes, cache_bytes=options.cache_bytes,
+        reader,
+        refs,
+        chunk_bytes=options.chunk_bytes,
+        cache_bytes=options.cache_bytes,
         read_threads=options.read_threads,
     ) as chunks:
         _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
@@ -307,7 +329,7 @@ def _raise_if_any_failed(failure: BaseException | None, group, location: str) ->
     notes = all_gather_json(note, group)
     if failure is not None:
         # A fresh error: re-raising the stored one would tie its traceback to these frames.
-        raise _SHARED_ERRORS.get(note["type"], LoadFailedError)(note["message"])
+        raise _SHARED_ERRORS.get(type(failure).__name__, LoadFailedError)(str(failure))
     for g, other in enumerate(notes):
         if other is not None:
             raise _SHARED_ERRORS.get(other["type"], LoadFailedError)(
@@ -315,8 +337,9 @@ def _raise_if_any_failed(failure: BaseException | None, group, location: str) ->
             )
 
 
-def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats,
-              extract: _GuardedExtract) -> None:
+def _exchange(
+    chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract: _GuardedExtract
+) -> None:
     """Run the rounds: read owned chunks (ahead, in the pool), keep local regions, all_to_all the rest."""
     import torch.distributed as dist
 
@@ -373,7 +396,9 @@ def _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, g
             entry = index.tensors[piece.tensor]
             start = out_starts[o] + off
             raw = flat_out[start : start + sub.numel * dtypes.itemsize(entry.dtype)]
-            state_list[pos][sub.relative_to(piece.box).slices()] = raw.view(dtypes.to_torch(entry.dtype)).view(sub.shape)
+            state_list[pos][sub.relative_to(piece.box).slices()] = raw.view(dtypes.to_torch(entry.dtype)).view(
+                sub.shape
+            )
 
 
 def _padded(nbytes: int) -> int:
