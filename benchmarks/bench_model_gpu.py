@@ -162,7 +162,7 @@ def main() -> None:
 
     opts = {id(m): fused_adamw(m) for m in (ours, hf)}
     times: dict[str, list[float]] = {name: [] for name in runs}
-    peak: dict[str, float] = {name: 0.0 for name in runs}
+    peak: dict[str, float] = dict.fromkeys(runs, 0.0)
 
     for r in range(args.rounds):
         for name, (model, loss_fn, setup) in runs.items():

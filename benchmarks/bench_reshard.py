@@ -39,6 +39,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dcp_state import dcp_state  # benchmarks/ is on sys.path when a script here runs
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.index import TensorEntry
@@ -48,8 +49,6 @@ from moeckpt.reshard.load import LoadStats, load_rank_state
 from moeckpt.reshard.save import save_full_tensors
 from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.models import ModelSpec, presets
-
-from dcp_state import dcp_state  # benchmarks/ is on sys.path when a script here runs
 
 #: the 4-rank load methods: moeckpt exchanging replicated pieces, moeckpt with each rank reading its own, DCP.
 LOAD_METHODS = ["exchange", "own", "dcp"]

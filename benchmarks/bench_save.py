@@ -41,6 +41,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dcp_state import dcp_state  # benchmarks/ is on sys.path when a script here runs
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.backend import get_backend
@@ -53,8 +54,6 @@ from moeckpt.reshard.local import concat_dim
 from moeckpt.reshard.placement import pieces_written_by, rank_boxes
 from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.models import ModelSpec, presets
-
-from dcp_state import dcp_state  # benchmarks/ is on sys.path when a script here runs
 
 METHODS = ("moeckpt", "dcp", "raw")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -457,7 +456,8 @@ def readme_section(summary: dict) -> str:
             "the disk works while the CPU hashes; a plain write+fsync leaves every page dirty until the final "
             "fsync. That hint is why moeckpt can beat the raw baseline, which is a plain write+fsync as issue 2 "
             "defines it: the same hint would speed raw up as well (one process writing 200 MB here: 0.115 s "
-            "without, 0.077 s with). Measured on rank 0's 146 MB share at `--gb 0.5` (thread CPU time, one process): the kernel's "
+            "without, 0.077 s with). Measured on rank 0's 146 MB share at `--gb 0.5` (thread CPU time, one "
+            "process): the kernel's "
             "copy into the page cache costs 41 ms for raw, moeckpt adds 7 ms of hashing, about 5 ms of Python per "
             "piece and row, and 2 ms of header JSON. The fixed costs of one save (begin, gathering the file "
             f"entries, committing the index; median over this run on rank 0) were {fixed_ms:.0f} ms, which is why "

@@ -25,7 +25,8 @@ def main(out: str) -> None:
         rows = [r for r in _read(path) if "loss" in r]
         name = os.path.basename(path)[len("layout-") : -len(".jsonl")]
         a.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=name)
-        summary["layouts"][name] = {"final_loss": rows[-1]["loss"], "tokens_per_s": sorted(r.get("tokens_per_s", 0) for r in rows)[len(rows) // 2]}
+        median_tps = sorted(r.get("tokens_per_s", 0) for r in rows)[len(rows) // 2]
+        summary["layouts"][name] = {"final_loss": rows[-1]["loss"], "tokens_per_s": median_tps}
     a.set_title("same run, three 2-GPU layouts")
     a.set_xlabel("step")
     a.set_ylabel("loss")

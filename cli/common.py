@@ -5,8 +5,8 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 import click
 

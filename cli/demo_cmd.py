@@ -15,8 +15,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import click
 
@@ -24,7 +24,11 @@ from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.trainer.elastic_drill import (
     CPU_DRILL_KILL_AT as KILL_AT,
+)
+from moeckpt.trainer.elastic_drill import (
     CPU_DRILL_STEPS as STEPS,
+)
+from moeckpt.trainer.elastic_drill import (
     DrillResult,
     cpu_drill_args,
     plot_drill,

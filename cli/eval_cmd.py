@@ -18,10 +18,13 @@ from moeckpt.trainer.launch import LaunchFailedError, run_torchrun, under_torchr
 @click.option("--data", required=True, help="token file: .bin (uint16) or .txt (bytes)")
 @click.option("--data-dtype", default="auto", show_default=True, help="token dtype of --data: auto, uint16, uint32, bytes")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="tensor-parallel degree of the evaluation")
-@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True, help="expert-parallel degree (divides nproc / tp)")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="local processes (starts torchrun when > 1)")
+@click.option("--ep", type=click.IntRange(min=1), default=1, show_default=True,
+              help="expert-parallel degree (divides nproc / tp)")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="local processes (starts torchrun when > 1)")
 @click.option("--seq-len", type=click.IntRange(min=1), default=None, help="tokens per sample  [default: the run's]")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="samples per batch  [default: the run's global batch]")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="samples per batch  [default: the run's global batch]")
 @click.option("--batches", type=click.IntRange(min=1), default=4, show_default=True, help="batches to average over")
 @click.option("--start-sample", type=click.IntRange(min=0), default=0, show_default=True, help="first global sample")
 @click.option("--shuffle", is_flag=True, help="read samples in the trainer's shuffled order (with --seed)")

@@ -25,7 +25,8 @@ from .common import FormatChoice, layout_options, progress, sigterm_unwinds
     default=None,
     help="on-disk format of the checkpoint written  [default: the source's]",
 )
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="target files written in parallel (by processes from local safetensors to local safetensors, else threads)")
+@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="target files written in parallel (by processes from local safetensors to local safetensors, else threads)")
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds")
 def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     """Write checkpoint SRC (or a run directory's newest step) to DST in layout (tp, ep, dp); a degree not given

@@ -41,10 +41,14 @@ EP_DEGREE = _EpDegree()
 @click.option("--ep", type=EP_DEGREE, default="1", show_default=True,
               help="expert-parallel degree (divides dp = world / tp), or auto: the widest the model accepts in each "
                    "world (for elastic runs that may shrink below it)")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True, help="local processes (starts torchrun when > 1)")
-@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True, help="total steps of the run (a resumed run continues up to it)")
-@click.option("--stop-at", type=click.IntRange(min=0), default=None, help="stop this invocation after this step (saving first)")
-@click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True, help="checkpoint every K steps (0: only at the end)")
+@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="local processes (starts torchrun when > 1)")
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
+              help="total steps of the run (a resumed run continues up to it)")
+@click.option("--stop-at", type=click.IntRange(min=0), default=None,
+              help="stop this invocation after this step (saving first)")
+@click.option("--save-every", type=click.IntRange(min=0), default=0, show_default=True,
+              help="checkpoint every K steps (0: only at the end)")
 @click.option("--format", "fmt", type=FormatChoice(), default="safetensors", show_default=True, help="checkpoint format")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of the initial weights and the data order")
 @click.option("--global-batch", type=click.IntRange(min=1), default=8, show_default=True, help="samples per step over all ranks")

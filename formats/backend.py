@@ -12,7 +12,8 @@ registry without an import cycle.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Callable, Collection, Iterable, Protocol, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from .errors import CheckpointIndexError
 

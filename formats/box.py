@@ -8,9 +8,8 @@ lets any layout convert to any other.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
-
 
 _new = object.__new__
 _set = object.__setattr__
@@ -30,7 +29,7 @@ class Box:
             raise ValueError(f"box offsets {self.offsets} and shape {self.shape} must be non-negative")
 
     @classmethod
-    def trusted(cls, offsets: tuple[int, ...], shape: tuple[int, ...]) -> "Box":
+    def trusted(cls, offsets: tuple[int, ...], shape: tuple[int, ...]) -> Box:
         """A box without re-validating, for offsets and shape computed from valid boxes: the placement and the
         planner build millions at 1,024 ranks, and ``__post_init__``'s checks were a large part of their time."""
         b = _new(cls)
@@ -39,7 +38,7 @@ class Box:
         return b
 
     @classmethod
-    def full(cls, shape: Sequence[int]) -> "Box":
+    def full(cls, shape: Sequence[int]) -> Box:
         """The box covering a whole tensor of ``shape``."""
         return cls(tuple(0 for _ in shape), tuple(int(s) for s in shape))
 
@@ -58,7 +57,7 @@ class Box:
     def is_empty(self) -> bool:
         return self.numel == 0
 
-    def intersect(self, other: "Box") -> "Box | None":
+    def intersect(self, other: Box) -> Box | None:
         """The overlap of two boxes, or ``None`` when they share no element.
 
         On plain tuples, one pass per dimension: the planner calls it for every source box a target box meets.
@@ -73,12 +72,12 @@ class Box:
             size.append(stop - start)
         return Box.trusted(tuple(lo), tuple(size))
 
-    def contains(self, other: "Box") -> bool:
+    def contains(self, other: Box) -> bool:
         return all(a <= b for a, b in zip(self.offsets, other.offsets)) and all(
             a >= b for a, b in zip(self.end, other.end)
         )
 
-    def relative_to(self, outer: "Box") -> "Box":
+    def relative_to(self, outer: Box) -> Box:
         """This box in the coordinates of ``outer`` (which must contain it)."""
         return Box(tuple(a - b for a, b in zip(self.offsets, outer.offsets)), self.shape)
 
@@ -93,7 +92,7 @@ class Box:
         return [list(self.offsets), list(self.shape)]
 
     @classmethod
-    def from_json(cls, value: object) -> "Box":
+    def from_json(cls, value: object) -> Box:
         if (
             not isinstance(value, list)
             or len(value) != 2

@@ -49,8 +49,8 @@ def to_safetensors(name: str) -> str:
     return _DTYPES[name][1]
 
 
-def from_safetensors(code: str) -> str | None:
-    return _BY_ST.get(code)
+def from_safetensors(code: object) -> str | None:
+    return _BY_ST.get(code) if isinstance(code, str) else None
 
 
 def itemsize(name: str) -> int:

@@ -83,7 +83,7 @@ class TensorEntry:
         }
 
     @classmethod
-    def from_json(cls, name: str, value: object) -> "TensorEntry":
+    def from_json(cls, name: str, value: object) -> TensorEntry:
         where = f"tensor {name!r}"
         if not isinstance(value, dict):
             raise CheckpointIndexError(f"{where}: expected an object, got {type(value).__name__}")
@@ -173,14 +173,14 @@ class Index:
         return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
 
     @classmethod
-    def loads(cls, data: bytes, where: str) -> "Index":
+    def loads(cls, data: bytes, where: str) -> Index:
         """Parse and validate index bytes; ``where`` names the location in error messages."""
         try:
             doc = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CheckpointIndexError(f"{where}: index is not valid JSON ({e}); the checkpoint is corrupt") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-            raise CheckpointIndexError(f"{where}: not a moeckpt index (no \"format\": \"moeckpt\")")
+            raise CheckpointIndexError(f'{where}: not a moeckpt index (no "format": "moeckpt")')
         version = doc.get("format_version")
         if type(version) is not int:
             raise CheckpointIndexError(f"{where}: 'format_version' must be an integer, got {version!r}")
@@ -198,10 +198,12 @@ class Index:
         ):
             raise CheckpointIndexError(f"{where}: 'layout' must map names to positive integers, got {layout!r}")
         model = doc.get("model")
-        if not isinstance(model, dict) or not isinstance(model.get("arch"), str) or not isinstance(
-            model.get("config", {}), dict
+        if (
+            not isinstance(model, dict)
+            or not isinstance(model.get("arch"), str)
+            or not isinstance(model.get("config", {}), dict)
         ):
-            raise CheckpointIndexError(f"{where}: 'model' must be {{\"arch\": str, \"config\": {{...}}}}")
+            raise CheckpointIndexError(f'{where}: \'model\' must be {{"arch": str, "config": {{...}}}}')
         train_state = doc.get("train_state", {})
         if not isinstance(train_state, dict):
             raise CheckpointIndexError(f"{where}: 'train_state' must be an object")

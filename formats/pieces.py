@@ -81,7 +81,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.numel() == 0:
         return memoryview(b"")
     # Flatten before the dtype view: viewing a 0-d tensor as another element size is refused by torch.
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def block_checksums(data: memoryview | bytes | bytearray, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> list[str]:
@@ -91,9 +91,7 @@ def block_checksums(data: memoryview | bytes | bytearray, block_bytes: int = CHE
     return [checksum(mv[i : i + block_bytes]) for i in range(0, len(mv), block_bytes)]
 
 
-def verify_blocks(
-    data: bytes | bytearray, first_block: int, ref: PieceRef, where: str
-) -> None:
+def verify_blocks(data: bytes | bytearray | memoryview, first_block: int, ref: PieceRef, where: str) -> None:
     """Check the blocks ``first_block, first_block+1, ...`` of ``ref`` that ``data`` holds, whole."""
     mv = memoryview(data).cast("B")
     for i, off in enumerate(range(0, max(len(mv), 1), ref.block_bytes)):

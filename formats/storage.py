@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import errno
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from .errors import NotCommittedError, StorageError
 
@@ -74,8 +75,8 @@ def storage_error(e: BaseException, what: str, where: str, attempts: int = 1) ->
 class StorageReader(Protocol):
     """A read session over one storage (``Storage.open_reader``): what a backend's hot read loop needs.
 
-    Local disk keeps its files open for ``preadv`` (opening a file per chunk cost a sixth of an offline
-    reshard's time) and maps them; other storages copy from byte-range reads and map nothing.
+    Local disk keeps its files open for ``preadv`` (rather than opening a file per chunk) and maps them; other
+    storages copy from byte-range reads and map nothing.
     """
 
     #: whether :meth:`read_into` lands the bytes in the caller's buffer without an intermediate copy.
@@ -104,10 +105,15 @@ class StorageReader(Protocol):
 class Upload(Protocol):
     """A multipart upload left on an object store (see :meth:`Storage.stale_uploads`)."""
 
-    #: the object being uploaded, relative to the storage it was listed from.
-    relpath: str
-    #: seconds since the upload was started.
-    age_s: float
+    @property
+    def relpath(self) -> str:
+        """The object being uploaded, relative to the storage it was listed from."""
+        ...
+
+    @property
+    def age_s(self) -> float:
+        """Seconds since the upload last showed activity (its start, or its newest part)."""
+        ...
 
 
 class Storage(ABC):
@@ -128,7 +134,7 @@ class Storage(ABC):
     def __init__(self, location: str, *, fs: Any = None, retry: Any = None) -> None:
         self.location = location
 
-    def __new__(cls, location: str, *args: Any, **kwargs: Any) -> "Storage":
+    def __new__(cls, location: str, *args: Any, **kwargs: Any) -> Storage:
         if cls is Storage:
             cls = storage_class(location)
         return super().__new__(cls)
@@ -139,12 +145,12 @@ class Storage(ABC):
         return join(self.location, relpath)
 
     @abstractmethod
-    def child(self, relpath: str) -> "Storage":
+    def child(self, relpath: str) -> Storage:
         """The storage of ``relpath`` below this one (sharing connections)."""
 
     @property
     @abstractmethod
-    def commit_strategy(self) -> "CommitStrategy":
+    def commit_strategy(self) -> CommitStrategy:
         """How a checkpoint saved here becomes visible atomically (:mod:`moeckpt.formats.commit`)."""
 
     # -- reading ---------------------------------------------------------------------------------------
@@ -195,10 +201,12 @@ class Storage(ABC):
 
     def makedirs(self, relpath: str = "") -> None:
         """Create the directory (and its parents) where directories exist; object stores have none."""
+        return None
 
     def refuse_file(self) -> None:
         """Raise :class:`~moeckpt.formats.errors.DestinationNotEmptyError` if this location is a plain file (a
         directory is about to be written here); only local disk has files that are not prefixes."""
+        return None
 
     @abstractmethod
     def remove(self, relpath: str = "") -> None:
@@ -206,6 +214,7 @@ class Storage(ABC):
 
     def fsync_dir(self, relpath: str = "") -> None:
         """Make a directory's entries (new files, renames) durable; a no-op off local disk."""
+        return None
 
     # -- uploads in flight (object stores) ---------------------------------------------------------------
     def cancel_uploads(self) -> list[str]:
@@ -216,8 +225,9 @@ class Storage(ABC):
 
     def allow_uploads(self) -> None:
         """Lift :meth:`cancel_uploads` (a new save to this location begins)."""
+        return None
 
-    def stale_uploads(self, older_than_s: float) -> list[Upload]:
+    def stale_uploads(self, older_than_s: float) -> Sequence[Upload]:
         """Multipart uploads below this location started more than ``older_than_s`` seconds ago and never
         completed or aborted (an interrupted or killed save's); empty where writes are not uploads."""
         return []
@@ -276,4 +286,3 @@ class CopyingReader:
 def require_exists(storage: Storage, relpath: str, what: str) -> None:
     if not storage.exists(relpath):
         raise NotCommittedError(f"{storage.path(relpath)}: {what} not found")
-

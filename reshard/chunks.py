@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -50,10 +50,10 @@ class ChunkReader:
     the one read in flight. ``bytes_read`` counts the bytes fetched from storage, widened to checksum blocks.
 
     ``source`` is a checkpoint (its backend's read session is opened here and closed by :meth:`close`) or a
-    read session (the caller closes it). With ``clip``, a chunk is read only where it overlaps the request (its rows, widened to checksum
-    blocks), for a reader whose requests rarely share chunks: one rank loading alone, whose ZeRO part of a piece
-    may be a small slice of a chunk. With ``map_files``, chunks are mapped rather than copied where the session can
-    map (offline only).
+    read session (the caller closes it). With ``clip``, a chunk is read only where it overlaps the request (its
+    rows, widened to checksum blocks), for a reader whose requests rarely share chunks: one rank loading alone,
+    whose ZeRO part of a piece may be a small slice of a chunk. With ``map_files``, chunks are mapped rather than
+    copied where the session can map (offline only).
     """
 
     def __init__(
@@ -95,7 +95,7 @@ class ChunkReader:
         if self._owns_pieces:
             self.pieces.close()
 
-    def __enter__(self) -> "ChunkReader":
+    def __enter__(self) -> ChunkReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

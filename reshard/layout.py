@@ -44,7 +44,7 @@ class Layout:
         """Expert-data-parallel degree: replicas of each expert shard."""
         return self.dp // self.ep
 
-    def coords(self, rank: int) -> "RankCoords":
+    def coords(self, rank: int) -> RankCoords:
         if not 0 <= rank < self.world:
             raise LayoutError(f"rank {rank} is outside world size {self.world} of layout {self}")
         dp_rank, tp_rank = divmod(rank, self.tp)
@@ -58,7 +58,7 @@ class Layout:
         return {"tp": self.tp, "ep": self.ep, "dp": self.dp}
 
     @classmethod
-    def from_json(cls, value: dict) -> "Layout":
+    def from_json(cls, value: dict) -> Layout:
         unknown = set(value) - {"tp", "ep", "dp"}
         if unknown:
             raise LayoutError(f"layout has unknown keys {sorted(unknown)}; expected tp, ep, dp")

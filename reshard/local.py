@@ -9,7 +9,7 @@ tensor a trainer (or a load) holds and the boxes a checkpoint stores.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

@@ -7,8 +7,8 @@ these, so a checkpoint's pieces can be located from its index alone.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from moeckpt.formats.box import Box
 from moeckpt.formats.index import TensorEntry
@@ -194,7 +194,7 @@ def _compute_geometry(entry: TensorEntry, layout: Layout) -> Geometry:
                 dps: Sequence[int] = range(ep_rank, dp, ep) if experts else range(dp)
                 groups = [([(b.offsets, b.shape) for b in mp], dps)]
             elif experts:
-                groups = _zero_groups(mp, concat, layout.edp, lambda part, e=ep_rank: (part * ep + e,))
+                groups = _zero_groups(mp, concat, layout.edp, _expert_holders(ep, ep_rank))
             else:
                 groups = _zero_groups(mp, concat, dp, lambda part: (part,))
             for boxes, dps in groups:
@@ -213,14 +213,21 @@ _new = object.__new__
 _set = object.__setattr__
 
 
-def _placement(box: Box, writer: int) -> "Placement":
+def _placement(box: Box, writer: int) -> Placement:
     p = _new(Placement)
     _set(p, "box", box)
     _set(p, "writer", writer)
     return p
 
 
-def _zero_groups(boxes: list[Box], concat_dim: int | None, parts: int, holders) -> list[tuple[list[tuple], tuple]]:
+def _expert_holders(ep: int, ep_rank: int) -> Callable[[int], Sequence[int]]:
+    """The dp rank holding ZeRO part ``part`` of expert rank ``ep_rank``'s tensor (``part`` is its edp rank)."""
+    return lambda part: (part * ep + ep_rank,)
+
+
+def _zero_groups(
+    boxes: list[Box], concat_dim: int | None, parts: int, holders: Callable[[int], Sequence[int]]
+) -> list[tuple[list[tuple[tuple[int, ...], tuple[int, ...]]], Sequence[int]]]:
     """Every non-empty ZeRO part of a local tensor, as (offsets, shape) tuples, with its holders.
 
     The same boxes as :func:`zero_part` gives part by part, computed in one pass.

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import bisect
 import zlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import cast
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
@@ -176,7 +177,7 @@ def _plan(
 
     by_name: dict[str, _Lookup] = {}
 
-    def lookup(entry: TensorEntry) -> "_Lookup":
+    def lookup(entry: TensorEntry) -> _Lookup:
         found = by_name.get(entry.name)
         if found is not None:
             return found
@@ -230,12 +231,12 @@ class _Lookup:
         return seed
 
     @classmethod
-    def of_pieces(cls, pieces: Sequence[SourcePiece]) -> "_Lookup":
+    def of_pieces(cls, pieces: Sequence[SourcePiece]) -> _Lookup:
         ordered = sorted(pieces, key=lambda p: (p.box.offsets, p.box.shape))
         return cls([p.box for p in ordered], [p.writer for p in ordered], None)
 
     @classmethod
-    def of_geometry(cls, geo: Geometry) -> "_Lookup":
+    def of_geometry(cls, geo: Geometry) -> _Lookup:
         return cls(geo.boxes, None, geo)
 
     def cover(self, entry: TensorEntry, box: Box) -> tuple[ReadItem, ...]:
@@ -252,7 +253,7 @@ class _Lookup:
             )
         if self.writers is not None:
             return tuple(ReadItem(entry.name, self.boxes[k], self.writers[k], r, box) for k, r in hits)
-        seed, geo = self._seed(entry.name), self.geo
+        seed, geo = self._seed(entry.name), cast(Geometry, self.geo)  # of_geometry: no writers, a geometry
         return tuple(ReadItem(entry.name, self.boxes[k], geo.writer(k, seed), r, box) for k, r in hits)
 
     def _overlaps(self, box: Box) -> tuple[tuple[int, Box], ...]:

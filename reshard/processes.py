@@ -1,10 +1,9 @@
 """Offline writers in forked worker processes, each reporting over a pipe in JSON lines.
 
 An offline reshard spends its time in Python: per chunk it reads, verifies, re-slices, hashes and writes. Run by
-threads of one interpreter, the writers wait on each other's interpreter lock: on 2 cores, 4 writer and 4 reader
-threads made 70,000 context switches and spent a third of their CPU time handing the lock around (1.1 GB state,
-``benchmarks/bench_reshard.py``). Forked processes share nothing at run time, so each writer runs its loop on a
-core of its own.
+threads of one interpreter, the writers wait on each other's interpreter lock, and handing it around took a large
+share of their CPU time (docs/benchmarks/README.md). Forked processes share nothing at run time, so each writer
+runs its loop on a core of its own.
 
 A child inherits the plan and the open source description from the parent (``fork``: nothing is serialised on the
 way in) and sends back lines of JSON, never pickles: ``{"bytes": n}`` as it writes (for the progress bar),
@@ -21,7 +20,8 @@ import os
 import selectors
 import signal
 import sys
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from moeckpt.formats.errors import MoeckptError
 

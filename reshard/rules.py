@@ -20,8 +20,9 @@ per part: the last part may be short and trailing parts empty.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from moeckpt.formats.errors import LayoutError
 
@@ -65,7 +66,7 @@ class ShardingRule:
         return out
 
     @classmethod
-    def from_json(cls, value: object, where: str = "sharding rule") -> "ShardingRule":
+    def from_json(cls, value: object, where: str = "sharding rule") -> ShardingRule:
         if not isinstance(value, dict) or set(value) - {"tp", "expert_dim"}:
             raise LayoutError(f"{where}: expected an object with optional 'tp' and 'expert_dim', got {value!r}")
         tp = None
@@ -75,7 +76,9 @@ class ShardingRule:
                 raise LayoutError(f"{where}: 'tp' must be {{'dim': int, optional 'blocks' or 'window'}}, got {t!r}")
             blocks = t.get("blocks")
             window = t.get("window")
-            if blocks is not None and (not isinstance(blocks, list) or not all(type(b) is int and b >= 0 for b in blocks)):
+            if blocks is not None and (
+                not isinstance(blocks, list) or not all(type(b) is int and b >= 0 for b in blocks)
+            ):
                 raise LayoutError(f"{where}: 'tp.blocks' must be a list of non-negative integers, got {blocks!r}")
             if window is not None and (
                 not isinstance(window, list) or len(window) != 2 or not all(type(w) is int and w >= 0 for w in window)

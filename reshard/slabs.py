@@ -8,7 +8,7 @@ the source chunks themselves (a *direct read*), and no copy is made.
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.roles import MASTER, MOMENT_ROLES, PARAM

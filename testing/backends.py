@@ -26,7 +26,7 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, begin_save, committed_steps, resolve, step_dir_name, verify
 from moeckpt.formats.dtypes import DTYPE_NAMES, to_torch
 from moeckpt.formats.index import INDEX_NAME, TensorEntry
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storage import open_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements, rank_boxes
 from moeckpt.reshard.save import save_full_tensors
@@ -38,12 +38,12 @@ LAYOUTS = [Layout(), Layout(tp=2, ep=2, dp=2), Layout(tp=1, ep=2, dp=4)]
 
 def list_objects(location: str) -> list[str]:
     """Every stored file or object below ``location`` (relative paths, sorted), on any storage."""
-    return sorted(Storage(location).list_files())
+    return sorted(open_storage(location).list_files())
 
 
 def flip_byte(location: str, relpath: str, offset: int) -> None:
     """Flip one bit pattern of byte ``offset`` of a stored file (a bit rot the checksums must catch)."""
-    s = Storage(location)
+    s = open_storage(location)
     data = bytearray(s.read_bytes(relpath))
     data[offset] ^= 0x40
     s.write_bytes(relpath, bytes(data))
@@ -107,8 +107,14 @@ class BackendTests:
             return raw.view(to_torch(e.dtype)).reshape(3, 5)
 
         want = {n: value(e) for n, e in tensors.items()}
-        save_full_tensors(location, tensors=tensors, layout=Layout(dp=2), values=lambda e: want[e.name],
-                          model={"arch": "toy"}, backend=backend_name)
+        save_full_tensors(
+            location,
+            tensors=tensors,
+            layout=Layout(dp=2),
+            values=lambda e: want[e.name],
+            model={"arch": "toy"},
+            backend=backend_name,
+        )
         reader = CheckpointReader(location)
         for n in tensors:
             assert tensors_equal(reader.read_tensor(n), want[n]), n
@@ -146,7 +152,9 @@ class BackendTests:
             for writer in range(layout.world):
                 mine = {(r.tensor, r.box) for r in reader.pieces(writers=[writer])}
                 want = {
-                    (name, p.box) for name, e in reader.index.tensors.items() for p in placements(e, layout)
+                    (name, p.box)
+                    for name, e in reader.index.tensors.items()
+                    for p in placements(e, layout)
                     if p.writer == writer and not p.box.is_empty()
                 }
                 assert mine == want, writer
@@ -179,7 +187,7 @@ class BackendTests:
     def test_bit_flip_is_caught_naming_file_and_tensor(self, location, backend_name):
         save_toy(location, Layout(tp=2, ep=2, dp=2), backend_name)
         objects = [o for o in list_objects(location) if not o.endswith(".json")]
-        storage = Storage(location)
+        storage = open_storage(location)
         target = max(objects, key=storage.size)
         flip_byte(location, target, storage.size(target) - 3)  # last bytes: data, not a header
         problems = verify(CheckpointReader(location))
@@ -189,7 +197,7 @@ class BackendTests:
     def test_missing_data_file_is_named(self, location, backend_name):
         save_toy(location, Layout(tp=2, ep=2, dp=2), backend_name)
         objects = [o for o in list_objects(location) if o != INDEX_NAME and not o.endswith("zarr.json")]
-        Storage(location).remove(objects[0])
+        open_storage(location).remove(objects[0])
         reader = CheckpointReader(location)
         problems = verify(reader)
         assert problems

@@ -7,7 +7,7 @@ Subclass it in a pytest module and provide one fixture, a fresh and empty locati
         def storage_location(self, tmp_path):
             return "mystore://bucket/" + tmp_path.name
 
-The tests call ``Storage(location)``, so a new kind must be returned by :func:`~moeckpt.formats.storage.open_storage`
+The tests open the location with :func:`~moeckpt.formats.storage.open_storage`, which must return the new kind
 for its URLs.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from moeckpt.formats import errors
 from moeckpt.formats.checkpoint import begin_save, commit, is_committed, quarantine, resolve, staging_storage
 from moeckpt.formats.index import INDEX_NAME, Index
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storage import Storage, open_storage
 
 
 def _payload(n: int, seed: int = 0) -> bytes:
@@ -26,8 +26,9 @@ def _payload(n: int, seed: int = 0) -> bytes:
 
 
 def _index() -> Index:
-    return Index(backend="safetensors", step=1, layout={"tp": 1, "ep": 1, "dp": 1}, model={"arch": "toy"},
-                 tensors={}, files={})
+    return Index(
+        backend="safetensors", step=1, layout={"tp": 1, "ep": 1, "dp": 1}, model={"arch": "toy"}, tensors={}, files={}
+    )
 
 
 class StorageTests:
@@ -39,7 +40,7 @@ class StorageTests:
 
     @pytest.fixture
     def storage(self, storage_location) -> Storage:
-        return Storage(storage_location)
+        return open_storage(storage_location)
 
     # -- reading what was written ------------------------------------------------------------------------
     def test_write_then_read_bytes_size_and_exists(self, storage):
@@ -153,11 +154,11 @@ class StorageTests:
         staging = begin_save(location)
         assert staging.location == staging_storage(location).location
         staging.write_bytes("data.bin", b"data")
-        assert not is_committed(Storage(location))
+        assert not is_committed(open_storage(location))
         with pytest.raises(errors.NotCommittedError):
             resolve(location)
         commit(location, _index())
-        final = Storage(location)
+        final = open_storage(location)
         assert is_committed(final) and final.read_bytes("data.bin") == b"data"
         assert sorted(final.listdir()) == ["data.bin", INDEX_NAME]
         assert storage.listdir() == ["ckpt"]  # no staging leftover beside it
@@ -170,9 +171,9 @@ class StorageTests:
             begin_save(location)
         begin_save(location, overwrite=True).write_bytes("new.bin", b"new")
         commit(location, _index())
-        assert sorted(Storage(location).listdir()) == [INDEX_NAME, "new.bin"]
+        assert sorted(open_storage(location).listdir()) == [INDEX_NAME, "new.bin"]
         moved = quarantine(location)
-        assert not is_committed(Storage(location))
+        assert not is_committed(open_storage(location))
         assert moved  # where the damaged checkpoint went (itself, uncommitted, on an object store)
 
     def test_uploads_cancel_and_allow(self, storage):

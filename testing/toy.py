@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -28,7 +29,9 @@ def toy_params() -> list[ParamSpec]:
         ParamSpec(name="attn.v_cur.weight", shape=(2, 8), rule=ShardingRule(tp=TpSplit(dim=0, window=(0, 4)))),
         ParamSpec(name="attn.v_del.weight", shape=(2, 8), rule=ShardingRule(tp=TpSplit(dim=0, window=(2, 4)))),
         ParamSpec(
-            name="moe.experts.gate_up", shape=(4, 12, 8), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=1, blocks=(6, 6)))
+            name="moe.experts.gate_up",
+            shape=(4, 12, 8),
+            rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=1, blocks=(6, 6))),
         ),
         ParamSpec(name="moe.experts.down", shape=(4, 8, 6), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2))),
         ParamSpec(name="norm.weight", shape=(8,), init="ones"),

@@ -10,7 +10,7 @@ It knows nothing of the resharder: it implements the five required methods of th
 from __future__ import annotations
 
 import json
-from typing import Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 

@@ -19,16 +19,16 @@ from moeckpt.trainer.models.zaya.config import ZayaConfig
 def models(draw) -> ModelSpec:
     """A tiny ZAYA or Qwen3-MoE with random sizes (heads, experts, widths, vocabulary)."""
     kv = draw(st.sampled_from([1, 2, 4]))
-    common = dict(
-        vocab_size=draw(st.sampled_from([8, 12, 16, 24])),
-        hidden_size=draw(st.sampled_from([4, 8, 12])),
-        num_hidden_layers=draw(st.integers(1, 2)),
-        num_key_value_heads=kv,
-        num_attention_heads=kv * draw(st.sampled_from([1, 2])),
-        head_dim=draw(st.sampled_from([2, 4])),
-        moe_intermediate_size=draw(st.sampled_from([4, 8, 12])),
-        num_experts=draw(st.sampled_from([2, 4, 8])),
-    )
+    common = {
+        "vocab_size": draw(st.sampled_from([8, 12, 16, 24])),
+        "hidden_size": draw(st.sampled_from([4, 8, 12])),
+        "num_hidden_layers": draw(st.integers(1, 2)),
+        "num_key_value_heads": kv,
+        "num_attention_heads": kv * draw(st.sampled_from([1, 2])),
+        "head_dim": draw(st.sampled_from([2, 4])),
+        "moe_intermediate_size": draw(st.sampled_from([4, 8, 12])),
+        "num_experts": draw(st.sampled_from([2, 4, 8])),
+    }
     if draw(st.booleans()):
         return ModelSpec("zaya", ZayaConfig(**common, router_hidden_size=draw(st.sampled_from([2, 4]))))
     return ModelSpec("qwen3_moe", Qwen3MoeConfig(**common, num_experts_per_tok=1))

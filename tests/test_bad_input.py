@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from moeckpt.formats import errors
+from moeckpt.formats.backends.safetensors import read_header
 from moeckpt.formats.checkpoint import CheckpointReader, verify
 from moeckpt.formats.index import INDEX_NAME, Index
-from moeckpt.formats.backends.safetensors import read_header
 from moeckpt.formats.storage import Storage
 from moeckpt.reshard.layout import Layout
 

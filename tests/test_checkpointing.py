@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from torch.multiprocessing import ProcessExitedException
 
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
 from moeckpt.formats.retention import RetentionPolicy
@@ -79,9 +80,10 @@ def _killed_worker(rank: int, run_dir: str) -> None:
         mgr.wait()
 
 
+@pytest.mark.slow
 def test_process_killed_during_save_leaves_previous_checkpoint(tmp_path):
     run_dir = str(tmp_path / "run")
-    with pytest.raises(Exception):
+    with pytest.raises((RuntimeError, ProcessExitedException)):  # a LaunchError, or the kill itself
         run_local_world(_killed_worker, LAYOUT.world, run_dir, timeout_s=90)
     assert [s for s, _ in committed_steps(run_dir)] == [5]  # the torn step 10 was never committed
     assert CheckpointReader(run_dir).index.step == 5

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.slow  # multi-process
+
 
 def test_demo_runs(tmp_path, moeckpt_cli):
     code, out, err = moeckpt_cli("demo", "--dir", str(tmp_path / "demo"))

@@ -14,7 +14,10 @@ from moeckpt.trainer.elastic_drill import CPU_DRILL_STEPS as STEPS
 from moeckpt.trainer.elastic_drill import cpu_drill_args, run_shrink_grow_drill
 from moeckpt.trainer.launch import Elastic, ElasticSpecError
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the drill walks /proc to kill a node")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the drill walks /proc to kill a node"),
+]
 
 
 

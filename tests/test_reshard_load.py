@@ -107,6 +107,7 @@ def _worker(rank: int, port: int, world: int, location: str, layout: dict, out_d
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["safetensors", "zarr"])
 def test_collective_load_reads_the_checkpoint_about_once(tmp_path, backend):
     spec = presets()["zaya-tiny"]
@@ -156,6 +157,7 @@ def _load_damaged(rank: int, location: str, layout: dict, out_dir: str, exchange
         json.dump(outcome, f)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exchange", [True, False])
 def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path, exchange):
     """One rank meets a checksum mismatch; the others must not wait for it in the exchange until the timeout, and

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from moeckpt.formats.checkpoint import CheckpointReader, verify
 from moeckpt.reshard.chunks import ChunkReader
 from moeckpt.reshard.executor import reshard
-from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.options import ReshardOptions
 from moeckpt.trainer.models import presets
 
 from .helpers import init_qwen_105mb
@@ -38,7 +38,7 @@ def test_a_to_b_equals_full_tensors_and_back_to_a_is_bitwise_identical(tmp_path,
     base = tmp_path / f"case{next(_n)}"
     tensors, values = save_model(str(base / "a"), spec, a)
     # Tiny chunks, slabs and cache: every piece crosses several slab and chunk boundaries.
-    small = dict(chunk_bytes=64, slab_bytes=96, cache_bytes=512, workers=3)
+    small = {"chunk_bytes": 64, "slab_bytes": 96, "cache_bytes": 512, "workers": 3}
     out = reshard(str(base / "a"), str(base / "b"), b, backend=middle, options=ReshardOptions(**small))
     assert out.bytes_written == sum(e.nbytes for e in tensors.values())
     rb = CheckpointReader(str(base / "b"))
@@ -86,7 +86,7 @@ def test_cache_stays_within_budget(tmp_path):
     reader = CheckpointReader(str(tmp_path / "a"))
     refs = {(r.tensor, r.box): r for r in reader.pieces()}
     chunks = ChunkReader(reader, refs, chunk_bytes=4096, cache_bytes=16384)
-    for (tensor, box), ref in refs.items():
+    for tensor, box in refs:
         if box.ndim:
             chunks.rows(tensor, box, 0, box.shape[0])
     assert 0 < chunks.peak_cached <= 16384 + 4096 * 2  # the budget plus the chunk just read
@@ -170,6 +170,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
+@pytest.mark.slow
 def test_zarr_target_streams_in_bounded_memory(tmp_path, moeckpt_cli):
     """A reshard into zarr hands the backend a writer's pieces in batches, not the writer's whole share.
 

@@ -13,15 +13,15 @@ from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutE
 from moeckpt.reshard import executor, processes
 from moeckpt.reshard.chunks import ChunkReader
 from moeckpt.reshard.executor import reshard
-from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.processes import WorkerProcessError, balanced_groups, run_forked
 from moeckpt.trainer.models import presets
 
 from .helpers import flip_byte, init_qwen_105mb
 from .reshard_models import save_model
 
-pytestmark = pytest.mark.skipif(not processes.can_fork(), reason="writer processes need fork (Linux)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not processes.can_fork(), reason="writer processes need fork (Linux)")]
 
 SOURCE, TARGET = Layout(tp=2, ep=2, dp=2), Layout(tp=1, ep=4, dp=4)
 
@@ -53,7 +53,7 @@ def _stored(location) -> dict:
 def test_processes_write_the_same_files_as_threads_and_report_progress(tmp_path, source, forks):
     seen: list[int] = []
     # Small chunks and cache: every writer process crosses many chunk boundaries and evicts.
-    small = dict(chunk_bytes=4096, slab_bytes=8192, cache_bytes=64 * 1024)
+    small = {"chunk_bytes": 4096, "slab_bytes": 8192, "cache_bytes": 64 * 1024}
     out = reshard(str(source), str(tmp_path / "p"), TARGET, on_bytes=seen.append, options=ReshardOptions(workers=3, **small))
     assert forks == [3]  # 4 target writers over 3 processes
     reshard(str(source), str(tmp_path / "t"), TARGET, options=ReshardOptions(workers=1, **small))  # one writer: threads
@@ -117,7 +117,7 @@ def test_mapped_reads_equal_copied_reads_at_unaligned_offsets(source):
     with ChunkReader(reader, refs, chunk_bytes=4096) as copied, ChunkReader(
         reader, refs, chunk_bytes=4096, map_files=True
     ) as mapped:
-        for (tensor, box), ref in refs.items():
+        for tensor, box in refs:
             n = box.shape[0] if box.ndim else 1
             for lo in range(0, n, max(1, n // 3)):
                 a = copied.rows(tensor, box, lo, n)

@@ -10,12 +10,12 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 from moeckpt.formats import errors
-from moeckpt.formats.storages import retry as retry_mod
-from moeckpt.formats.storages import url as url_mod
 from moeckpt.formats.checkpoint import CheckpointReader, save_pieces, step_dir_name, verify
 from moeckpt.formats.index import Index
 from moeckpt.formats.pieces import Piece
 from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import retry as retry_mod
+from moeckpt.formats.storages import url as url_mod
 from moeckpt.formats.storages.retry import RetryPolicy
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements

@@ -16,11 +16,11 @@ import torch
 
 from moeckpt.formats import errors
 from moeckpt.formats.backends import safetensors as st
-from moeckpt.formats.storages import s3 as storage_mod
 from moeckpt.formats.box import Box
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import Piece, tensor_bytes
 from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import s3 as storage_mod
 from moeckpt.formats.storages.retry import RetryPolicy
 
 from .s3_fixtures import BUCKET

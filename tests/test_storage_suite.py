@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from moeckpt.formats.storages import FsspecStorage, LocalStorage, S3Storage
 from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import FsspecStorage, LocalStorage, S3Storage
 from moeckpt.testing import StorageTests
 
 _n = itertools.count()

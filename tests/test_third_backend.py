@@ -103,7 +103,7 @@ def test_load_time_reshard_from_raw(tmp_path, moeckpt_cli, target):
 
 def test_raw_round_trips_through_load_and_offline_with_zarr(tmp_path, moeckpt_cli):
     """zarr -> raw offline, then a load of the raw checkpoint equals a load of the zarr one, rank by rank."""
-    src, zarr, raw = str(tmp_path / "src"), str(tmp_path / "zarr"), str(tmp_path / "raw")
+    src, raw = str(tmp_path / "src"), str(tmp_path / "raw")
     assert moeckpt_cli("init", src, *MODEL, "--tp", 2, "--ep", 2, "--dp", 2, "--format", "zarr")[0] == 0
     assert moeckpt_cli("reshard", src, raw, "--format", "raw", "--tp", 1, "--ep", 1, "--dp", 2)[0] == 0
     assert verify(CheckpointReader(raw)) == []

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from moeckpt.trainer.parallel import run_local_world
 
 from .train_workers import expert_dispatch_check
+
+pytestmark = pytest.mark.slow  # multi-process
 
 
 def test_expert_dispatch_matches_one_process_forward_and_backward():

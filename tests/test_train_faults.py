@@ -13,7 +13,9 @@ from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.trainer.train import NonFiniteLossError, TrainConfig, train
 from moeckpt.trainer.watchdog import HANG_EXIT_CODE
 
-TINY = dict(model="zaya-tiny", global_batch=4, seq_len=16, warmup_steps=2, seed=3)
+pytestmark = pytest.mark.slow  # multi-process
+
+TINY = {"model": "zaya-tiny", "global_batch": 4, "seq_len": 16, "warmup_steps": 2, "seed": 3}
 
 
 def _metrics(run_dir: str) -> list[dict]:

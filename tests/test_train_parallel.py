@@ -18,8 +18,10 @@ from moeckpt.trainer.train import TrainConfig, train
 
 from .train_workers import train_runs
 
+pytestmark = pytest.mark.slow  # multi-process
+
 STEPS = 20
-BASE = dict(steps=STEPS, seq_len=32, global_batch=8, warmup_steps=4, cpu=True)
+BASE = {"steps": STEPS, "seq_len": 32, "global_batch": 8, "warmup_steps": 4, "cpu": True}
 #: cross-layout tolerance on the loss after up to 20 steps (measured differences: 5e-7 to 2e-5).
 ATOL = 2e-4
 

@@ -9,7 +9,7 @@ from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.resume import ResumeError
 from moeckpt.trainer.train import TrainConfig, train
 
-BASE = dict(model="zaya-tiny", steps=6, seq_len=32, global_batch=4, warmup_steps=2, cpu=True)
+BASE = {"model": "zaya-tiny", "steps": 6, "seq_len": 32, "global_batch": 4, "warmup_steps": 2, "cpu": True}
 
 
 def test_resume_from_s3_is_bit_exact(tmp_path, s3_url):

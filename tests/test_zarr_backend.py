@@ -95,7 +95,7 @@ def test_grid_is_gcd_of_inner_piece_boundaries():
     boxes = [Box((0, 0), (4, 8)), Box((4, 0), (4, 8)), Box((8, 0), (2, 8))]  # ZeRO ceil(10/3) = 4: 4, 4, 2 rows
     assert zb.grid_shape((10, 8), boxes) == (4, 8)  # the last chunk overhangs the array: one cell per piece
     plan = zb.plan_array(TensorEntry(name="x", shape=(10, 8), dtype="float32", role="master", param="x"), boxes)
-    assert [c for c in plan.cells()] == boxes
+    assert list(plan.cells()) == boxes
     assert plan.stored_shape(boxes[2]) == (4, 8) and plan.stored_shape(boxes[0]) is None
     with pytest.raises(errors.CheckpointIndexError, match="not aligned"):
         list(plan.cells(Box((3, 0), (2, 8))))

@@ -25,11 +25,11 @@ from moeckpt.formats.index import FileEntry, Index, TensorEntry
 from moeckpt.formats.pieces import Piece
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
 from moeckpt.formats.storage import Storage, join
+from moeckpt.reshard import collectives
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.local import local_shape, local_views
 from moeckpt.reshard.placement import placements
 
-from moeckpt.reshard import collectives
 from .faults import FaultInjector
 
 
@@ -69,7 +69,7 @@ class CheckpointManager:
         backend: str = "safetensors",
         retention: RetentionPolicy | None = None,
         async_save: bool = True,
-        faults: "FaultInjector | None" = None,
+        faults: FaultInjector | None = None,
     ):
         self.run_dir = run_dir
         self.tensors = tensors

@@ -18,8 +18,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.formats.errors import MoeckptError
@@ -158,7 +158,7 @@ class DrillResult:
         return None
 
     @classmethod
-    def from_json(cls, doc: dict) -> "DrillResult":
+    def from_json(cls, doc: dict) -> DrillResult:
         """From what ``benchmarks/elastic_agents.py`` wrote (records, timeline, exit codes; no logs)."""
         return cls(records=doc["records"], timeline=[tuple(t) for t in doc["timeline"]],
                    exit_codes=doc["exit_codes"], logs={})
@@ -176,8 +176,9 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
                           timeout_s: float = 300.0, node_env: Callable[[str], dict[str, str]] | None = None,
                           progress: Callable[[str], None] | None = None) -> DrillResult:
     """Two nodes of ``nproc`` workers train ``train_args`` (which must include ``--run-dir run_dir``); node B is
-    killed once the 2-node world reached ``kill_at_step`` and a checkpoint is committed; node C is started once the survivor trains alone; the
-    drill returns when the run ends (raises :class:`DrillError` if it does not within ``timeout_s``).
+    killed once the 2-node world reached ``kill_at_step`` and a checkpoint is committed; node C is started once the
+    survivor trains alone; the drill returns when the run ends (raises :class:`DrillError` if it does not within
+    ``timeout_s``).
     ``node_env(name)`` gives each node's extra environment (node C replaces B, so give it B's GPUs)."""
     t0 = time.monotonic()
     timeline: list[tuple[float, str]] = []

@@ -13,9 +13,9 @@ from __future__ import annotations
 import importlib
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 

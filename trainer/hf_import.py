@@ -14,17 +14,17 @@ from __future__ import annotations
 import importlib
 import json
 import struct
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index
-from moeckpt.formats.storage import Storage
-from moeckpt.reshard.layout import Layout
 from moeckpt.formats.roles import MOMENT_ROLES
+from moeckpt.formats.storage import Storage
 from moeckpt.reshard.executor import write_rows
+from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.tensors import logical_tensors
 

@@ -21,8 +21,9 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ class Elastic:
     conf: str = ""
 
     @classmethod
-    def parse(cls, nnodes: str, endpoint: str | None, **kwargs: Any) -> "Elastic":
+    def parse(cls, nnodes: str, endpoint: str | None, **kwargs: Any) -> Elastic:
         """From ``--nnodes MIN:MAX`` (or ``N``) and ``--rdzv-endpoint HOST:PORT``; raises :class:`LaunchFailedError`
         with exit code 2 on a malformed value."""
         m = re.fullmatch(r"(\d+)(?::(\d+))?", nnodes.strip())

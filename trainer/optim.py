@@ -28,8 +28,8 @@ vectorized ops per bucket, not per parameter.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
 
 import torch
 import torch.distributed as dist

@@ -19,8 +19,9 @@ from __future__ import annotations
 import datetime
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -158,7 +159,7 @@ class ParallelGroups:
         return {"tp": c.tp_rank, "dp": c.dp_rank, "ep": c.ep_rank, "edp": c.edp_rank, "world": c.rank}[kind]
 
     @classmethod
-    def single(cls, device: torch.device | None = None) -> "ParallelGroups":
+    def single(cls, device: torch.device | None = None) -> ParallelGroups:
         """The groups of a one-process run (layout 1,1,1); needs no ``torch.distributed``."""
         layout = Layout()
         return cls(layout=layout, coords=layout.coords(0), device=device or torch.device("cpu"))

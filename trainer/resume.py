@@ -9,8 +9,9 @@ layout and dtype the bytes land exactly where they came from, so training contin
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 

@@ -6,8 +6,9 @@ The rate is a pure function of the step index, so resuming only needs the step c
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 __all__ = ["LRSchedule", "ScheduleConfig"]
 

@@ -17,8 +17,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,23 +30,23 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import INDEX_NAME, TensorEntry
 from moeckpt.formats.retention import RetentionPolicy
 from moeckpt.formats.storage import Storage, is_url
+from moeckpt.reshard import collectives
 from moeckpt.reshard.local import join_local
 from moeckpt.reshard.tensors import logical_tensors
 
-from moeckpt.reshard import collectives
 from .checkpointing import CheckpointManager
-from .faults import FaultInjector, parse_fault
-from .preemption import PreemptionFlag
-from .watchdog import Watchdog
 from .data import BatchLoader, DataError, TokenDataset, default_text_path
 from .distributed import build_parallel_model
+from .faults import FaultInjector, parse_fault
 from .init_values import initial_value
 from .metrics import MetricsLog
 from .models import ModelSpec, resolve_model
 from .optim import AdamWConfig, ZeroAdamW
 from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
+from .preemption import PreemptionFlag
 from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore
 from .schedule import LRSchedule, ScheduleConfig
+from .watchdog import Watchdog
 
 __all__ = ["DTYPES", "NonFiniteLossError", "TrainConfig", "Trainer", "check_launch", "train"]
 
@@ -164,7 +165,7 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, value: dict[str, Any]) -> "TrainConfig":
+    def from_json(cls, value: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(value) - known
         if unknown:

@@ -30,7 +30,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="moeckpt-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if self.timeout_s > 0:
             self._thread.start()
         return self

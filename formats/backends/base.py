@@ -7,14 +7,15 @@ read_piece``; the built-in safetensors backend overrides the rest with its faste
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..pieces import Piece
 
 if TYPE_CHECKING:
-    from ..backend import Backend
+    from ..backend import Backend, PieceReader
     from ..box import Box
     from ..index import FileEntry, Index, TensorEntry
     from ..pieces import PieceRef
@@ -25,19 +26,19 @@ class PieceReaderBase:
     """A :class:`~moeckpt.formats.backend.PieceReader` that reads through ``backend.read_piece``: no mapping, no
     hints."""
 
-    def __init__(self, backend: "Backend", storage: "Storage"):
+    def __init__(self, backend: Backend, storage: Storage):
         self.backend = backend
         self.storage = storage
         self.location = storage.location
         self.fork_safe = bool(backend.fork_safe and storage.fork_safe)
 
-    def read_rows(self, ref: "PieceRef", lo: int, hi: int) -> torch.Tensor:
+    def read_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
         return self.backend.read_piece(self.storage, ref, (lo, hi) if ref.box.ndim else None)
 
-    def map_rows(self, ref: "PieceRef", lo: int, hi: int) -> torch.Tensor | None:
+    def map_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor | None:
         return None
 
-    def advise(self, ref: "PieceRef", lo: int, hi: int) -> None:
+    def advise(self, ref: PieceRef, lo: int, hi: int) -> None:
         return None
 
     def close(self) -> None:
@@ -45,15 +46,15 @@ class PieceReaderBase:
 
 
 def write_stream_by_pieces(
-    backend: "Backend",
-    storage: "Storage",
+    backend: Backend,
+    storage: Storage,
     writer: int,
-    layout: Sequence[tuple[str, "Box"]],
-    tensors: dict[str, "TensorEntry"],
+    layout: Sequence[tuple[str, Box]],
+    tensors: dict[str, TensorEntry],
     slabs: Iterable[tuple[int, torch.Tensor]],
     *,
     batch_bytes: int,
-) -> list["FileEntry"]:
+) -> list[FileEntry]:
     """``write_stream`` for a backend that stores whole pieces: each piece's slabs are joined and handed to
     ``backend.write``, in batches of about ``batch_bytes`` when it stores pieces one by one (``piecewise_writes``),
     else all of the writer's pieces in one call."""
@@ -84,47 +85,45 @@ class BackendBase:
     fork_safe = False
     stores_placements = False
 
-    def prepare(self, storage: "Storage", tensors: dict[str, "TensorEntry"], boxes: dict[str, list["Box"]]) -> None:
+    def prepare(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> None:
         raise NotImplementedError
 
     def write(
-        self, storage: "Storage", writer: int, pieces: Sequence[Piece], tensors: dict[str, "TensorEntry"]
-    ) -> list["FileEntry"]:
+        self, storage: Storage, writer: int, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]
+    ) -> list[FileEntry]:
         raise NotImplementedError
 
-    def finish(
-        self, storage: "Storage", files: list["FileEntry"], tensors: dict[str, "TensorEntry"]
-    ) -> list["FileEntry"]:
+    def finish(self, storage: Storage, files: list[FileEntry], tensors: dict[str, TensorEntry]) -> list[FileEntry]:
         raise NotImplementedError
 
-    def read_piece(self, storage: "Storage", ref: "PieceRef", rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def read_piece(self, storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     def list_pieces(
         self,
-        storage: "Storage",
-        index: "Index",
+        storage: Storage,
+        index: Index,
         tensors: Collection[str] | None = None,
         writers: Collection[int] | None = None,
-    ) -> list["PieceRef"]:
+    ) -> list[PieceRef]:
         raise NotImplementedError
 
     def write_stream(
         self,
-        storage: "Storage",
+        storage: Storage,
         writer: int,
-        layout: Sequence[tuple[str, "Box"]],
-        tensors: dict[str, "TensorEntry"],
+        layout: Sequence[tuple[str, Box]],
+        tensors: dict[str, TensorEntry],
         slabs: Iterable[tuple[int, torch.Tensor]],
         *,
         batch_bytes: int,
-    ) -> list["FileEntry"]:
+    ) -> list[FileEntry]:
         return write_stream_by_pieces(self, storage, writer, layout, tensors, slabs, batch_bytes=batch_bytes)
 
-    def open_reader(self, storage: "Storage") -> PieceReaderBase:
+    def open_reader(self, storage: Storage) -> PieceReader:
         return PieceReaderBase(self, storage)
 
-    def stored_objects(self, storage: "Storage", index: "Index") -> dict[str, int]:
+    def stored_objects(self, storage: Storage, index: Index) -> dict[str, int]:
         """The data files the index lists (a backend whose index lists every object it writes)."""
         del storage
         return {f.path: f.size for f in index.files.values()}

@@ -30,10 +30,11 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from itertools import product
-from typing import Any, Callable, Collection, Iterable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import google_crc32c
 import numpy as np
@@ -42,7 +43,7 @@ import torch
 from .. import dtypes
 from ..box import Box, covers_exactly_once
 from ..checksum import checksum
-from ..errors import ChecksumMismatchError, CheckpointIndexError, DataFileError
+from ..errors import CheckpointIndexError, ChecksumMismatchError, DataFileError
 from ..index import INDEX_NAME, FileEntry, Index, TensorEntry, check_relative_path
 from ..pieces import CHECKSUM_BLOCK_BYTES, Piece, PieceRef, tensor_bytes
 from ..storage import Storage
@@ -177,7 +178,9 @@ class ArrayPlan:
 
     def metadata(self) -> dict[str, Any]:
         kind = dtypes.to_torch(self.dtype)
-        fill: Any = False if self.dtype == "bool" else (0.0 if kind.is_floating_point and self.dtype not in _STORED_AS else 0)
+        fill: Any = (
+            False if self.dtype == "bool" else (0.0 if kind.is_floating_point and self.dtype not in _STORED_AS else 0)
+        )
         if self.inner is None:
             codecs: list[dict[str, Any]] = [_BYTES_CODEC, _CRC_CODEC]
         else:
@@ -208,7 +211,7 @@ class ArrayPlan:
         return json.dumps(self.metadata(), indent=2).encode()
 
     @classmethod
-    def from_metadata(cls, raw: bytes, entry: TensorEntry, where: str) -> "ArrayPlan":
+    def from_metadata(cls, raw: bytes, entry: TensorEntry, where: str) -> ArrayPlan:
         """Parse an array document written by :meth:`metadata_bytes` and check it against the index entry."""
         try:
             doc = json.loads(raw.decode("utf-8"))
@@ -226,13 +229,20 @@ class ArrayPlan:
                 f"{where}: array has shape {list(shape)} and dtype {dtype}, the index says {list(entry.shape)} "
                 f"{entry.dtype} for tensor {entry.name!r}"
             )
-        if len(shard) != len(shape) or any(s < 1 for s in shard) or any(s > max(n, 1) for s, n in zip(shard, shape)) or (
-            inner is not None and (len(inner) != len(shard) or any(i < 1 or s % i for i, s in zip(inner, shard)))
+        if (
+            len(shard) != len(shape)
+            or any(s < 1 for s in shard)
+            or any(s > max(n, 1) for s, n in zip(shard, shape))
+            or (inner is not None and (len(inner) != len(shard) or any(i < 1 or s % i for i, s in zip(inner, shard))))
         ):
-            raise DataFileError(f"{where}: chunk grid {list(shard)} / inner chunks {inner} do not fit shape {list(shape)}")
+            raise DataFileError(
+                f"{where}: chunk grid {list(shard)} / inner chunks {inner} do not fit shape {list(shape)}"
+            )
         plan = cls(entry.name, entry.shape, entry.dtype, shard, inner)
         if plan.metadata_bytes() != bytes(raw):
-            raise DataFileError(f"{where}: array document is not in the layout moeckpt writes (codecs or encoding differ)")
+            raise DataFileError(
+                f"{where}: array document is not in the layout moeckpt writes (codecs or encoding differ)"
+            )
         if plan.n_cells() > MAX_CELLS_PER_ARRAY:
             raise DataFileError(f"{where}: chunk grid {list(shard)} makes more than {MAX_CELLS_PER_ARRAY} objects")
         return plan
@@ -331,13 +341,15 @@ def _run(fn: Callable[[T], Any], items: Sequence[T], threads: int) -> None:
 
 
 def _missing(storage: Storage, relpath: str, what: str) -> DataFileError:
-    return DataFileError(f"{storage.path(relpath)}: {what} is missing (listed in the index); the checkpoint is incomplete")
+    return DataFileError(
+        f"{storage.path(relpath)}: {what} is missing (listed in the index); the checkpoint is incomplete"
+    )
 
 
 def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Read one cell, or rows ``[r0, r1)`` of its dim 0, verifying the crc32c of every chunk read."""
     box_shape = tuple(ref.box.shape)
-    r0, r1 = (rows if rows is not None and box_shape else (0, box_shape[0] if box_shape else 1))
+    r0, r1 = rows if rows is not None and box_shape else (0, box_shape[0] if box_shape else 1)
     shape = ref.stored_shape or box_shape  # an edge cell is stored padded to the chunk shape
     data = _read_stored(storage, ref, shape, r0, r1)
     if shape == box_shape:
@@ -387,7 +399,9 @@ def _read_stored(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: in
                 )
             index_raw, base = data[:head], head
         else:
-            index_raw, data = storage.read_ranges([(ref.file, 0, head), (ref.file, head + k0 * chunk, head + k1 * chunk)])
+            index_raw, data = storage.read_ranges(
+                [(ref.file, 0, head), (ref.file, head + k0 * chunk, head + k1 * chunk)]
+            )
             base = 0
     except FileNotFoundError:
         raise _missing(storage, ref.file, f"shard of tensor {ref.tensor!r}") from None
@@ -447,7 +461,9 @@ class ZarrBackend(BackendBase):
         self._plans: dict[str, dict[str, ArrayPlan]] = {}
 
     # -- writing -----------------------------------------------------------------------------------------
-    def plan(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> dict[str, ArrayPlan]:
+    def plan(
+        self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]
+    ) -> dict[str, ArrayPlan]:
         """Compute (without I/O) and remember the storage plan of every tensor; every rank gets the same."""
         check_tensor_names(tensors)
         plans = {name: plan_array(entry, boxes.get(name, [])) for name, entry in tensors.items()}
@@ -469,7 +485,9 @@ class ZarrBackend(BackendBase):
         threads = WRITE_THREADS_LOCAL if storage.is_local else WRITE_THREADS_REMOTE
         _run(lambda d: storage.write_parts(d[0], [d[1]]), docs, threads)
 
-    def _plans_for(self, storage: Storage, tensors: dict[str, TensorEntry], names: Iterable[str]) -> dict[str, ArrayPlan]:
+    def _plans_for(
+        self, storage: Storage, tensors: dict[str, TensorEntry], names: Iterable[str]
+    ) -> dict[str, ArrayPlan]:
         known = self._plans.get(storage.location)
         if known is None:
             known = self._remember(storage.location, {})
@@ -520,7 +538,9 @@ class ZarrBackend(BackendBase):
             try:
                 raws = storage.read_ranges([(p, None, None) for p in paths])
             except FileNotFoundError:
-                raise DataFileError(f"{storage.location}: zarr array documents are missing; was prepare() run?") from None
+                raise DataFileError(
+                    f"{storage.location}: zarr array documents are missing; was prepare() run?"
+                ) from None
             docs.update(zip(paths, (bytes(r) for r in raws)))
         return list(files) + [FileEntry(path=p, size=len(b), checksum=checksum(b)) for p, b in sorted(docs.items())]
 
@@ -606,7 +626,8 @@ def _refs(plan: ArrayPlan) -> list[PieceRef]:
         nbytes = cell.numel * item
         block = max(1, band_rows * row_bytes) if plan.shape else max(1, nbytes)
         out.append(
-            PieceRef(plan.tensor, cell, plan.dtype, plan.key(cell), 0, nbytes, (), block, plan.inner, plan.stored_shape(cell))
+            PieceRef(
+                plan.tensor, cell, plan.dtype, plan.key(cell), 0, nbytes, (), block, plan.inner, plan.stored_shape(cell)
+            )
         )
     return out
-

@@ -6,8 +6,9 @@ import mmap
 import os
 import shutil
 import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, BinaryIO, Iterator, Sequence
+from typing import Any, BinaryIO
 
 from ..commit import CommitStrategy, RenameStagingDir
 from ..errors import DestinationNotEmptyError, StorageError
@@ -25,7 +26,7 @@ class LocalStorage(Storage):
         del fs, retry  # no filesystem object and no retries: the OS reports its errors at once
         self.location = os.path.abspath(strip_file_scheme(location).rstrip("/") or "/")
 
-    def child(self, relpath: str) -> "LocalStorage":
+    def child(self, relpath: str) -> LocalStorage:
         return LocalStorage(join(self.location, relpath))
 
     @property
@@ -90,7 +91,7 @@ class LocalStorage(Storage):
                 out[os.path.relpath(full, root).replace(os.sep, "/")] = os.path.getsize(full)
         return out
 
-    def open_reader(self) -> "LocalFiles":
+    def open_reader(self) -> LocalFiles:
         return LocalFiles(self)
 
     # -- writing ---------------------------------------------------------------------------------------
@@ -106,7 +107,7 @@ class LocalStorage(Storage):
                 os.fsync(f.fileno())
         except (StorageError, KeyboardInterrupt):
             raise
-        except Exception as e:  # noqa: BLE001 - the body's own errors too: named with the file being written
+        except Exception as e:  # the body's own errors too: named with the file being written
             raise storage_error(e, "writing", target) from e
 
     def write_parts(self, relpath: str, parts: Sequence[bytes | bytearray | memoryview], *, fsync: bool = True) -> None:
@@ -119,7 +120,7 @@ class LocalStorage(Storage):
                 if fsync:
                     f.flush()
                     os.fsync(f.fileno())
-        except Exception as e:  # noqa: BLE001 - named with the file being written
+        except Exception as e:  # named with the file being written
             raise storage_error(e, "writing", target) from e
 
     def makedirs(self, relpath: str = "") -> None:
@@ -161,9 +162,9 @@ class LocalFiles:
     """The read session of local disk: files kept open for ``preadv`` (thread-safe on one descriptor), private
     mappings, and kernel read-ahead hints.
 
-    Opening a file for every 4 MB chunk cost a sixth of an offline reshard's samples, hence the open files; reading
-    with ``preadv`` into the caller's (uninitialised) buffer spares the zero-filled ``bytearray`` of
-    :meth:`LocalStorage.read_range`, a quarter of a load's wall time.
+    Opening a file for every chunk showed in the profiles of offline reshards, hence the open files; reading with
+    ``preadv`` into the caller's (uninitialised) buffer spares the zero-filled ``bytearray`` of
+    :meth:`LocalStorage.read_range`, whose memset was a large part of a load (figures: docs/benchmarks/README.md).
     """
 
     direct = True

@@ -16,13 +16,15 @@ process left (``moeckpt gc`` and the trainer's retention abort them).
 from __future__ import annotations
 
 import datetime
+import functools
 import logging
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Iterator
+from typing import Any, BinaryIO
 
 from ..errors import StorageError
 from ..storage import one_line, storage_error
@@ -119,7 +121,7 @@ def _tracked_fs_class() -> type:
         return _FS_CLASS
     import s3fs
 
-    class TrackedS3FileSystem(s3fs.S3FileSystem):  # type: ignore[misc]
+    class TrackedS3FileSystem(s3fs.S3FileSystem):
         """Every S3 request of s3fs passes through ``_call_s3``: the one place to see uploads start and end."""
 
         @property
@@ -202,7 +204,7 @@ class S3Storage(FsspecStorage):
                 self._remote(put, "uploading", relpath)
         except (StorageError, KeyboardInterrupt):
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise storage_error(e, "writing", target) from e
 
     def _pipe_kwargs(self) -> dict[str, Any]:
@@ -238,9 +240,11 @@ class S3Storage(FsspecStorage):
         than ``older_than_s`` seconds: an upload still receiving parts belongs to a save in flight."""
         prefix = self._fspath().rstrip("/")
         bucket, _, key_prefix = prefix.partition("/")
-        now = datetime.datetime.now(datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.UTC)
         out: list[S3Upload] = []
-        for u in self._list("list_multipart_uploads", "Uploads", Bucket=bucket, Prefix=key_prefix + "/" if key_prefix else ""):
+        for u in self._list(
+            "list_multipart_uploads", "Uploads", Bucket=bucket, Prefix=key_prefix + "/" if key_prefix else ""
+        ):
             age = _age(now, u.get("Initiated"))
             if age < older_than_s:
                 continue
@@ -255,14 +259,17 @@ class S3Storage(FsspecStorage):
         """The items of a paginated S3 listing (``list_multipart_uploads`` or ``list_parts``)."""
         markers: dict[str, Any] = {}
         while True:
-            page = self._remote(lambda: self.fs.call_s3(method, **kwargs, **markers), f"calling {method}")
+            page = self._remote(functools.partial(self.fs.call_s3, method, **kwargs, **markers), f"calling {method}")
             yield from page.get(field, []) or []
             if not page.get("IsTruncated"):
                 return
             if method == "list_parts":
                 markers = {"PartNumberMarker": page.get("NextPartNumberMarker", 0)}
             else:
-                markers = {"KeyMarker": page.get("NextKeyMarker", ""), "UploadIdMarker": page.get("NextUploadIdMarker", "")}
+                markers = {
+                    "KeyMarker": page.get("NextKeyMarker", ""),
+                    "UploadIdMarker": page.get("NextUploadIdMarker", ""),
+                }
 
     def abort_upload(self, upload: Any) -> None:
         if not isinstance(upload, S3Upload):

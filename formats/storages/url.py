@@ -8,8 +8,9 @@ becomes a :class:`~moeckpt.formats.errors.StorageError` at once, with one line t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from typing import Any, BinaryIO, Callable, Iterator, Sequence, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from ..commit import CommitStrategy, IndexLast
 from ..errors import StorageError
@@ -46,7 +47,7 @@ class FsspecStorage(Storage):
         fs, _ = fsspec.core.url_to_fs(self.location)
         return fs
 
-    def child(self, relpath: str) -> "FsspecStorage":
+    def child(self, relpath: str) -> FsspecStorage:
         return type(self)(join(self.location, relpath), fs=self.fs, retry=self.retry)
 
     @property
@@ -73,7 +74,7 @@ class FsspecStorage(Storage):
             except FileNotFoundError:
                 self._missing_container(what)
                 raise
-            except Exception as e:  # noqa: BLE001 - fsspec backends raise anything; we classify and name it
+            except Exception as e:  # fsspec backends raise anything; we classify and name it
                 if not _retry.is_transient(e) or attempt + 1 == policy.attempts:
                     raise storage_error(e, what, self.path(relpath), attempts=attempt + 1) from e
                 time.sleep(policy.delay(attempt))
@@ -92,7 +93,7 @@ class FsspecStorage(Storage):
             return int(self._remote(lambda: self.fs.size(self._fspath(relpath)), "reading the size", relpath))
         except (FileNotFoundError, StorageError):
             raise
-        except Exception as e:  # noqa: BLE001 - storage backends raise anything; we name the location
+        except Exception as e:  # storage backends raise anything; we name the location
             raise storage_error(e, "reading the size", self.path(relpath)) from e
 
     def read_range(self, relpath: str, start: int, end: int) -> bytearray:
@@ -103,7 +104,7 @@ class FsspecStorage(Storage):
             )
         except (FileNotFoundError, StorageError):
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise storage_error(e, what, self.path(relpath)) from e
 
     def read_bytes(self, relpath: str) -> bytes:
@@ -111,7 +112,7 @@ class FsspecStorage(Storage):
             return bytes(self._remote(lambda: self.fs.cat_file(self._fspath(relpath)), "reading", relpath))
         except (FileNotFoundError, StorageError):
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise storage_error(e, "reading", self.path(relpath)) from e
 
     def read_ranges(self, ranges: Sequence[tuple[str, int | None, int | None]]) -> list[bytearray]:
@@ -150,7 +151,7 @@ class FsspecStorage(Storage):
             return names
         except StorageError:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise storage_error(e, "listing", self.path(relpath)) from e
 
     def list_files(self, relpath: str = "") -> dict[str, int]:
@@ -183,7 +184,7 @@ class FsspecStorage(Storage):
                     raise
         except (StorageError, KeyboardInterrupt):
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise storage_error(e, "writing", self.path(relpath)) from e
         finally:
             if failed:
@@ -223,5 +224,5 @@ class FsspecStorage(Storage):
             self._remote(rm, "removing", relpath)
         except StorageError:
             raise
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise storage_error(e, "removing", self.path(relpath)) from e

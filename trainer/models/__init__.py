@@ -44,7 +44,7 @@ class ModelSpec:
         return {"arch": self.arch, "config": self.config.to_json()}
 
     @classmethod
-    def from_json(cls, value: dict, where: str = "model config") -> "ModelSpec":
+    def from_json(cls, value: dict, where: str = "model config") -> ModelSpec:
         """Parse ``{"arch": ..., "config": {...}}`` strictly: an unknown key (at the top or inside "config") is an
         error, never silently dropped (a flat ``{"arch": "zaya", "hidden_size": 64}`` used to become ZAYA1-8B)."""
         if not isinstance(value, dict):

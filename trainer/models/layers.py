@@ -48,7 +48,7 @@ class Shard:
             raise ValueError(f"ep_rank={self.ep_rank} must be in [0, ep={self.ep})")
 
     @classmethod
-    def for_rank(cls, layout, rank: int) -> "Shard":
+    def for_rank(cls, layout, rank: int) -> Shard:
         """The shard that ``rank`` holds in a :class:`~moeckpt.reshard.layout.Layout` (its TP and EP coordinates)."""
         c = layout.coords(rank)
         return cls(tp=layout.tp, tp_rank=c.tp_rank, ep=layout.ep, ep_rank=c.ep_rank)
@@ -378,9 +378,10 @@ def cross_entropy(
 ) -> torch.Tensor:
     """Mean token cross-entropy in fp32 over targets that are not :data:`IGNORE_INDEX` (0 when there are none).
 
-    With ``split``, ``logits`` is one rank's vocabulary slice starting at ``vocab_start``: the log-sum-exp and the target logit are then assembled with ``comm``
-    (the vocabulary-parallel loss), so the full logits never exist. Over the whole vocabulary it is PyTorch's fused
-    cross-entropy on the fp32 logits, which is what transformers computes: the hand-assembled form would make
+    With ``split``, ``logits`` is one rank's vocabulary slice starting at ``vocab_start``: the log-sum-exp and the
+    target logit are then assembled with ``comm`` (the vocabulary-parallel loss), so the full logits never exist.
+    Over the whole vocabulary it is PyTorch's fused cross-entropy on the fp32 logits, which is what transformers
+    computes: the hand-assembled form would make
     about five more passes over the ``[tokens, vocab]`` fp32 logits, forward and backward, the largest tensor of
     a training step.
     """

@@ -44,7 +44,7 @@ class Qwen3MoeConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, value: dict) -> "Qwen3MoeConfig":
+    def from_json(cls, value: dict) -> Qwen3MoeConfig:
         return config_from_json(cls, value)
 
 

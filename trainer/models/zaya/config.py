@@ -49,7 +49,7 @@ class ZayaConfig:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, value: dict) -> "ZayaConfig":
+    def from_json(cls, value: dict) -> ZayaConfig:
         return config_from_json(cls, value)
 
 
