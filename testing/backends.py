@@ -123,9 +123,10 @@ class BackendTests:
     def test_read_session_rows_equal_read_piece(self, location, backend_name):
         save_toy(location, Layout(tp=2, ep=2, dp=2), backend_name)
         reader = CheckpointReader(location)
+        refs = sorted(reader.pieces(), key=lambda r: (r.tensor, r.box))
         session = reader.open_reader()
         try:
-            for ref in reader.pieces():
+            for ref in refs[:: max(1, len(refs) // 48)]:  # every kind of piece, in a bounded number of requests
                 n = ref.box.shape[0] if ref.box.ndim else 1
                 for lo, hi in {(0, n), (n // 2, n), (0, max(1, n // 3))}:
                     if hi <= lo:

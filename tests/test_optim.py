@@ -228,6 +228,7 @@ def _distributed_matches_reference(rank: int) -> None:
                 _close(p.tensor, state[p.box.slices()], 2e-6, f"{layout} {name} {p.box}")
 
 
+@pytest.mark.slow
 def test_distributed_layouts_match_single_process_adamw():
     run_local_world(_distributed_matches_reference, 4, timeout_s=120)
 

@@ -127,6 +127,7 @@ def _check_groups(rank: int) -> None:
             assert dist.get_rank(getattr(g, kind)) == g.rank_in(kind) == mine.index(rank)
 
 
+@pytest.mark.slow
 def test_groups_reduce_over_the_right_ranks():
     run_local_world(_check_groups, 4, timeout_s=90)
 
@@ -137,6 +138,7 @@ def _fail_on_rank_one(rank: int) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow
 def test_a_failing_rank_fails_the_world_without_hanging():
     # Rank 0 fails too (its barrier loses its peer); the report must name the root cause, whichever exit the
     # parent happens to notice first.
