@@ -23,7 +23,7 @@ INDEX_NAME = "moeckpt.json"
 FORMAT_NAME = "moeckpt"
 FORMAT_VERSION = 1
 BACKENDS = ("safetensors", "zarr")
-ROLES = ("param", "master", "exp_avg", "exp_avg_sq", "buffer")
+ROLES = ("param", "master", "exp_avg", "exp_avg_sq", "momentum", "buffer")
 
 
 def check_relative_path(path: object, where: str) -> str:
@@ -52,7 +52,8 @@ class TensorEntry:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    #: ``param`` (model weight), ``master`` (fp32 master copy), ``exp_avg``/``exp_avg_sq`` (AdamW moments), ``buffer``.
+    #: ``param`` (model weight), ``master`` (fp32 master copy), ``exp_avg``/``exp_avg_sq`` (AdamW moments),
+    #: ``momentum`` (Muon's momentum buffer), ``buffer``.
     role: str
     #: the model parameter this tensor belongs to (equal to ``name`` for ``role == "param"``).
     param: str

@@ -17,7 +17,7 @@ from .layout import Layout
 from .rules import ShardingRule, check_rule, tp_ranges
 
 #: roles whose tensors ZeRO-1 splits across the (expert-)data-parallel group.
-ZERO_ROLES = frozenset({"master", "exp_avg", "exp_avg_sq"})
+ZERO_ROLES = frozenset({"master", "exp_avg", "exp_avg_sq", "momentum"})
 
 
 def rule_of(entry: TensorEntry) -> ShardingRule:
