@@ -247,7 +247,7 @@ class ZeroMuon(ZeroAdamW):
     def comm_bytes(self) -> dict[str, int]:
         out = super().comm_bytes()
         size = torch.empty((), dtype=self._ns_dtype).element_size()
-        out["muon_exchange"] = (self._fwd.send.numel() + self._back.send.numel()) * size if self._exchanging else 0
+        out["muon_exchange"] = (self._fwd.send.numel() + self._back.send.numel()) * size
         return out
 
 
