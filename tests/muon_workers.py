@@ -13,12 +13,11 @@ import math
 import zlib
 
 import torch
-
+from moeckpt.formats.index import TensorEntry
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import model_parallel_boxes
 from moeckpt.reshard.rules import ShardingRule, TpSplit
 from moeckpt.reshard.tensors import Matrices, ParamSpec
-from moeckpt.formats.index import TensorEntry
 
 M = Matrices()
 #: every kind of rule and of matrix: column/row TP, experts with fused gate/up blocks split by TP, experts split on
@@ -134,7 +133,6 @@ def reference(data_ranks: int, config, steps: int = len(LRS), specs=SPECS):
 def distributed_matches_reference(rank: int, schemes: tuple[str, ...], ns_dtypes: tuple[str, ...], tol: dict) -> None:
     """ZeroMuon in this world's layout (:data:`LAYOUTS`) against :func:`reference`, parameters and momentum."""
     import torch.distributed as dist
-
     from moeckpt.trainer.muon import MuonConfig, ZeroMuon
     from moeckpt.trainer.optim import AdamWConfig
     from moeckpt.trainer.parallel import ParallelGroups, build_groups

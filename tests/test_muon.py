@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-
 from moeckpt.formats.box import covers_exactly_once
 from moeckpt.formats.errors import LayoutError
 from moeckpt.formats.index import TensorEntry
@@ -21,7 +20,16 @@ from moeckpt.trainer.muon_plan import families, rank_plan
 from moeckpt.trainer.optim import AdamWConfig
 from moeckpt.trainer.parallel import ParallelGroups, run_local_world
 
-from .muon_workers import LAYOUTS, LRS, SPECS, distributed_matches_reference, grad, initial, local_of, reference
+from .muon_workers import (
+    LAYOUTS,
+    LRS,
+    SPECS,
+    distributed_matches_reference,
+    grad,
+    initial,
+    local_of,
+    reference,
+)
 
 
 def test_newton_schulz_is_torch_muons_iteration_batched_or_not():
