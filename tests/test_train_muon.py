@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
+from moeckpt.trainer.elastic_drill import CPU_DRILL_KILL_AT, CPU_DRILL_STEPS, cpu_drill_args, run_shrink_grow_drill
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.optimizers import OptimizerMismatchError
 from moeckpt.trainer.parallel import run_local_world
@@ -89,9 +91,8 @@ def test_tp2_dp4_matches_single_process(reference, tmp_path):
     assert _losses(tmp_path / "run") == pytest.approx(reference["losses"], abs=ATOL)
 
 
-@pytest.mark.slow
 def test_shrink_and_grow_as_resumes_in_other_world_sizes(reference, tmp_path):
-    """What an elastic job does (the drill in benchmarks/bench_muon.py runs the real agents): 4 workers to step 3,
+    """What an elastic job does (test_elastic_drill_under_muon runs the real agents): 4 workers to step 3,
     2 after losing half of them to step 6, 4 again to the end; each world resumes the previous one's checkpoint."""
     run = tmp_path / "run"
     run_local_world(train_runs, 4, [_config(run, ep=2, stop_at=3)], timeout_s=300)
@@ -171,3 +172,27 @@ def test_train_config_refuses_hostile_optimizer_fields(tmp_path):
                          ("reset_optimizer", "yes")):
         with pytest.raises(ValueError, match=field):
             TrainConfig(model="zaya-tiny", run_dir=str(tmp_path), **{field: value})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the drill walks /proc to kill a node")
+def test_elastic_drill_under_muon(tmp_path):
+    """The CPU drill of trainer/elastic_drill.py with --optimizer muon: real torchrun agents, one node killed, one
+    joining; the world shrinks to 2 workers and grows back to 4, each resuming Muon's state resharded."""
+    run = str(tmp_path / "run")
+    steps = CPU_DRILL_STEPS  # long enough for node C to join before the survivors finish
+    result = run_shrink_grow_drill(run, cpu_drill_args(run, steps=steps) + ["--optimizer", "muon"], nproc=2,
+                                   kill_at_step=CPU_DRILL_KILL_AT, timeout_s=400)
+    logs = "\n".join(f"--- node {n}\n{text[-3000:]}" for n, text in result.logs.items())
+    assert result.exit_codes == {"A": 0, "C": 0}, logs
+    worlds = [w for _, w in result.worlds()]
+    assert "4,2,4" in ",".join(map(str, worlds)), (worlds, logs)  # node A may train a step alone before B joins
+    assert result.steps()[-1]["step"] == steps
+    index = CheckpointReader(run).index
+    assert index.train_state["optimizer"]["name"] == "muon" and index.layout["dp"] == 4
+    # the steps lost with node B are trained again by 2 workers from the same weights and momentum
+    by_world: dict[int, dict[int, float]] = {}
+    for r in result.steps():
+        by_world.setdefault(r["world"], {})[r["step"]] = r["loss"]
+    again = {s: loss for s, loss in by_world.get(2, {}).items() if s in by_world.get(4, {})}
+    assert again and all(abs(loss - by_world[4][s]) < 1e-4 for s, loss in again.items()), (again, by_world)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
-
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index

@@ -163,9 +163,9 @@ class TrainConfig:
             parse_fault(spec)
         if self.resume_reads not in RESUME_READS:
             raise ValueError(f"resume_reads={self.resume_reads!r} must be one of {', '.join(RESUME_READS)}")
-        if self.optimizer not in OPTIMIZERS or self.muon_scheme not in SCHEMES:
-            raise ValueError(f"optimizer={self.optimizer!r} must be one of {', '.join(OPTIMIZERS)} and muon_scheme="
-                             f"{self.muon_scheme!r} one of {', '.join(SCHEMES)}")
+        for name, allowed in (("optimizer", OPTIMIZERS), ("muon_scheme", SCHEMES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
         m = self.muon_momentum
         if type(m) not in (int, float) or not 0 <= m < 1:
             raise ValueError(f"muon_momentum={m!r} must be a number in [0, 1)")
