@@ -16,7 +16,7 @@ from moeckpt.reshard.placement import rank_boxes
 from moeckpt.reshard.tensors import Matrices, ParamSpec, tensor_name
 from moeckpt.trainer.models import presets
 from moeckpt.trainer.muon import MuonConfig, ZeroMuon, newton_schulz
-from moeckpt.trainer.muon_plan import families, rank_plan
+from moeckpt.trainer.muon_plan import families, rank_plan, receives, sends
 from moeckpt.trainer.optim import AdamWConfig
 from moeckpt.trainer.parallel import ParallelGroups, run_local_world
 
@@ -145,18 +145,14 @@ def test_every_ranks_plan_agrees_with_the_others(model, scheme):
             except LayoutError:
                 continue
         plans = [rank_plan(specs, layout, r, scheme) for r in range(layout.world)]
-        fams = {}
-        index = 0
-        for s in specs:
-            for f in families(s, index):
-                fams[f.index] = f
-            index += max(len(families(s, index)), 1)
+        fams = plans[0].families
         for a in plans:
+            assert a.families == fams
             for b in plans:
                 if a.rank != b.rank:
                     for kind in ("forward", "backward"):
-                        sent = [t for t in a.sends(getattr(a, kind)) if t.dst == b.rank]
-                        got = [t for t in b.receives(getattr(b, kind)) if t.src == a.rank]
+                        sent = [t for t in sends(getattr(a, kind), a.rank) if t.dst == b.rank]
+                        got = [t for t in receives(getattr(b, kind), b.rank) if t.src == a.rank]
                         assert sent == got, (layout, kind, a.rank, b.rank)
         computed: dict[tuple[int, int], list[int]] = {}
         for p in plans:
@@ -202,21 +198,11 @@ def test_assignment_keeps_whole_experts_at_home_and_balances():
     layout = Layout(tp=1, ep=2, dp=4)
     plans = [rank_plan(specs, layout, r, "assign") for r in range(layout.world)]
     for p in plans:
-        assert not [t for t in p.forward if "experts" in _param_of(specs, t.family) and t.src != t.dst]
+        assert not [t for t in p.forward if "experts" in p.families[t.family].param and t.src != t.dst]
     loads = [sum(len(ms) * r * c * min(r, c) for (r, c), ms in p.computes.items()) for p in plans]
     biggest = max(r * c * min(r, c) for s in specs for f in families(s, 0) for r, c in [f.shape])
     assert max(loads) - min(loads) <= biggest, loads
     assert spec.config.num_experts == 4
-
-
-def _param_of(specs, family: int) -> str:
-    index = 0
-    for s in specs:
-        fs = families(s, index)
-        if any(f.index == family for f in fs):
-            return s.name
-        index += max(len(fs), 1)
-    raise KeyError(family)
 
 
 # ------------------------------------------------------------------------------------------- rules and state

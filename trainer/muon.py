@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
 from moeckpt.formats.errors import LayoutError
 from moeckpt.reshard.tensors import ParamSpec
 
-from .muon_plan import SCHEMES, Family, RankPlan, Transfer, families, rank_plan
+from .muon_plan import SCHEMES, RankPlan, Transfer, rank_plan, receives, sends
 from .optim import AdamWConfig, ZeroAdamW
 from .parallel import ParallelGroups
 from .zero import _Param
@@ -146,8 +146,6 @@ class ZeroMuon(ZeroAdamW):
         return "muon"
 
     def describe(self) -> dict:
-        from dataclasses import asdict
-
         return {"name": self.name, "hyperparameters": asdict(self.muon)}
 
     # ------------------------------------------------------------------------------------------ exchange set-up
@@ -160,13 +158,7 @@ class ZeroMuon(ZeroAdamW):
         layout, rank = self.groups.layout, self.groups.coords.rank
         plan: RankPlan = rank_plan(specs, layout, rank, self.muon.scheme)
         self.plan = plan
-        fams: dict[int, Family] = {}
-        index = 0
-        for s in specs:  # the numbering rank_plan uses
-            fs = families(s, index)
-            index += max(len(fs), 1)
-            fams.update((f.index, f) for f in fs)
-        self._families = fams
+        fams = plan.families
         by_param = {p.name: p for p in muon}
         bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._muon_buckets = [b for b in self._buckets if b.rule == "muon"]
@@ -265,14 +257,13 @@ class _Exchange:
 
     @classmethod
     def build(cls, transfers: list[Transfer], rank: int, world: int, dtype, device, *, source, target) -> _Exchange:
-        dummy = RankPlan(rank=rank, computes={}, forward=[], backward=[])
-        sends, recvs = dummy.sends(transfers), dummy.receives(transfers)
-        send = torch.zeros(sum(t.numel for t in sends), dtype=dtype, device=device)
-        recv = torch.zeros(sum(t.numel for t in recvs), dtype=dtype, device=device)
+        out, into = sends(transfers, rank), receives(transfers, rank)
+        send = torch.zeros(sum(t.numel for t in out), dtype=dtype, device=device)
+        recv = torch.zeros(sum(t.numel for t in into), dtype=dtype, device=device)
         send_splits, recv_splits = [0] * world, [0] * world
         pack, unpack = [], []
         offset = 0
-        for t in sends:
+        for t in out:
             pack.append((source(t), send[offset : offset + t.numel].view(t.shape)))
             send_splits[t.dst] += t.numel
             offset += t.numel
@@ -280,7 +271,7 @@ class _Exchange:
             if t.src == t.dst == rank:
                 pack.append((source(t), target(t)))
         offset = 0
-        for t in recvs:
+        for t in into:
             unpack.append((recv[offset : offset + t.numel].view(t.shape), target(t)))
             recv_splits[t.src] += t.numel
             offset += t.numel

@@ -32,7 +32,7 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import geometry
 from moeckpt.reshard.tensors import Matrices, ParamSpec, tensor_name
 
-__all__ = ["SCHEMES", "Family", "RankPlan", "Transfer", "families", "matrix_pieces", "rank_plan"]
+__all__ = ["SCHEMES", "Family", "RankPlan", "Transfer", "families", "matrix_pieces", "rank_plan", "receives", "sends"]
 
 #: the exchange schemes (``MuonConfig.scheme``).
 SCHEMES = ("assign", "gather")
@@ -151,6 +151,8 @@ class RankPlan:
     """
 
     rank: int
+    #: every family of the plan, by index.
+    families: dict[int, Family]
     computes: dict[tuple[int, int], list[tuple[int, int]]]
     forward: list[Transfer]
     backward: list[Transfer]
@@ -159,13 +161,16 @@ class RankPlan:
         """``(family, matrix)`` -> ``(shape, index in that shape's stack)`` for what this rank computes."""
         return {m: (shape, i) for shape, ms in self.computes.items() for i, m in enumerate(ms)}
 
-    def sends(self, transfers: Iterable[Transfer]) -> list[Transfer]:
-        """``transfers`` this rank sends to others, in buffer order (by destination, then family and box)."""
-        return sorted((t for t in transfers if t.src == self.rank != t.dst), key=lambda t: (t.dst, t.family, t.offsets))
 
-    def receives(self, transfers: Iterable[Transfer]) -> list[Transfer]:
-        """``transfers`` this rank receives from others, in buffer order (by source, then family and box)."""
-        return sorted((t for t in transfers if t.dst == self.rank != t.src), key=lambda t: (t.src, t.family, t.offsets))
+def sends(transfers: Iterable[Transfer], rank: int) -> list[Transfer]:
+    """The ``transfers`` ``rank`` sends to others, in buffer order (by destination, then family and box)."""
+    return sorted((t for t in transfers if t.src == rank != t.dst), key=lambda t: (t.dst, t.family, t.offsets))
+
+
+def receives(transfers: Iterable[Transfer], rank: int) -> list[Transfer]:
+    """The ``transfers`` ``rank`` receives from others, in buffer order (by source, then family and box): what
+    the sender's :func:`sends` lists for it, in the same order."""
+    return sorted((t for t in transfers if t.dst == rank != t.src), key=lambda t: (t.src, t.family, t.offsets))
 
 
 def _cost(shape: tuple[int, int]) -> int:
@@ -265,4 +270,5 @@ def rank_plan(specs: Sequence[ParamSpec], layout: Layout, rank: int, scheme: str
                         backward.append((Transfer(fam, box.offsets, box.shape, a, h), e, 1))
             elif rank in hs:
                 backward.append((Transfer(fam, box.offsets, box.shape, rank, rank), e, 1))
-    return RankPlan(rank=rank, computes=computes, forward=_merge(forward, fams), backward=_merge(backward, fams))
+    return RankPlan(rank=rank, families=fams, computes=computes, forward=_merge(forward, fams),
+                    backward=_merge(backward, fams))

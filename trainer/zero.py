@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -452,6 +452,4 @@ class ZeroOptimizer:
     def describe(self) -> dict:
         """Which optimizer this is and its hyperparameters, as JSON: what a checkpoint records as having written
         its optimizer state (``train_state["optimizer"]``, next to :meth:`state_dict`)."""
-        from dataclasses import asdict
-
         return {"name": self.name, "hyperparameters": asdict(self.config)}
