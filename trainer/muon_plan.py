@@ -242,7 +242,7 @@ def rank_plan(specs: Sequence[ParamSpec], layout: Layout, rank: int, scheme: str
     tp = layout.tp
     if scheme == "assign":
         owner = assignment(matrices)
-        computing = {k: (owner[k],) for k in matrices}
+        computing: dict[tuple[int, int], tuple[int, ...]] = {k: (owner[k],) for k in matrices}
     else:
         computing = {k: tuple(sorted({h for _, hs in pieces for h in hs})) for k, (_, pieces) in matrices.items()}
     computes: dict[tuple[int, int], list[tuple[int, int]]] = {}

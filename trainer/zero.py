@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -99,7 +100,8 @@ class _Bucket:
     rule: str  # the update rule, e.g. "adamw" or "muon"
     params: list[_Param]
     total: int = 0
-    master: torch.Tensor | None = None  # fp32 [total] (a copy, or for fp32 parameters the owned values)
+    #: fp32 [total] (a copy, or for fp32 parameters the owned values); allocated with the bucket.
+    master: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     #: the rule's fp32 [total] state tensors, by checkpoint role (``exp_avg``, ``momentum``, ...).
     state: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -169,7 +171,11 @@ class ZeroOptimizer:
         self.groups = groups
         self.config = config
         self.steps = 0
-        spec_map = dict(specs) if isinstance(specs, Mapping) else {s.name: s for s in specs}
+        spec_map: dict[str, ParamSpec] = {}
+        if isinstance(specs, Mapping):
+            spec_map.update(specs)
+        else:
+            spec_map.update((s.name, s) for s in cast(Iterable[ParamSpec], specs))
         self._params: dict[str, _Param] = {}
         for name, tensor in params:
             spec = spec_map.get(name)
@@ -414,7 +420,7 @@ class ZeroOptimizer:
         tensors are live fp32 views, so a loader fills the optimizer by copying into them, then calls
         :meth:`load_params_from_master` (when masters were loaded) to refresh the parameters.
         """
-        out = []
+        out: list[StatePiece] = []
         for b in self._buckets:
             for p in b.params:
                 for role in self.roles(p.name):
@@ -426,7 +432,7 @@ class ZeroOptimizer:
     def param_pieces(self) -> list[StatePiece]:
         """Every box of every parameter this rank holds (``rank_boxes`` of role ``param``), as views of the local
         parameters: what a checkpoint saves from, and loads into, for the model's weights."""
-        out = []
+        out: list[StatePiece] = []
         for p in self._params.values():
             local = p.tensor.detach()
             out.extend(StatePiece(p.name, "param", box, local[sl]) for box, sl in p.param_boxes)
