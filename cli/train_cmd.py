@@ -6,6 +6,8 @@ import click
 
 from moeckpt.trainer.launch import Elastic, run_torchrun, under_torchrun
 from moeckpt.trainer.metrics import read_metrics
+from moeckpt.trainer.muon_plan import SCHEMES
+from moeckpt.trainer.optimizers import OPTIMIZERS
 from moeckpt.trainer.train import DTYPES, RESUME_READS, TrainConfig, check_launch, run_model, train
 
 from .common import FormatChoice
@@ -55,7 +57,8 @@ EP_DEGREE = _EpDegree()
 @click.option("--seq-len", type=click.IntRange(min=1), default=64, show_default=True, help="tokens per sample")
 @click.option("--lr", type=float, default=3e-3, show_default=True, help="peak learning rate")
 @click.option("--warmup-steps", type=click.IntRange(min=0), default=10, show_default=True, help="linear warmup steps")
-@click.option("--weight-decay", type=float, default=0.1, show_default=True, help="AdamW weight decay")
+@click.option("--weight-decay", type=float, default=0.1, show_default=True,
+              help="decoupled weight decay of the matrices (AdamW and Muon)")
 @click.option("--max-grad-norm", type=float, default=1.0, show_default=True, help="clip the global gradient norm (0: off)")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="fp32", show_default=True, help="parameter dtype")
 @click.option("--sync-save", is_flag=True, help="persist checkpoints in the training thread (default: background)")
@@ -81,11 +84,23 @@ EP_DEGREE = _EpDegree()
               help="resuming, the ranks exchange replicated pieces over the process group (each stored byte read once), "
                    "read their own, or auto: own on one host with a local checkpoint (the page cache shares the reads), "
                    "else exchange")
+@click.option("--optimizer", type=click.Choice(OPTIMIZERS), default="adamw", show_default=True,
+              help="adamw, or muon: Muon for the hidden weight matrices, AdamW for the rest, with the same --lr")
+@click.option("--muon-momentum", type=float, default=0.95, show_default=True, help="Muon's (Nesterov) momentum")
+@click.option("--muon-ns-steps", type=click.IntRange(min=1, max=99), default=5, show_default=True,
+              help="Muon's Newton-Schulz iterations")
+@click.option("--muon-scheme", type=click.Choice(SCHEMES), default="assign", show_default=True,
+              help="where a matrix's pieces meet for Newton-Schulz: assign (one rank each, balanced) or gather "
+                   "(every rank holding part of it)")
+@click.option("--reset-optimizer", is_flag=True,
+              help="resuming from another optimizer's checkpoint: keep its weights and start the optimizer fresh "
+                   "(refused otherwise)")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
               help="elastic run: how often this node's agent restarts its workers (each node loss or join is one)")
 def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, save_every, fmt, seed, global_batch, seq_len,
             lr, warmup_steps, weight_decay, max_grad_norm, dtype, sync_save, keep_last, cpu, inject, hang_timeout,
-            max_nan_rollbacks, nnodes, rdzv_endpoint, rdzv_id, rdzv_conf, init_from, resume_reads, max_restarts) -> None:
+            max_nan_rollbacks, nnodes, rdzv_endpoint, rdzv_id, rdzv_conf, init_from, resume_reads, optimizer,
+            muon_momentum, muon_ns_steps, muon_scheme, reset_optimizer, max_restarts) -> None:
     """Train MODEL in layout (tp, ep, dp = world / tp), resuming from the newest checkpoint in RUN_DIR.
 
     World = nproc on one machine; with --nnodes MIN:MAX --rdzv-endpoint HOST:PORT (the same command on every
@@ -103,7 +118,8 @@ def command(model, data, data_dtype, run_dir, tp, ep, nproc, steps, stop_at, sav
             seq_len=seq_len, lr=lr, warmup_steps=warmup_steps, weight_decay=weight_decay,
             max_grad_norm=max_grad_norm, dtype=dtype, async_save=not sync_save, keep_last=keep_last, cpu=cpu,
             inject=tuple(inject), hang_timeout_s=hang_timeout, max_nan_rollbacks=max_nan_rollbacks,
-            init_from=init_from, resume_reads=resume_reads,
+            init_from=init_from, resume_reads=resume_reads, optimizer=optimizer, muon_momentum=muon_momentum,
+            muon_ns_steps=muon_ns_steps, muon_scheme=muon_scheme, reset_optimizer=reset_optimizer,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None

@@ -52,7 +52,8 @@ class TensorEntry:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    #: ``param`` (model weight), ``master`` (fp32 master copy), ``exp_avg``/``exp_avg_sq`` (AdamW moments), ``buffer``.
+    #: ``param`` (model weight), ``master`` (fp32 master copy), ``exp_avg``/``exp_avg_sq`` (AdamW moments),
+    #: ``momentum`` (Muon's momentum buffer), ``buffer``.
     role: str
     #: the model parameter this tensor belongs to (equal to ``name`` for ``role == "param"``).
     param: str

@@ -15,16 +15,22 @@ MASTER = "master"
 EXP_AVG = "exp_avg"
 #: AdamW's second moment.
 EXP_AVG_SQ = "exp_avg_sq"
+#: Muon's momentum buffer.
+MOMENTUM = "momentum"
 #: any other tensor of the model's state (not trained, replicated like a parameter).
 BUFFER = "buffer"
 
 #: every role the index accepts, in the order the format documents them.
-ROLES = (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ, BUFFER)
-#: AdamW's moments, kept for every parameter.
+ROLES = (PARAM, MASTER, EXP_AVG, EXP_AVG_SQ, MOMENTUM, BUFFER)
+#: AdamW's moments, kept for every parameter AdamW steps.
 MOMENT_ROLES = (EXP_AVG, EXP_AVG_SQ)
-#: the optimizer's state: the masters and the moments.
-OPTIMIZER_ROLES = (MASTER, *MOMENT_ROLES)
+#: Muon's state, kept for every matrix Muon steps.
+MUON_ROLES = (MOMENTUM,)
+#: the optimizer's state: the masters, AdamW's moments and Muon's momentum.
+OPTIMIZER_ROLES = (MASTER, *MOMENT_ROLES, *MUON_ROLES)
 #: roles whose tensors ZeRO-1 splits along dim 0 across the (expert-)data-parallel group.
 ZERO_ROLES = frozenset(OPTIMIZER_ROLES)
 #: what a training run saves and restores: parameters and the optimizer's state.
 TRAINING_ROLES = (PARAM, *OPTIMIZER_ROLES)
+#: what a run that starts its optimizer afresh restores: the weights (parameters and fp32 masters).
+WEIGHT_ROLES = (PARAM, MASTER)

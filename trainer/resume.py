@@ -17,11 +17,12 @@ import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError
-from moeckpt.formats.roles import MASTER, TRAINING_ROLES
+from moeckpt.formats.roles import MASTER, TRAINING_ROLES, WEIGHT_ROLES
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, exchange_pays, load_rank_state
 
-from .optim import StatePiece, ZeroAdamW
+from .optimizers import check_resume_optimizer
+from .zero import StatePiece, ZeroOptimizer
 
 __all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "exchanges", "load_pieces", "restore"]
 
@@ -52,6 +53,8 @@ class Restored:
     stats: LoadStats
     #: whether the ranks exchanged replicated pieces (else each read its own bytes).
     exchanged: bool = False
+    #: the checkpoint's optimizer state was another optimizer's and was not loaded (``reset_optimizer``).
+    optimizer_reset: bool = False
 
 
 def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layout, rank: int, *,
@@ -89,7 +92,8 @@ def exchanges(reads: str, location: str, group) -> bool:
 
 
 @torch.no_grad()
-def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None, reads: str = "auto") -> Restored:
+def restore(location: str, optimizer: ZeroOptimizer, *, model_json: dict, group=None, reads: str = "auto",
+            reset_optimizer: bool = False) -> Restored:
     """Load the checkpoint at ``location`` into ``optimizer``'s parameters and state (this rank's boxes).
 
     ``model_json`` (``ModelSpec.to_json()``) must match the checkpoint's model; ``group`` (a gloo group of the
@@ -106,6 +110,7 @@ def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None
             f"{location}: the checkpoint holds model {index.model.get('arch')!r} with another config than this run's "
             f"{model_json.get('arch')!r}; pass the run's original --model or use a new --run-dir"
         )
+    load_state = check_resume_optimizer(reader.location, index, optimizer.name, reset_optimizer)
     groups = optimizer.groups
     layout, rank = groups.layout, groups.coords.rank
     stats = LoadStats()
@@ -114,7 +119,8 @@ def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None
     if missing:
         raise ResumeError(f"{location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
     state_pieces = optimizer.pieces()
-    loaded = load_pieces(reader, params + state_pieces, layout, rank, roles=TRAINING_ROLES, group=group, stats=stats,
+    loaded = load_pieces(reader, params + state_pieces, layout, rank,
+                         roles=TRAINING_ROLES if load_state else WEIGHT_ROLES, group=group, stats=stats,
                          exchange=exchange)
     masters = {p.name for p in state_pieces if p.role == MASTER}
     if masters and masters <= loaded:
@@ -125,7 +131,9 @@ def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None
         optimizer.load_master_from_params()
     train_state = dict(index.train_state or {})
     opt_state = train_state.get("optimizer")
-    if isinstance(opt_state, dict):
+    if not load_state:
+        optimizer.reset_state()
+    elif isinstance(opt_state, dict):
         optimizer.load_state_dict(opt_state)
     return Restored(
         location=reader.location,
@@ -134,4 +142,5 @@ def restore(location: str, optimizer: ZeroAdamW, *, model_json: dict, group=None
         source_layout=Layout.from_json(index.layout),
         stats=stats,
         exchanged=exchange,
+        optimizer_reset=not load_state,
     )

@@ -41,7 +41,10 @@ from .faults import FaultInjector, parse_fault
 from .init_values import initial_value
 from .metrics import MetricsLog
 from .models import ModelSpec, resolve_model
-from .optim import AdamWConfig, ZeroAdamW
+from .muon import MuonConfig
+from .muon_plan import SCHEMES
+from .optim import AdamWConfig
+from .optimizers import OPTIMIZERS, build_optimizer, check_run_optimizer
 from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
 from .preemption import PreemptionFlag
 from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore
@@ -103,7 +106,7 @@ class TrainConfig:
     warmup_steps: int = 10
     #: the cosine decays to ``lr * min_lr_ratio`` at the last step.
     min_lr_ratio: float = 0.1
-    #: AdamW decoupled weight decay (matrices only).
+    #: decoupled weight decay (matrices only), shared by AdamW and Muon.
     weight_decay: float = 0.1
     #: gradient clipping by global norm (0 disables).
     max_grad_norm: float = 1.0
@@ -132,6 +135,16 @@ class TrainConfig:
     #: checkpoint is on a local path and every rank runs on one host (its page cache already reads each byte from
     #: the device once; the exchange only adds copies), else ``exchange`` (see ``reshard.load.exchange_pays``).
     resume_reads: str = "auto"
+    #: ``adamw``, or ``muon``: Muon for the hidden weight matrices, AdamW for the rest, one lr (docs/trainer.md).
+    optimizer: str = "adamw"
+    #: Muon's momentum coefficient (Nesterov).
+    muon_momentum: float = 0.95
+    #: Muon's Newton-Schulz iterations.
+    muon_ns_steps: int = 5
+    #: where Muon's matrices meet: ``assign`` (each to one rank, balanced) or ``gather`` (every rank holding part).
+    muon_scheme: str = "assign"
+    #: resuming from another optimizer's state: keep the weights, start this run's optimizer fresh (else refused).
+    reset_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if not self.model and not self.init_from:
@@ -152,6 +165,16 @@ class TrainConfig:
             parse_fault(spec)
         if self.resume_reads not in RESUME_READS:
             raise ValueError(f"resume_reads={self.resume_reads!r} must be one of {', '.join(RESUME_READS)}")
+        for name, allowed in (("optimizer", OPTIMIZERS), ("muon_scheme", SCHEMES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
+        m = self.muon_momentum
+        if type(m) not in (int, float) or not 0 <= m < 1:
+            raise ValueError(f"muon_momentum={m!r} must be a number in [0, 1)")
+        if type(self.muon_ns_steps) is not int or not 1 <= self.muon_ns_steps < 100:
+            raise ValueError(f"muon_ns_steps={self.muon_ns_steps!r} must be an integer in [1, 99]")
+        if type(self.reset_optimizer) is not bool:
+            raise ValueError(f"reset_optimizer={self.reset_optimizer!r} must be true or false")
         if self.hang_timeout_s < 0 or self.max_nan_rollbacks < 0:
             raise ValueError("hang_timeout_s and max_nan_rollbacks must be >= 0")
         for name in ("tp", "ep", "global_batch", "seq_len", "keep_last"):
@@ -195,6 +218,7 @@ def check_launch(config: TrainConfig, nproc: int) -> None:
     """Refuse, before any process starts, a model, layout or data file that cannot work with ``nproc`` processes
     (each worker would otherwise fail alone, behind torchrun's generic exit code)."""
     check_run_dir(config)
+    check_run_optimizer(config.run_dir, config.init_from, config.optimizer, config.reset_optimizer)
     spec = run_model(config)
     layout = choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
     if config.global_batch % layout.dp:
@@ -235,11 +259,10 @@ class Trainer:
         self.model = build_parallel_model(self.spec, self.groups).to(device=device, dtype=dtype)
         self.model.train()
         params = self.spec.param_specs()
-        self.optimizer = ZeroAdamW(
-            self.model.named_parameters(),
-            params,
-            self.groups,
+        self.optimizer = build_optimizer(
+            config.optimizer, self.model.named_parameters(), params, self.groups,
             AdamWConfig(weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm or None),
+            muon=MuonConfig(momentum=config.muon_momentum, ns_steps=config.muon_ns_steps, scheme=config.muon_scheme),
         )
         self._init_weights(params)
         warmup = min(config.warmup_steps, config.steps)
@@ -257,7 +280,8 @@ class Trainer:
             seed=config.seed,
         )
         param_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-        self.tensors: dict[str, TensorEntry] = logical_tensors(params, param_dtype=param_dtype, with_optimizer=True)
+        self.tensors: dict[str, TensorEntry] = logical_tensors(params, param_dtype=param_dtype,
+                                                               optimizer_roles=self.optimizer.roles)
         self.checkpoints = CheckpointManager(
             config.run_dir,
             tensors=self.tensors,
@@ -319,14 +343,16 @@ class Trainer:
             "bytes_read": sum(r[0] for r in everyone), "bytes_needed": sum(r[1] for r in everyone),
             "state_bytes": sum(e.nbytes for e in self.tensors.values()), "exchanged": restored.exchanged,
             "time": time.time(),
-            "seconds": max(r[2] for r in everyone),
+            "seconds": max(r[2] for r in everyone), "optimizer_reset": restored.optimizer_reset,
         })
         if self.rank == 0:
             st = restored.stats
             print(
                 f"moeckpt: resumed {restored.location} (step {self.step}, written in layout {restored.source_layout}) "
                 f"into layout {self.groups.layout}: rank 0 read {st.bytes_read / 1e6:.2f} MB for "
-                f"{st.bytes_needed / 1e6:.2f} MB of state in {st.seconds:.2f} s",
+                f"{st.bytes_needed / 1e6:.2f} MB of state in {st.seconds:.2f} s"
+                + (f"; its optimizer state is not {self.optimizer.name}'s: started fresh" if restored.optimizer_reset
+                   else ""),
                 file=sys.stderr,
                 flush=True,
             )
@@ -334,7 +360,7 @@ class Trainer:
     def _start_from(self, location: str) -> None:
         """Load ``init_from``'s parameters and optimizer state (resharded, collective); the run starts at step 0."""
         restored = restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
-                reads=self.config.resume_reads)
+                reads=self.config.resume_reads, reset_optimizer=self.config.reset_optimizer)
         self.metrics.write({
             "event": "init_from", "location": restored.location, "checkpoint_step": restored.step,
             "from_layout": restored.source_layout.to_json(), "to_layout": self.groups.layout.to_json(),
@@ -364,7 +390,7 @@ class Trainer:
         for step, location in candidates:
             try:
                 return restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
-                reads=self.config.resume_reads)
+                reads=self.config.resume_reads, reset_optimizer=self.config.reset_optimizer)
             except DAMAGED_CHECKPOINT_ERRORS as e:
                 # Every rank gets the same error class from a collective load, so all of them fall back together.
                 self._set_aside_damaged(step, location, e)
@@ -395,7 +421,7 @@ class Trainer:
             "consumed_samples": self.loader.consumed_samples,
             "data": self.loader.state_dict(),
             "schedule": self.schedule.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": {**self.optimizer.state_dict(), **self.optimizer.describe()},
             "seed": self.config.seed,
             "global_batch": self.config.global_batch,
             "seq_len": self.config.seq_len,

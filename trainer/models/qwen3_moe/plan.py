@@ -2,18 +2,24 @@
 
 Experts are fused as in transformers 5 (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``, ``mlp.experts.down_proj``
 ``[E, H, I]``); the per-expert layout of transformers 4 is handled by the Hugging Face mapping.
+
+``matrix=`` marks the hidden weight matrices Muon orthogonalizes: q, k, v, o and every expert's gate, up and down
+matrix on its own; the embedding, the untied head and the router's classifier (``mlp.gate``) stay element-wise.
 """
 
 from __future__ import annotations
 
 from moeckpt.reshard.rules import ShardingRule, TpSplit
-from moeckpt.reshard.tensors import ParamSpec
+from moeckpt.reshard.tensors import Matrices, ParamSpec
 
 from .config import Qwen3MoeConfig
 
 
 def _split(dim: int, **kw) -> ShardingRule:
     return ShardingRule(tp=TpSplit(dim=dim, **kw))
+
+
+MATRIX = Matrices()
 
 
 def param_specs(cfg: Qwen3MoeConfig) -> list[ParamSpec]:
@@ -26,19 +32,21 @@ def param_specs(cfg: Qwen3MoeConfig) -> list[ParamSpec]:
         p = f"model.layers.{layer}."
         a = p + "self_attn."
         out += [
-            ParamSpec(name=a + "q_proj.weight", shape=(q, h), rule=_split(0)),
-            ParamSpec(name=a + "k_proj.weight", shape=(kv, h), rule=_split(0)),
-            ParamSpec(name=a + "v_proj.weight", shape=(kv, h), rule=_split(0)),
-            ParamSpec(name=a + "o_proj.weight", shape=(h, q), rule=_split(1)),
+            ParamSpec(name=a + "q_proj.weight", shape=(q, h), rule=_split(0), matrix=MATRIX),
+            ParamSpec(name=a + "k_proj.weight", shape=(kv, h), rule=_split(0), matrix=MATRIX),
+            ParamSpec(name=a + "v_proj.weight", shape=(kv, h), rule=_split(0), matrix=MATRIX),
+            ParamSpec(name=a + "o_proj.weight", shape=(h, q), rule=_split(1), matrix=MATRIX),
             ParamSpec(name=a + "q_norm.weight", shape=(hd,), init="ones"),
             ParamSpec(name=a + "k_norm.weight", shape=(hd,), init="ones"),
             ParamSpec(
                 name=p + "mlp.experts.gate_up_proj",
                 shape=(e, 2 * i, h),
                 rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=1, blocks=(i, i))),
+                matrix=Matrices(batch_dim=0, blocks=(i, i)),
             ),
             ParamSpec(
-                name=p + "mlp.experts.down_proj", shape=(e, h, i), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2))
+                name=p + "mlp.experts.down_proj", shape=(e, h, i), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2)),
+                matrix=Matrices(batch_dim=0),
             ),
             ParamSpec(name=p + "mlp.gate.weight", shape=(e, h)),
             ParamSpec(name=p + "input_layernorm.weight", shape=(h,), init="ones"),
