@@ -23,8 +23,8 @@ import itertools
 import math
 import re
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import LayoutError
@@ -66,7 +66,7 @@ class MeshPlacement:
         return f"SS({self.dim},{self.split_factor})"
 
     @classmethod
-    def from_json(cls, value: object, where: str = "placement") -> "MeshPlacement":
+    def from_json(cls, value: object, where: str = "placement") -> MeshPlacement:
         if value == "R":
             return cls("R")
         m = _PLACEMENT.fullmatch(value) if isinstance(value, str) else None
@@ -227,3 +227,32 @@ def _expand(coord: list[int], free: list[int], mesh_shape: Sequence[int], stride
 def name_seed(name: str) -> int:
     """The writer rotation seed of a tensor (stable across processes, unlike ``hash``)."""
     return zlib.crc32(name.encode())
+
+
+def entry_placements(entry) -> tuple[MeshPlacement, ...]:
+    """The parsed placements of a tensor entry with a mesh sharding (``entry.mesh`` set)."""
+    mesh = entry.mesh
+    return parse_placements(entry.sharding.get("placements"), len(entry.shape), len(mesh.shape), f"tensor {entry.name!r}")
+
+
+def entry_pieces(entry) -> list[tuple[Box, int]]:
+    """``(box, writer rank)`` of every distinct stored box of a mesh-sharded tensor entry, in box order."""
+    mesh = entry.mesh
+    geo = mesh_geometry(entry.shape, mesh.shape, entry_placements(entry))
+    seed = name_seed(entry.name)
+    return [(b, geo.writer(i, mesh.ranks, seed)) for i, b in enumerate(geo.boxes)]
+
+
+def entry_rank_boxes(entry, rank: int) -> list[Box]:
+    """The non-empty boxes ``rank`` holds of a mesh-sharded tensor entry (none if the rank is not in its mesh)."""
+    mesh = entry.mesh
+    try:
+        flat = mesh.ranks.index(rank)
+    except ValueError:
+        return []
+    coord = []
+    for n in reversed(mesh.shape):
+        flat, r = divmod(flat, n)
+        coord.append(r)
+    coord.reverse()
+    return [b for b, _ in local_boxes(entry.shape, mesh.shape, coord, entry_placements(entry)) if not b.is_empty()]

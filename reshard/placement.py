@@ -13,6 +13,7 @@ from typing import Sequence
 from moeckpt.formats.box import Box
 from moeckpt.formats.index import TensorEntry
 
+from . import mesh
 from .layout import Layout
 from .rules import ShardingRule, check_rule, tp_ranges
 
@@ -25,6 +26,9 @@ def rule_of(entry: TensorEntry) -> ShardingRule:
 
 
 def check_tensor(entry: TensorEntry, layout: Layout) -> None:
+    if entry.mesh is not None:  # a device-mesh sharding does not depend on the layout; its placements must parse
+        mesh.entry_placements(entry)
+        return
     check_rule(rule_of(entry), entry.shape, layout.tp, layout.ep, entry.name)
 
 
@@ -81,7 +85,10 @@ _RANK_CACHE: dict[tuple, tuple[Box, ...]] = {}
 
 
 def rank_boxes(entry: TensorEntry, layout: Layout, rank: int) -> list[Box]:
-    """Every box of ``entry`` that ``rank`` holds in ``layout`` (its local tensor, as boxes)."""
+    """Every box of ``entry`` that ``rank`` holds in ``layout`` (its local tensor, as boxes); a tensor with a
+    device-mesh sharding ignores ``layout`` (its mesh says where it lives)."""
+    if entry.mesh is not None:
+        return mesh.entry_rank_boxes(entry, rank)
     # Same-structure tensors (one parameter in every layer) hold the same boxes: computed once, shared.
     key = (entry.shape, entry.role in ZERO_ROLES, entry.sharding_key, layout, rank)
     found = _RANK_CACHE.get(key)
@@ -160,6 +167,8 @@ def placements(entry: TensorEntry, layout: Layout) -> list[Placement]:
     written once; the writer rotates over the replicas with the piece index and the tensor name, so the write
     volume spreads evenly over the ranks.
     """
+    if entry.mesh is not None:
+        return [_placement(b, w) for b, w in mesh.entry_pieces(entry)]
     key = (entry.name, entry.shape, entry.role, entry.sharding_key, layout)
     cached = _CACHE.get(key)
     if cached is None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from moeckpt.formats.errors import CheckpointIndexError, UnsafePathError, UnsupportedVersionError
+from moeckpt.formats.errors import (
+    CheckpointIndexError,
+    UnsafePathError,
+    UnsupportedVersionError,
+)
 from moeckpt.formats.index import Index, MeshEntry, TensorEntry
 
 

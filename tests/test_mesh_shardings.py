@@ -15,16 +15,21 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from moeckpt.formats.box import covers_exactly_once
 from moeckpt.formats.errors import LayoutError
-from moeckpt.reshard.mesh import MeshPlacement, local_boxes, local_shape, mesh_geometry, parse_placements
+from moeckpt.reshard.mesh import (
+    MeshPlacement,
+    local_boxes,
+    local_shape,
+    mesh_geometry,
+    parse_placements,
+)
 
 pytest.importorskip("torch.distributed.tensor")
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor  # noqa: E402
-from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 
 def _torch_placement(p: MeshPlacement):
