@@ -32,7 +32,7 @@ from moeckpt.formats.storage import is_url
 from .collectives import all_gather_json
 from .executor import PREFETCH_BYTES, ChunkReader, fill, paused_gc, reads_started_ahead, single_threaded_torch
 from .layout import Layout
-from .placement import model_parallel_boxes, rule_of
+from .placement import is_stored, model_parallel_boxes, rule_of
 from .planner import ReshardPlan, SourcePiece, plan_load
 
 #: a load reads in larger chunks than the offline executor: a box that is one whole chunk is kept without a copy.
@@ -169,7 +169,7 @@ def _stored_refs(reader: CheckpointReader, names: list[str]) -> dict[tuple[str, 
     regular grid (ZAYA's fused q/k convolution bias at tp 2: blocks of 32 and 16) a placement spans several
     cells, so the load plans from the cells its documents list, read once here.
     """
-    if reader.index.backend == "safetensors":
+    if reader.index.backend == "safetensors" and not any(is_stored(reader.index.tensors[n]) for n in names):
         return None
     return {(ref.tensor, ref.box): ref for ref in reader.pieces(tensors=set(names))}
 

@@ -17,17 +17,36 @@ from . import mesh
 from .layout import Layout
 from .rules import ShardingRule, check_rule, tp_ranges
 
+#: the sharding of a tensor whose pieces and their writers are listed only by the data files' headers (what a
+#: ``dcp.save`` through ``moeckpt.dcp.StorageWriter`` writes: DCP picks the writer of each replicated chunk).
+STORED = {"pieces": "stored"}
+
+
+def is_stored(entry: TensorEntry) -> bool:
+    """Whether ``entry``'s pieces must be read from the data files' headers (no rule computes them)."""
+    return entry.sharding == STORED
+
+
 #: roles whose tensors ZeRO-1 splits across the (expert-)data-parallel group.
 ZERO_ROLES = frozenset({"master", "exp_avg", "exp_avg_sq"})
 
 
 def rule_of(entry: TensorEntry) -> ShardingRule:
+    if is_stored(entry) or entry.mesh is not None:
+        from moeckpt.formats.errors import LayoutError
+
+        raise LayoutError(
+            f"tensor {entry.name!r} has no layout rule (its sharding is {entry.sharding}): it holds a library or DCP "
+            "state dict, not a bundled model's layout; load it with moeckpt.load, or give --model to map it"
+        )
     return ShardingRule.from_json(entry.sharding, f"tensor {entry.name!r}")
 
 
 def check_tensor(entry: TensorEntry, layout: Layout) -> None:
     if entry.mesh is not None:  # a device-mesh sharding does not depend on the layout; its placements must parse
         mesh.entry_placements(entry)
+        return
+    if is_stored(entry):
         return
     check_rule(rule_of(entry), entry.shape, layout.tp, layout.ep, entry.name)
 

@@ -37,7 +37,8 @@ from .executor import (
 )
 from .load import READ_THREADS, LoadStats, _refs_for
 from .mesh import local_boxes
-from .planner import plan_boxes
+from .placement import is_stored
+from .planner import SourcePiece, plan_boxes
 from .state_dict import Leaf, StateDictError, flatten, leaf_of, set_flat
 
 __all__ = ["load_state_dict"]
@@ -147,10 +148,29 @@ def load_state_dict(
     return dict(reader.index.train_state)
 
 
+def needs_listing(reader: CheckpointReader, name: str) -> bool:
+    """Whether the stored pieces of ``name`` are found by listing them (zarr cells, DCP-written pieces) rather
+    than computed from its sharding rule."""
+    return reader.index.backend != "safetensors" or is_stored(reader.index.tensors[name])
+
+
 def _read_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats) -> None:
-    plan = plan_boxes(reader.index, {rank: [(leaf.key, box) for leaf, box, _ in wanted]})
+    names = {leaf.key for leaf, _, _ in wanted}
+    listed = {n for n in names if needs_listing(reader, n)}
+    stored = {(r.tensor, r.box): r for r in reader.pieces(tensors=listed)} if listed else None
+    sources = None
+    if stored is not None:
+        sources = {n: [] for n in listed}
+        for ref in stored.values():
+            sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, 0))
+    plan = plan_boxes(reader.index, {rank: [(leaf.key, box) for leaf, box, _ in wanted]}, sources=sources)
     (rank_plan,) = plan.ranks
-    refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads}, None)
+    refs = {}
+    by_rule = {r.source for p in rank_plan.pieces for r in p.reads if stored is None or r.tensor not in listed}
+    refs.update(_refs_for(reader, by_rule, None))
+    if stored is not None:
+        refs.update({(r.tensor, r.src_box): stored[(r.tensor, r.src_box)]
+                     for p in rank_plan.pieces for r in p.reads if r.tensor in listed})
     views = [view for _, _, view in wanted]
     with ChunkReader(reader, refs, read_threads=READ_THREADS, clip=True) as chunks:
         for pos, piece in reads_started_ahead(rank_plan.pieces, reader.index, chunks, PREFETCH_BYTES):

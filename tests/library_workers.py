@@ -173,3 +173,48 @@ def fsdp_train(rank: int, dp: int, tp: int, out_dir: str, path: str, mode: str) 
     if rank == 0:
         with open(os.path.join(out_dir, f"{mode}-{dp}x{tp}.json"), "w") as f:
             json.dump(losses, f)
+
+
+# -- torch DCP through moeckpt.dcp -------------------------------------------------------------------------------
+
+def dcp_save_on_mesh(rank: int, path: str, mesh_shape, specs: dict, writer: str) -> None:
+    """``dcp.save`` arange DTensors through ``moeckpt.dcp.StorageWriter`` (``writer="moeckpt"``) or DCP's own
+    FileSystemWriter (``"dcp"``), or ``moeckpt.save`` (``"library"``)."""
+    import torch.distributed.checkpoint as dcp
+
+    import moeckpt
+    import moeckpt.dcp
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = _mesh(mesh_shape)
+    full = full_values({k: s for k, (s, _) in specs.items()})
+    sd = {"model": {k: distribute_tensor(full[k], mesh, _placements(p), src_data_rank=None)
+                    for k, (_, p) in specs.items()}, "step": 7}
+    if writer == "moeckpt":
+        dcp.save(sd, storage_writer=moeckpt.dcp.StorageWriter(path))
+    elif writer == "dcp":
+        dcp.save(sd, checkpoint_id=path)
+    else:
+        moeckpt.save(sd, path)
+
+
+def dcp_load_on_mesh(rank: int, path: str, mesh_shape, specs: dict, out_dir: str, reader: str) -> None:
+    """Load into DTensors on another mesh with ``dcp.load`` through ``moeckpt.dcp.StorageReader`` (``reader=
+    "moeckpt"``) or with ``moeckpt.load`` (``"library"``); report whether every tensor equals the full one."""
+    import torch.distributed.checkpoint as dcp
+
+    import moeckpt
+    import moeckpt.dcp
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = _mesh(mesh_shape)
+    full = full_values({k: s for k, (s, _) in specs.items()})
+    sd = {"model": {k: distribute_tensor(torch.full(full[k].shape, -1.0), mesh, _placements(p), src_data_rank=None)
+                    for k, (_, p) in specs.items()}, "step": 0}
+    if reader == "moeckpt":
+        dcp.load(sd, storage_reader=moeckpt.dcp.StorageReader(path))
+    else:
+        moeckpt.load(sd, path)
+    ok = {k: bool(torch.equal(d.full_tensor(), full[k])) for k, d in sd["model"].items()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"ok": ok, "step": sd["step"]}, f)
