@@ -183,7 +183,8 @@ def _mesh_of(key: str, item: list, by_mesh: dict[tuple[int, ...], list[int]]) ->
 def rank_pieces(plan: SavePlan) -> list[tuple[str, Box, torch.Tensor]]:
     """``(key, box, view of the local tensor)`` of every box this rank writes."""
     out = []
-    for key, leaf in plan.leaves.items():
+    for key in sorted(plan.leaves):  # in key order whatever the state dict's order: a file's bytes are determined
+        leaf = plan.leaves[key]
         entry = plan.index.tensors[key]
         mesh = entry.mesh
         if mesh is None:  # unreachable: _merge gives every tensor of a state-dict checkpoint a mesh
@@ -197,7 +198,7 @@ def rank_pieces(plan: SavePlan) -> list[tuple[str, Box, torch.Tensor]]:
             continue
         coord = _coord(flat, mesh.shape)
         local = leaf.local.detach()
-        for box, offsets in local_boxes(entry.shape, mesh.shape, coord, placements):
+        for box, offsets in sorted(local_boxes(entry.shape, mesh.shape, coord, placements)):
             if box in mine:
                 view = local[tuple(slice(o, o + s) for o, s in zip(offsets, box.shape))] if box.ndim else local
                 out.append((key, box, view))

@@ -218,3 +218,23 @@ def dcp_load_on_mesh(rank: int, path: str, mesh_shape, specs: dict, out_dir: str
     ok = {k: bool(torch.equal(d.full_tensor(), full[k])) for k, d in sd["model"].items()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"ok": ok, "step": sd["step"]}, f)
+
+
+def save_golden_state(rank: int, path: str) -> None:
+    """The state of tests/test_golden_v2.py as four ranks of a 2 x 2 mesh hold it, saved with moeckpt.save."""
+    import moeckpt
+    from torch.distributed.tensor import distribute_tensor
+
+    from .test_golden_v2 import _full
+
+    mesh = _mesh((2, 2))
+    full = _full()
+    sd = {
+        "model": {
+            "w": distribute_tensor(full["model.w"], mesh, _placements(["SS(0,2)", "S(0)"]), src_data_rank=None),
+            "b": distribute_tensor(full["model.b"], mesh, _placements(["S(0)", "R"]), src_data_rank=None),
+        },
+        "optim": {"state": {"w": {"step": full["optim.state.w.step"].clone()}}},
+        "step": 3,
+    }
+    moeckpt.save(sd, path, step=3)
