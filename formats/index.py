@@ -23,7 +23,10 @@ from .roles import ROLES
 
 INDEX_NAME = "moeckpt.json"
 FORMAT_NAME = "moeckpt"
-FORMAT_VERSION = 1
+#: the newest version this moeckpt reads; it writes 1 unless the index needs what 2 added (device meshes).
+FORMAT_VERSION = 2
+#: the version an index with device-mesh shardings is written as.
+MESH_FORMAT_VERSION = 2
 
 
 def check_relative_path(path: object, where: str) -> str:
@@ -45,6 +48,66 @@ def check_relative_path(path: object, where: str) -> str:
     return path
 
 
+def check_tensor_name(name: object, where: str) -> str:
+    """Refuse a tensor name that could not be a path component sequence inside a checkpoint.
+
+    Names become paths in the zarr backend (``exp_avg/model.layers.0.w`` is a zarr group and an array), so a name
+    with a ``..``, ``.`` or empty component, a leading ``/``, a backslash or a control character could escape the
+    checkpoint or collide; such a name is refused on write and on read alike.
+    """
+    if not isinstance(name, str) or not name:
+        raise UnsafePathError(f"{where}: a tensor name must be a non-empty string, got {name!r}")
+    bad = next((c for c in name if ord(c) < 0x20 or ord(c) == 0x7F), None)
+    if (
+        name.startswith("/")
+        or "\\" in name
+        or bad is not None
+        or any(part in ("", ".", "..") for part in name.split("/"))
+    ):
+        raise UnsafePathError(
+            f"{where}: tensor name {name!r} is not a safe name (no '..', '.' or empty '/'-separated parts, no leading "
+            "'/', backslash or control character); rename the key"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class MeshEntry:
+    """A device mesh: the global ranks of an n-d grid, row-major (what ``DeviceMesh.mesh`` holds)."""
+
+    shape: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not self.shape or any(type(n) is not int or n < 1 for n in self.shape):
+            raise CheckpointIndexError(f"mesh shape {list(self.shape)} must be a non-empty list of positive integers")
+        if len(self.ranks) != math.prod(self.shape):
+            raise CheckpointIndexError(
+                f"mesh of shape {list(self.shape)} lists {len(self.ranks)} ranks, not {math.prod(self.shape)}"
+            )
+        if any(type(r) is not int or r < 0 for r in self.ranks) or len(set(self.ranks)) != len(self.ranks):
+            raise CheckpointIndexError("mesh ranks must be distinct non-negative integers")
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "ranks": list(self.ranks)}
+
+    @classmethod
+    def from_json(cls, value: object, where: str) -> MeshEntry:
+        if not isinstance(value, dict) or set(value) != {"shape", "ranks"}:
+            raise CheckpointIndexError(f'{where}: a mesh is {{"shape": [...], "ranks": [...]}}, got {value!r}')
+        shape, ranks = value["shape"], value["ranks"]
+        if not isinstance(shape, list) or not isinstance(ranks, list):
+            raise CheckpointIndexError(f"{where}: mesh 'shape' and 'ranks' must be lists")
+        try:
+            return cls(tuple(shape), tuple(ranks))
+        except CheckpointIndexError as e:
+            raise CheckpointIndexError(f"{where}: {e}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class TensorEntry:
     """One logical tensor: layout-independent name, global shape, dtype, role and sharding rule."""
@@ -57,8 +120,12 @@ class TensorEntry:
     role: str
     #: the model parameter this tensor belongs to (equal to ``name`` for ``role == "param"``).
     param: str
-    #: JSON description of how the tensor is split across ranks (interpreted by ``moeckpt.reshard``).
+    #: JSON description of how the tensor is split across ranks (interpreted by ``moeckpt.reshard``): a layout
+    #: rule (``tp``, ``expert_dim``) or a device-mesh sharding (``mesh``: an index into :attr:`Index.meshes`,
+    #: ``placements``).
     sharding: dict[str, Any] = field(default_factory=dict)
+    #: the device mesh a mesh sharding refers to (resolved from the index's mesh table), else ``None``.
+    mesh: MeshEntry | None = None
 
     @property
     def numel(self) -> int:
@@ -84,8 +151,9 @@ class TensorEntry:
         }
 
     @classmethod
-    def from_json(cls, name: str, value: object) -> TensorEntry:
+    def from_json(cls, name: str, value: object, meshes: tuple[MeshEntry, ...] = ()) -> TensorEntry:
         where = f"tensor {name!r}"
+        check_tensor_name(name, "index")
         if not isinstance(value, dict):
             raise CheckpointIndexError(f"{where}: expected an object, got {type(value).__name__}")
         shape = value.get("shape")
@@ -100,6 +168,16 @@ class TensorEntry:
         sharding = value.get("sharding", {})
         if not isinstance(sharding, dict):
             raise CheckpointIndexError(f"{where}: 'sharding' must be an object, got {sharding!r}")
+        mesh = None
+        if "mesh" in sharding:
+            ref = sharding["mesh"]
+            if type(ref) is not int or not 0 <= ref < len(meshes):
+                raise CheckpointIndexError(
+                    f"{where}: sharding names mesh {ref!r}, but the index lists {len(meshes)} mesh(es)"
+                )
+            if set(sharding) != {"mesh", "placements"} or not isinstance(sharding["placements"], list):
+                raise CheckpointIndexError(f'{where}: a mesh sharding is {{"mesh": int, "placements": [...]}}')
+            mesh = meshes[ref]
         return cls(
             name=name,
             shape=tuple(shape),
@@ -107,6 +185,7 @@ class TensorEntry:
             role=role,
             param=param,
             sharding=sharding,
+            mesh=mesh,
         )
 
 
@@ -136,11 +215,25 @@ class Index:
     files: dict[str, FileEntry]
     #: step, consumed samples, scheduler, data position, seeds: whatever the trainer needs to continue.
     train_state: dict[str, Any] = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
+    #: the device meshes that mesh shardings refer to by position (format version 2).
+    meshes: tuple[MeshEntry, ...] = ()
+    #: the version the index was read as (or is written as: see :attr:`written_version`).
+    format_version: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in backend_names():
             raise CheckpointIndexError(f"index: unknown backend {self.backend!r}; known: {', '.join(backend_names())}")
+        for entry in self.tensors.values():
+            ref = entry.sharding.get("mesh")
+            if ref is not None and (
+                type(ref) is not int or not 0 <= ref < len(self.meshes) or entry.mesh != self.meshes[ref]
+            ):
+                raise CheckpointIndexError(f"index: tensor {entry.name!r} refers to mesh {ref!r} of its mesh table")
+
+    @property
+    def written_version(self) -> int:
+        """The format version this index is written as: 1, unless it has device meshes (2)."""
+        return MESH_FORMAT_VERSION if self.meshes else 1
 
     @property
     def nbytes(self) -> int:
@@ -150,12 +243,13 @@ class Index:
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,
-            "format_version": self.format_version,
+            "format_version": self.written_version,
             "backend": self.backend,
             "step": self.step,
             "layout": self.layout,
             "model": self.model,
             "train_state": self.train_state,
+            **({"meshes": [m.to_json() for m in self.meshes]} if self.meshes else {}),
             "tensors": {n: t.to_json() for n, t in sorted(self.tensors.items())},
             "files": {p: f.to_json() for p, f in sorted(self.files.items())},
         }
@@ -166,7 +260,10 @@ class Index:
         compact = lambda v: json.dumps(v, separators=(",", ":"))  # noqa: E731
         lines = []
         for key, value in doc.items():
-            if key in ("tensors", "files") and value:
+            if key == "meshes":
+                inner = ",\n".join(f"  {compact(m)}" for m in value)
+                lines.append(f" {compact(key)}:[\n{inner}\n ]")
+            elif key in ("tensors", "files") and value:
                 inner = ",\n".join(f"  {compact(k)}:{compact(v)}" for k, v in value.items())
                 lines.append(f" {compact(key)}:{{\n{inner}\n }}")
             else:
@@ -212,10 +309,16 @@ class Index:
         files_doc = doc.get("files")
         if not isinstance(tensors_doc, dict) or not isinstance(files_doc, dict):
             raise CheckpointIndexError(f"{where}: 'tensors' and 'files' must be objects")
+        meshes_doc = doc.get("meshes", [])
+        if version < MESH_FORMAT_VERSION and "meshes" in doc:
+            raise CheckpointIndexError(f"{where}: 'meshes' appear in format version {version}; they need version 2")
+        if not isinstance(meshes_doc, list):
+            raise CheckpointIndexError(f"{where}: 'meshes' must be a list")
+        meshes = tuple(MeshEntry.from_json(m, f"{where}: mesh {i}") for i, m in enumerate(meshes_doc))
         tensors = {}
         for name, value in tensors_doc.items():
             try:
-                tensors[name] = TensorEntry.from_json(name, value)
+                tensors[name] = TensorEntry.from_json(name, value, meshes)
             except CheckpointIndexError as e:
                 raise CheckpointIndexError(f"{where}: {e}") from None
         files = {}
@@ -242,5 +345,6 @@ class Index:
             tensors=tensors,
             files=files,
             train_state=train_state,
+            meshes=meshes,
             format_version=version,
         )

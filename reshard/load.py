@@ -35,6 +35,7 @@ from .collectives import all_gather_json
 from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
+from .placement import is_stored
 from .planner import ReshardPlan, SourcePiece, plan_load
 from .runtime import paused_gc, single_threaded_torch
 from .slabs import assemble
@@ -156,7 +157,7 @@ def _stored_refs(reader: CheckpointReader, names: list[str]) -> dict[tuple[str, 
     blocks of 32 and 16) a placement spans several cells, so the load plans from the cells its documents list,
     read once here.
     """
-    if reader.backend.stores_placements:
+    if reader.backend.stores_placements and not any(is_stored(reader.index.tensors[n]) for n in names):
         return None
     return {(ref.tensor, ref.box): ref for ref in reader.pieces(tensors=set(names))}
 

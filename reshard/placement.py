@@ -14,15 +14,37 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.roles import ZERO_ROLES
 
+from . import mesh
 from .layout import Layout
 from .rules import ShardingRule, check_rule, tp_ranges
 
+#: the sharding of a tensor whose pieces and their writers are listed only by the data files' headers (what a
+#: ``dcp.save`` through ``moeckpt.dcp.StorageWriter`` writes: DCP picks the writer of each replicated chunk).
+STORED = {"pieces": "stored"}
+
+
+def is_stored(entry: TensorEntry) -> bool:
+    """Whether ``entry``'s pieces must be read from the data files' headers (no rule computes them)."""
+    return entry.sharding == STORED
+
 
 def rule_of(entry: TensorEntry) -> ShardingRule:
+    if is_stored(entry) or entry.mesh is not None:
+        from moeckpt.formats.errors import LayoutError
+
+        raise LayoutError(
+            f"tensor {entry.name!r} has no layout rule (its sharding is {entry.sharding}): it holds a library or DCP "
+            "state dict, not a bundled model's layout; load it with moeckpt.load, or give --model to map it"
+        )
     return ShardingRule.from_json(entry.sharding, f"tensor {entry.name!r}")
 
 
 def check_tensor(entry: TensorEntry, layout: Layout) -> None:
+    if entry.mesh is not None:  # a device-mesh sharding does not depend on the layout; its placements must parse
+        mesh.entry_placements(entry)
+        return
+    if is_stored(entry):
+        return
     check_rule(rule_of(entry), entry.shape, layout.tp, layout.ep, entry.name)
 
 
@@ -79,7 +101,10 @@ _RANK_CACHE: dict[tuple, tuple[Box, ...]] = {}
 
 
 def rank_boxes(entry: TensorEntry, layout: Layout, rank: int) -> list[Box]:
-    """Every box of ``entry`` that ``rank`` holds in ``layout`` (its local tensor, as boxes)."""
+    """Every box of ``entry`` that ``rank`` holds in ``layout`` (its local tensor, as boxes); a tensor with a
+    device-mesh sharding ignores ``layout`` (its mesh says where it lives)."""
+    if entry.mesh is not None:
+        return mesh.entry_rank_boxes(entry, rank)
     # Same-structure tensors (one parameter in every layer) hold the same boxes: computed once, shared.
     key = (entry.shape, entry.role in ZERO_ROLES, entry.sharding_key, layout, rank)
     found = _RANK_CACHE.get(key)
@@ -157,6 +182,8 @@ def placements(entry: TensorEntry, layout: Layout) -> list[Placement]:
     written once; the writer rotates over the replicas with the piece index and the tensor name, so the write
     volume spreads evenly over the ranks.
     """
+    if entry.mesh is not None:
+        return [_placement(b, w) for b, w in mesh.entry_pieces(entry)]
     key = (entry.name, entry.shape, entry.role, entry.sharding_key, layout)
     cached = _CACHE.get(key)
     if cached is None:

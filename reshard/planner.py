@@ -32,7 +32,7 @@ from moeckpt.formats.errors import CheckpointIndexError
 from moeckpt.formats.index import Index, TensorEntry
 
 from .layout import Layout
-from .placement import Geometry, geometry, name_seed, placements, rank_boxes
+from .placement import Geometry, geometry, is_stored, name_seed, placements, rank_boxes
 from .tensors import check_layout
 
 
@@ -165,6 +165,31 @@ def plan_load(
     return _plan(index, target, "load", per_rank, sources)
 
 
+def plan_boxes(
+    index: Index,
+    wanted: Mapping[int, Sequence[tuple[str, Box]]],
+    *,
+    sources: Mapping[str, Sequence[SourcePiece]] | None = None,
+) -> ReshardPlan:
+    """The load plan of explicit boxes: for each rank, ``(tensor name, box)`` pairs in global coordinates (a library
+    state dict's local tensors, whatever mesh holds them), each covered by the checkpoint's stored pieces.
+    ``sources`` gives the stored pieces of tensors no rule locates (stored zarr cells, DCP-written pieces)."""
+    per_rank: dict[int, list[tuple[TensorEntry, Box]]] = {}
+    for rank, items in wanted.items():
+        out = []
+        for name, box in items:
+            entry = index.tensors.get(name)
+            if entry is None:
+                raise CheckpointIndexError(f"no tensor named {name!r} in the checkpoint; it holds {len(index.tensors)}")
+            if not box.within(entry.shape):
+                raise CheckpointIndexError(
+                    f"tensor {name!r}: box {box.to_json()} lies outside its shape {list(entry.shape)}"
+                )
+            out.append((entry, box))
+        per_rank[rank] = out
+    return _plan(index, source_layout(index), "load", per_rank, sources)
+
+
 def _plan(
     index: Index,
     target: Layout,
@@ -181,8 +206,10 @@ def _plan(
         found = by_name.get(entry.name)
         if found is not None:
             return found
-        if sources is not None:
+        if sources is not None and (entry.name in sources or is_stored(entry)):
             found = _Lookup.of_pieces(sources.get(entry.name, ()))
+        elif entry.mesh is not None:  # a device-mesh sharding: its stored boxes and writers come from the mesh
+            found = _Lookup.of_pieces(source_pieces(index, [entry.name])[entry.name])
         else:
             # From the index alone: tensors of one structure share the source geometry and its sorted lookup.
             geo = geometry(entry, layout)

@@ -1,0 +1,229 @@
+"""From the state dicts of the ranks of a group to one checkpoint: agree on its tensors, then each rank writes its
+share.
+
+Every rank flattens its state dict (:mod:`moeckpt.reshard.state_dict`) and describes each leaf: a DTensor's global
+shape, dtype, mesh and placements; a plain tensor's shape and dtype; a JSON value itself. The ranks gather the
+distinct descriptions (ranks that hold the same keys alike, as the data-parallel replicas do, send theirs once)
+and merge them into the union: a key held by several ranks must agree in everything but its data, else one error
+on every rank. Each tensor becomes an index entry with a mesh sharding: a DTensor's own mesh and placements, a
+plain tensor replicated over a one-dimensional mesh of the ranks holding it. Replicated boxes are written once,
+the writer rotating over the holders; every rank then writes the boxes it is the writer of, as views of its local
+tensors (:func:`rank_pieces`), and :func:`~moeckpt.reshard.commit.save_collective` commits.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from moeckpt.formats.box import Box
+from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.index import Index, MeshEntry, TensorEntry
+
+from . import collectives
+from .mesh import MeshPlacement, local_boxes, mesh_geometry, name_seed
+from .state_dict import Leaf, StateDictError, flatten, leaf_of
+
+__all__ = ["SavePlan", "plan_state_save", "rank_pieces"]
+
+#: the ``model`` of a checkpoint that holds a state dict of no bundled architecture.
+GENERIC_MODEL: dict[str, Any] = {"arch": "generic", "config": {}}
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """The agreed checkpoint of a group's state dicts, and this rank's leaves."""
+
+    index: Index
+    #: every stored box of every tensor (for the backend's prepare).
+    boxes: dict[str, list[Box]]
+    #: this rank's tensor leaves by key.
+    leaves: dict[str, Leaf]
+    rank: int
+
+
+def _agree_on_error(error: MoeckptError | None, group) -> None:
+    """Collective: raise the first rank's error on every rank (the failing rank keeps its own message)."""
+    note = None if error is None else [type(error).__name__, str(error)]
+    notes = collectives.all_gather_json(note, group)
+    if error is not None:
+        raise error
+    for g, other in enumerate(notes):
+        if other is not None:
+            raise StateDictError(f"rank {g} of the group refused the save: {other[1]}")
+
+
+def group_rank_of(group):
+    """A function mapping a global rank to its rank in ``group`` (identity without torch.distributed)."""
+    if not collectives.is_distributed():
+        return lambda r: r
+    import torch.distributed as dist
+
+    if group is None:
+        return lambda r: r
+    return lambda r: dist.get_group_rank(group, r)
+
+
+def _gather_descriptions(mine: list, group) -> list[list]:
+    """Every rank's description, each distinct one sent once (by the lowest rank that has it)."""
+    digest = xxhash.xxh3_64_hexdigest(json.dumps(mine, separators=(",", ":"), allow_nan=True).encode())
+    digests = collectives.all_gather_json(digest, group)
+    me = collectives.rank(group)
+    first = digests.index(digest) == me
+    sent = collectives.all_gather_json(mine if first else None, group)
+    by_digest = {digests[g]: d for g, d in enumerate(sent) if d is not None}
+    return [by_digest[d] for d in digests]
+
+
+def plan_state_save(
+    state_dict: Mapping[str, Any],
+    *,
+    group=None,
+    backend: str = "safetensors",
+    step: int = 0,
+    model: dict[str, Any] | None = None,
+) -> SavePlan:
+    """Collective over ``group``: the index of the group's checkpoint and this rank's leaves."""
+    me = collectives.rank(group)
+    error: MoeckptError | None = None
+    leaves: list[Leaf] = []
+    try:
+        to_group = group_rank_of(group)
+        leaves = [leaf_of(k, v, to_group_rank=to_group) for k, (_, v) in flatten(state_dict).items()]
+        mine = [leaf.describe() + ([leaf.local] if leaf.kind == "value" else []) for leaf in leaves]
+    except MoeckptError as e:
+        error, mine = e, []
+    except ValueError as e:  # get_group_rank of a rank outside the group, say
+        error, mine = StateDictError(str(e)), []
+    _agree_on_error(error, group)
+    everyone = _gather_descriptions(mine, group)
+    try:
+        index, boxes = _merge(everyone, backend=backend, step=step, model=model)
+    except MoeckptError as e:  # the same on every rank: each merged the same descriptions
+        raise e from None
+    return SavePlan(index, boxes, {leaf.key: leaf for leaf in leaves if leaf.kind != "value"}, me)
+
+
+def _merge(everyone: list[list], *, backend: str, step: int, model) -> tuple[Index, dict[str, list[Box]]]:
+    # key -> (description without the mesh's ranks, {mesh ranks: ranks holding the key on that mesh})
+    seen: dict[str, tuple[list, dict[tuple[int, ...], list[int]]]] = {}
+    for g, desc in enumerate(everyone):
+        for item in desc:
+            key = item[0]
+            shape_of = item[:5] + item[6:] if item[1] == "dtensor" else item
+            ranks = tuple(item[5]) if item[1] == "dtensor" else ()
+            found = seen.get(key)
+            if found is None:
+                seen[key] = (shape_of, {ranks: [g]})
+                continue
+            if found[0] != shape_of:
+                first = next(iter(found[1].values()))[0]
+                what = "values" if item[1] == "value" == found[0][1] else "shape, dtype, mesh or placements"
+                raise StateDictError(
+                    f"key {key!r} differs between ranks {first} and {g} ({what}): a key held by several ranks "
+                    "must agree; key per-rank values by rank, e.g. f'loader.rank{rank}'"
+                )
+            found[1].setdefault(ranks, []).append(g)
+    meshes: list[MeshEntry] = []
+    mesh_pos: dict[MeshEntry, int] = {}
+    tensors: dict[str, TensorEntry] = {}
+    values: dict[str, Any] = {}
+    boxes: dict[str, list[Box]] = {}
+    for key in sorted(seen):
+        item, by_mesh = seen[key]
+        if item[1] == "value":
+            values[key] = item[2]
+            continue
+        mesh, placements = _mesh_of(key, item, by_mesh)
+        pos = mesh_pos.setdefault(mesh, len(meshes))
+        if pos == len(meshes):
+            meshes.append(mesh)
+        _, _, shape, dtype = item[:4]
+        tensors[key] = TensorEntry(
+            name=key,
+            shape=tuple(shape),
+            dtype=dtype,
+            role="param",
+            param=key,
+            sharding={"mesh": pos, "placements": list(placements)},
+            mesh=mesh,
+        )
+        geo = mesh_geometry(tuple(shape), mesh.shape, [MeshPlacement.from_json(p) for p in placements])
+        boxes[key] = list(geo.boxes)
+    index = Index(
+        backend=backend,
+        step=step,
+        layout={},
+        model=dict(model or GENERIC_MODEL),
+        tensors=tensors,
+        files={},
+        train_state=values,
+        meshes=tuple(meshes),
+    )
+    return index, boxes
+
+
+def _mesh_of(key: str, item: list, by_mesh: dict[tuple[int, ...], list[int]]) -> tuple[MeshEntry, list[str]]:
+    """The mesh and placements a key is stored with.
+
+    A plain tensor: replicated over a one-dimensional mesh of the ranks holding it. A DTensor: its mesh; when the
+    same key lives on several disjoint meshes of one shape and placements (FSDP2 + TP: a parameter TP leaves whole
+    is FSDP-sharded on the data-parallel sub-mesh of each TP rank), those are replicas of one another, stacked as
+    a leading replicated mesh dimension.
+    """
+    if item[1] == "tensor":
+        holders = sorted(g for gs in by_mesh.values() for g in gs)
+        return MeshEntry((len(holders),), tuple(holders)), ["R"]
+    mesh_shape, placements = item[4], item[5]
+    for ranks, holders in by_mesh.items():
+        if sorted(ranks) != sorted(holders):
+            raise StateDictError(
+                f"key {key!r}: its DTensor's mesh spans ranks {sorted(ranks)[:8]} but ranks {sorted(holders)[:8]} "
+                "hold it on that mesh; every rank of the mesh must pass the key"
+            )
+    if len(by_mesh) == 1:
+        (ranks,) = by_mesh
+        return MeshEntry(tuple(mesh_shape), ranks), list(placements)
+    replicas = sorted(by_mesh, key=min)
+    flat = [r for ranks in replicas for r in ranks]
+    if len(set(flat)) != len(flat):
+        raise StateDictError(f"key {key!r} lives on overlapping meshes {replicas[:2]}; it must be one DTensor's")
+    return MeshEntry((len(replicas), *mesh_shape), tuple(flat)), ["R", *placements]
+
+
+def rank_pieces(plan: SavePlan) -> list[tuple[str, Box, torch.Tensor]]:
+    """``(key, box, view of the local tensor)`` of every box this rank writes."""
+    out = []
+    for key in sorted(plan.leaves):  # in key order whatever the state dict's order: a file's bytes are determined
+        leaf = plan.leaves[key]
+        entry = plan.index.tensors[key]
+        mesh = entry.mesh
+        if mesh is None:  # unreachable: _merge gives every tensor of a state-dict checkpoint a mesh
+            raise StateDictError(f"tensor {key!r} has no mesh sharding")
+        placements = [MeshPlacement.from_json(p) for p in entry.sharding["placements"]]
+        geo = mesh_geometry(entry.shape, mesh.shape, placements)
+        seed = name_seed(key)
+        flat = mesh.ranks.index(plan.rank)
+        mine = {geo.boxes[i] for i in range(len(geo.boxes)) if geo.writer(i, mesh.ranks, seed) == plan.rank}
+        if not mine:
+            continue
+        coord = _coord(flat, mesh.shape)
+        local = leaf.local.detach()
+        for box, offsets in sorted(local_boxes(entry.shape, mesh.shape, coord, placements)):
+            if box in mine:
+                view = local[tuple(slice(o, o + s) for o, s in zip(offsets, box.shape))] if box.ndim else local
+                out.append((key, box, view))
+    return out
+
+
+def _coord(flat: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for n in reversed(shape):
+        flat, r = divmod(flat, n)
+        out.append(r)
+    return list(reversed(out))
