@@ -9,6 +9,7 @@ from typing import Any
 
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.box import Box
 from moeckpt.reshard.dcp_source import Slot
 from moeckpt.reshard.tensors import logical_tensors, tensor_name
 
@@ -87,3 +88,22 @@ def check_shapes(tensors: dict, slots: list[Slot], dcp, where: str) -> None:
         if len(end) != len(entry.shape) or any(e > n for e, n in zip(end, entry.shape)):
             raise MappingError(f"{where}: {s.source} has shape {list(dcp.tensors[s.source].shape)}, which does not "
                                f"fit {s.target} of shape {list(entry.shape)}")
+
+
+def qkv_group_slots(source: str, shape: tuple[int, ...], layer: int | None, prefix: str, role: str,
+                    cfg: Qwen3MoeConfig) -> list[Slot]:
+    """Slots of a Q/K/V weight fused *per key/value group* (Megatron's ``linear_qkv``, torchtitan's ``wqkv``): for
+    each of the G groups its H/G query heads, one key head, one value head, ``head_dim`` rows each. ``layer`` is
+    the index into a leading layer dim (Megatron's stacked layers), ``None`` when there is none."""
+    hd, groups = cfg.head_dim, cfg.num_key_value_heads
+    qpg = cfg.num_attention_heads // groups
+    hidden = shape[-1]
+    lead, drop = ((layer,), 1) if layer is not None else ((), 0)
+    out = []
+    for g in range(groups):
+        base = g * (qpg + 2) * hd
+        for part, lo, n, at in (("q_proj", base, qpg * hd, g * qpg * hd), ("k_proj", base + qpg * hd, hd, g * hd),
+                                ("v_proj", base + (qpg + 1) * hd, hd, g * hd)):
+            region = Box(lead + (lo, 0), (1,) * drop + (n, hidden))
+            out.append(Slot(source, region, role_name(f"{prefix}self_attn.{part}.weight", role), (at, 0), drop))
+    return out

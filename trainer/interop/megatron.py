@@ -31,7 +31,7 @@ from moeckpt.reshard.dcp_source import Slot
 
 from ..models import ModelSpec
 from ..models.qwen3_moe import ARCH as QWEN3_MOE
-from .common import Mapped, MappingError, check_shapes, qwen3_config, qwen3_tensors, role_name
+from .common import Mapped, MappingError, check_shapes, qkv_group_slots, qwen3_config, qwen3_tensors, role_name
 
 _TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
         "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
@@ -185,15 +185,7 @@ def _slots(k: _Key, src: str, shape: tuple[int, ...], role: str, cfg, layers: in
             out.append(Slot(src, _region(shape, k.stacked, layer), role_name(pre + _LAYER[k.rest], role),
                             (0,) * (len(shape) - drop), drop))
         elif k.rest == _QKV:
-            hd, g = cfg.head_dim, cfg.num_key_value_heads
-            qpg = cfg.num_attention_heads // g
-            hidden = shape[-1]
-            for grp in range(g):
-                base = grp * (qpg + 2) * hd
-                for part, lo, n, at in (("q_proj", base, qpg * hd, grp * qpg * hd), ("k_proj", base + qpg * hd, hd, grp * hd),
-                                        ("v_proj", base + (qpg + 1) * hd, hd, grp * hd)):
-                    out.append(Slot(src, _region(shape, k.stacked, layer, (lo, 0), (n, hidden)),
-                                    role_name(f"{pre}self_attn.{part}.weight", role), (at, 0), drop))
+            out += qkv_group_slots(src, shape, layer if k.stacked else None, pre, role, cfg)
         elif k.rest in _FUSED_EXPERTS:
             out.append(Slot(src, _region(shape, k.stacked, layer), role_name(pre + _FUSED_EXPERTS[k.rest], role),
                             (0, 0, 0), drop))

@@ -22,7 +22,7 @@ from moeckpt.reshard.dcp_source import Slot, whole
 
 from ..models import ModelSpec
 from ..models.qwen3_moe import ARCH as QWEN3_MOE
-from .common import Mapped, MappingError, check_shapes, qwen3_config, qwen3_tensors, role_name
+from .common import Mapped, MappingError, check_shapes, qkv_group_slots, qwen3_config, qwen3_tensors, role_name
 from .generic import VALUES_KEY, read_values
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -52,11 +52,13 @@ _EXPERTS = {
     "moe.experts.w2": ("mlp.experts.down_proj", None),
 }
 _BIAS = ("moe.expert_bias_E", "moe.expert_bias")
+#: the fused Q/K/V parameter (per key/value group); its model state is saved split, its optimizer state is not.
+_WQKV = "attention.qkv_linear.wqkv.weight"
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
 _OPT_RE = re.compile(r"^optimizer\.state\.(.+)\.(exp_avg|exp_avg_sq|step)$")
 
 
-def _plan_name(name: str) -> tuple[str, int | None] | str | None:
+def _plan_name(name: str) -> tuple[str, int | str | None] | str | None:
     """(plan name, gate/up block) of a torchtitan model tensor; ``"bias"`` for the expert bias; None if unknown."""
     if name in _TOP:
         return _TOP[name], None
@@ -66,6 +68,8 @@ def _plan_name(name: str) -> tuple[str, int | None] | str | None:
     layer, rest = m.groups()
     if rest in _BIAS:
         return "bias"
+    if rest == _WQKV:
+        return f"model.layers.{layer}.", "qkv"
     if rest in _LAYER:
         return f"model.layers.{layer}.{_LAYER[rest]}", None
     if rest in _EXPERTS:
@@ -113,8 +117,14 @@ def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped
         notes.append(f"{len(biases)} expert_bias tensor(s), all zero (Qwen3-MoE routes without a bias), were dropped")
     cfg = qwen3_config(_shapes(dcp, model_keys, where), "lm_head.weight" not in model_keys, model, where, notes)
     dtype = dcp.tensors["tok_embeddings.weight"].dtype
+    opt_params = {}
+    for fqn in opt_keys:
+        plan = _plan_name(fqn)
+        if isinstance(plan, tuple):
+            opt_params[fqn] = plan
     moments = {fqn for fqn, got in opt_keys.items() if {"exp_avg", "exp_avg_sq"} <= set(got)}
-    with_optimizer = set(model_keys) <= moments and dtype == "float32"
+    with_optimizer = bool(opt_params) and set(opt_params) <= moments and _covers(opt_params, model_keys) and (
+        dtype == "float32")
     if opt_keys and not with_optimizer:
         notes.append("optimizer state dropped: " + (
             f"parameters are {dtype} and the checkpoint has no fp32 master copy" if dtype != "float32"
@@ -124,11 +134,12 @@ def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped
     tensors = qwen3_tensors(cfg, dtype, with_optimizer)
     slots = []
     for name, (plan, block) in model_keys.items():
-        slots.append(_slot(name, dcp.tensors[name].shape, plan, block, cfg.moe_intermediate_size))
-        if with_optimizer:
+        slots += _slots(name, dcp.tensors[name].shape, plan, block, "param", cfg)
+    if with_optimizer:
+        for fqn, (plan, block) in opt_params.items():
             for role in ("exp_avg", "exp_avg_sq"):
-                src = opt_keys[name][role]
-                slots.append(_slot(src, dcp.tensors[src].shape, role_name(plan, role), block, cfg.moe_intermediate_size))
+                src = opt_keys[fqn][role]
+                slots += _slots(src, dcp.tensors[src].shape, plan, block, role, cfg)
     check_shapes(tensors, slots, dcp, where)
     train_state: dict = {}
     values = read_values(dcp, dcp.values, notes)
@@ -138,11 +149,25 @@ def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped
     if type(step) is int and step >= 0:
         train_state["step"] = step
     if with_optimizer:
-        steps = {_scalar(dcp, opt_keys[n]["step"]) for n in model_keys if "step" in opt_keys[n]}
+        steps = {_scalar(dcp, opt_keys[n]["step"]) for n in opt_params if "step" in opt_keys[n]}
         if len(steps) == 1 and type(next(iter(steps))) is int:
             train_state["optimizer"] = {"steps": next(iter(steps))}
     return Mapped(model={"arch": QWEN3_MOE, "config": cfg.to_json()}, tensors=tensors, slots=slots,
                   train_state=train_state, notes=notes)
+
+
+def _covers(opt_params: dict, model_keys: dict) -> bool:
+    """Whether the optimizer's parameters are exactly the model's (the fused wqkv standing for wq, wk and wv)."""
+    def targets(plans) -> set[str]:
+        out = set()
+        for plan, block in plans:
+            if block == "qkv":
+                out |= {f"{plan}self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")}
+            else:
+                out.add(plan)
+        return out
+
+    return targets(opt_params.values()) == targets(model_keys.values())
 
 
 def _scalar(dcp: DcpCheckpoint, name: str) -> int | None:
@@ -153,10 +178,13 @@ def _scalar(dcp: DcpCheckpoint, name: str) -> int | None:
     return int(v) if v.is_integer() and v >= 0 else None
 
 
-def _slot(source: str, shape: tuple[int, ...], target: str, block: int | None, inter: int) -> Slot:
+def _slots(source: str, shape: tuple[int, ...], plan: str, block: int | str | None, role: str, cfg) -> list[Slot]:
+    if block == "qkv":  # plan is the layer prefix
+        return qkv_group_slots(source, shape, None, plan, role, cfg)
+    target = role_name(plan, role)
     if block is None:
-        return whole(source, shape, target)
-    return Slot(source, Box.full(shape), target, (0, block * inter, 0))
+        return [whole(source, shape, target)]
+    return [Slot(source, Box.full(shape), target, (0, block * cfg.moe_intermediate_size, 0))]
 
 
 def _shapes(dcp: DcpCheckpoint, keys: dict, where: str) -> dict[str, int]:
