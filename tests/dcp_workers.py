@@ -6,6 +6,8 @@ attention has no CPU backward, so no real loss), then ``dcp.save`` of the state 
 the model's state dict at the top level, ``optimizer`` flattened by parameter (torchtitan's own
 ``get_flat_optim_state_dict``), ``train_state`` and ``lr_scheduler``.
 
+``megatron OUT``: Megatron-Core's tiny GPTModel with MoE layers, saved by its own ``dist_checkpointing.save``.
+
 ``titan-names OUT``: the same names, shapes and DTensor shardings without torchtitan installed: a Qwen3-MoE from
 moeckpt's plan renamed to torchtitan's names, sharded over a 2 x 2 mesh, with AdamW moments, through dcp.save.
 """
@@ -171,11 +173,67 @@ def write_titan_names(out: str) -> None:
             p.data.full_tensor()  # full_tensor is collective: every rank takes part
 
 
+def write_megatron(out: str) -> None:
+    """Megatron-Core's GPTModel with MoE layers (local spec, SequentialMLP experts) saved by its own
+    ``dist_checkpointing.save`` (torch_dist backend), and its own forward's logits beside it.
+
+    Megatron-Core 0.16.1 assumes CUDA in a few places that this CPU build of torch does not have; each shim below
+    replaces exactly one such call and changes no computation: ``torch.cuda.current_device()`` (the rotary
+    embedding and the router move their tensors there) returns ``"cpu"``; ``torch.cuda.synchronize()`` (after the
+    saver's device-to-host copies, which are synchronous on CPU) does nothing; ``te_general_gemm``, left undefined
+    by the failed Transformer Engine import and read by the router, is ``None`` (Megatron's own non-TE branch).
+    The causal mask is passed explicitly (Megatron's default one is made on ``device="cuda"``), dropout is off and
+    the RNG tracker is Megatron's inference tracker (its training tracker needs CUDA RNG states).
+    """
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe_utils.te_general_gemm = None
+    ps.initialize_model_parallel(1, 1)
+    initialize_rng_tracker(inference_rng_tracker=True)
+    torch.manual_seed(0)
+    t = TINY
+    cfg = TransformerConfig(
+        num_layers=t["n_layers"], hidden_size=t["dim"], num_attention_heads=t["n_heads"],
+        num_query_groups=t["n_kv_heads"], kv_channels=t["head_dim"], ffn_hidden_size=t["dim"],
+        num_moe_experts=t["experts"], moe_router_topk=t["top_k"], moe_ffn_hidden_size=t["moe_hidden"],
+        use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+        qk_layernorm=True, add_bias_linear=False, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+        bf16=False, params_dtype=torch.float32, layernorm_epsilon=1e-6, moe_router_pre_softmax=False,
+        moe_aux_loss_coeff=0.0, moe_router_dtype="fp64", hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(num_experts=t["experts"], moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=t["vocab"], max_sequence_length=128,
+                     position_embedding_type="rope", rotary_base=1000000,
+                     share_embeddings_and_output_weights=False).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms start at ones: make every weight distinct
+            p.add_(torch.randn_like(p) * 0.05)
+    tokens = torch.randint(0, t["vocab"], (2, 16), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(16).repeat(2, 1)
+    mask = torch.triu(torch.ones(16, 16), diagonal=1).bool()[None, None]
+    with torch.no_grad():
+        logits = model(tokens, positions, attention_mask=mask)
+    os.makedirs(out, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), out)
+    save_file({"tokens": tokens, "logits": logits.contiguous()}, out + ".logits.safetensors")
+
+
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     try:
-        {"torchtitan": write_torchtitan, "titan-names": write_titan_names}[kind](out)
+        {"torchtitan": write_torchtitan, "titan-names": write_titan_names, "megatron": write_megatron}[kind](out)
     finally:
         dist.destroy_process_group()
 

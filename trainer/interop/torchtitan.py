@@ -234,3 +234,18 @@ def export_names(plan: str, shape: tuple[int, ...]) -> list[tuple[str, Box]]:
 def export_extra(cfg) -> dict[str, tuple[int, ...]]:
     """Tensors torchtitan's model has and Qwen3-MoE does not: the (zero) expert biases of every MoE layer."""
     return {f"layers.{i}.moe.expert_bias_E": (cfg.num_experts,) for i in range(cfg.num_hidden_layers)}
+
+
+def export_wqkv(layer: int, cfg) -> tuple[str, list[tuple[str, Box, tuple[int, int]]]]:
+    """torchtitan's fused ``wqkv`` of a layer (per key/value group: its query heads, one key head, one value
+    head) as parts ``(plan tensor, box of it, offsets in wqkv)``: how its optimizer state is exported."""
+    hd, groups, h = cfg.head_dim, cfg.num_key_value_heads, cfg.hidden_size
+    qpg = cfg.num_attention_heads // groups
+    pre = f"model.layers.{layer}.self_attn."
+    parts = []
+    for g in range(groups):
+        base = g * (qpg + 2) * hd
+        parts += [(pre + "q_proj.weight", Box((g * qpg * hd, 0), (qpg * hd, h)), (base, 0)),
+                  (pre + "k_proj.weight", Box((g * hd, 0), (hd, h)), (base + qpg * hd, 0)),
+                  (pre + "v_proj.weight", Box((g * hd, 0), (hd, h)), (base + (qpg + 1) * hd, 0))]
+    return f"layers.{layer}.{_WQKV}", parts
