@@ -63,13 +63,32 @@ def torchtitan_logits(model, tokens: torch.Tensor) -> torch.Tensor:
         return model(tokens, positions, model.get_attention_masks(positions))
 
 
+def _same_everywhere(like, full: torch.Tensor):
+    """``full`` (equal on every rank) as a tensor sharded like ``like`` (a DTensor or a plain tensor).
+
+    Random values made per rank with ``randn_like`` would differ between the replicas of a replicated dimension,
+    and DCP saves one replica: the checkpoint would depend on which."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    rep = distribute_tensor(full, like.device_mesh, [Replicate()] * like.device_mesh.ndim)
+    return rep.redistribute(like.device_mesh, like.placements)
+
+
+def _noise(p, scale: float, g: torch.Generator):
+    return _same_everywhere(p, torch.randn(tuple(p.shape), generator=g) * scale)
+
+
 def _adamw_steps(params, steps: int = 2) -> torch.optim.AdamW:
-    """AdamW over ``params`` (tensors, or (name, tensor) pairs as torchtitan builds it) after ``steps`` steps."""
+    """AdamW over ``params`` (tensors, or (name, tensor) pairs as torchtitan builds it) after ``steps`` steps on
+    seeded random gradients (the same on every rank)."""
     opt = torch.optim.AdamW(params, lr=1e-3)
     tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    g = torch.Generator().manual_seed(11)
     for _ in range(steps):
         for p in tensors:
-            p.grad = torch.randn_like(p) * 0.01
+            p.grad = _noise(p, 0.01, g)
         opt.step()
     return opt
 
@@ -101,10 +120,11 @@ def write_torchtitan(out: str) -> None:
                       compile_config=CompileConfig(), ac_config=None, dump_folder=out)
     model.to_empty(device="cpu")
     torch.manual_seed(1)
+    g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         model.init_weights()
-        for name, p in model.named_parameters():  # norms start at ones: make every weight distinct
-            p.add_(torch.randn_like(p) * 0.05)
+        for _, p in model.named_parameters():  # from seeded full tensors, so every replica holds the same values
+            p.copy_(_noise(p, 0.1, g))
     opt = _adamw_steps(list(model.named_parameters()))
     state = {**ModelWrapper(model).state_dict(), "optimizer": get_flat_optim_state_dict(opt),
              "train_state": {"step": 2, "ntokens_seen": 64}, "lr_scheduler": {"last_epoch": 2}}
