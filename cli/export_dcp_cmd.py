@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import click
-
 from moeckpt.formats.checkpoint import CheckpointReader
-from moeckpt.trainer.interop.dcp_export import EXPORT_MAPPINGS, default_mapping, export_dcp
+from moeckpt.trainer.interop.dcp_export import (
+    EXPORT_MAPPINGS,
+    default_mapping,
+    export_dcp,
+)
 
 from .common import progress
 

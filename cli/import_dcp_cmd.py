@@ -4,7 +4,6 @@ checkpoint in any layout, read without running its pickles."""
 from __future__ import annotations
 
 import click
-
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.interop import MAPPINGS, DcpImport
 from moeckpt.trainer.models import resolve_model

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import click
-
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout

@@ -12,11 +12,10 @@ byte of a DCP chunk is read once, and the target may be any layout and format. N
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 import torch
-
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box, covers_exactly_once
 from moeckpt.formats.dcp import DcpCheckpoint, DcpFormatError, StoredChunk

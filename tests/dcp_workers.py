@@ -20,7 +20,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-TINY = dict(dim=64, head_dim=16, n_layers=2, vocab=256, n_heads=4, n_kv_heads=2, moe_hidden=32, experts=4, top_k=2)
+TINY = {"dim": 64, "head_dim": 16, "n_layers": 2, "vocab": 256, "n_heads": 4, "n_kv_heads": 2, "moe_hidden": 32,
+        "experts": 4, "top_k": 2}
 
 
 def torchtitan_config():
@@ -95,11 +96,10 @@ def _adamw_steps(params, steps: int = 2) -> torch.optim.AdamW:
 
 def write_torchtitan(out: str) -> None:
     import torch.distributed.checkpoint as dcp
-    import torchtitan.distributed.parallel_dims as parallel_dims
     from torchtitan.components.checkpointer.base import ModelWrapper
     from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import ParallelDims, parallel_dims
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
@@ -210,12 +210,12 @@ def write_megatron(out: str) -> None:
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.moe import moe_utils
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe_utils.te_general_gemm = None

@@ -18,7 +18,6 @@ from unittest import mock
 
 import pytest
 import torch
-
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.dcp import open_dcp
 

@@ -14,7 +14,6 @@ import fsspec
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.dcp import open_dcp
 from moeckpt.reshard.layout import Layout
@@ -38,7 +37,7 @@ def torchrun(kind: str, out: str, nproc: int) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", os.path.join(HERE, "dcp_workers.py"), kind, out]
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
 
@@ -52,7 +51,7 @@ def generic_dcp(tmp_path) -> tuple[str, dict]:
 def test_mapping_none_is_a_generic_checkpoint(generic_dcp, tmp_path, moeckpt_cli):
     src, sd = generic_dcp
     dst = tmp_path / "ck"
-    code, out, err = moeckpt_cli("import-dcp", src, dst, "--dp", "2", "--format", "zarr")
+    code, _, err = moeckpt_cli("import-dcp", src, dst, "--dp", "2", "--format", "zarr")
     assert code == 0, err
     reader = CheckpointReader(str(dst))
     assert reader.index.model == {"arch": "generic", "config": {}}
@@ -82,7 +81,8 @@ def test_mapping_none_is_a_generic_checkpoint(generic_dcp, tmp_path, moeckpt_cli
 def _copy_to(fs_url: str, local: str) -> None:
     fs, root = fsspec.core.url_to_fs(fs_url)
     for name in os.listdir(local):
-        fs.pipe(f"{root}/{name}", open(os.path.join(local, name), "rb").read())
+        with open(os.path.join(local, name), "rb") as f:
+            fs.pipe(f"{root}/{name}", f.read())
 
 
 def test_source_on_memory_and_s3(generic_dcp, tmp_path, s3_url):
@@ -167,7 +167,7 @@ def test_torchtitan_names_to_hf_and_back(titan_named, tmp_path, moeckpt_cli):
     model_json = tmp_path / "model.json"
     model_json.write_text(json.dumps(hf_config_json()))
     ck, hf = tmp_path / "ck", tmp_path / "hf"
-    code, out, err = moeckpt_cli("import-dcp", titan_named, ck, "--tp", "2", "--ep", "2", "--dp", "2",
+    code, _, err = moeckpt_cli("import-dcp", titan_named, ck, "--tp", "2", "--ep", "2", "--dp", "2",
                                  "--mapping", "torchtitan", "--model", model_json)
     assert code == 0, err
     assert "expert_bias" in err  # the dropped (zero) biases are named
@@ -312,11 +312,12 @@ def torchrun_megatron_like(path: str) -> None:
         "dist.destroy_process_group()\n"
     )
     script = path + ".save.py"
-    open(script, "w").write(code)
+    with open(script, "w") as f:
+        f.write(code)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                           f"--master-port={free_port()}", script, path], env=env, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, check=False)
     assert run.returncode == 0, run.stderr[-6000:]
 
 

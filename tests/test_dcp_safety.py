@@ -14,10 +14,24 @@ import zipfile
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-
-from moeckpt.formats.dcp import DcpFormatError, UnsafePickleError, open_dcp, parse_metadata
+from moeckpt.formats.dcp import (
+    DcpFormatError,
+    UnsafePickleError,
+    open_dcp,
+    parse_metadata,
+)
 from moeckpt.formats.dcp.unpickler import load_payload_pickle
 from moeckpt.formats.errors import UnsafePathError
+
+
+def _read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _write(path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _save(path, sd) -> str:
@@ -61,7 +75,7 @@ def test_hostile_metadata_runs_nothing(tmp_path, honest, moeckpt_cli):
             pickle.dump({"state_dict_metadata": payload}, f)
         with pytest.raises(UnsafePickleError, match="refusing to unpickle .* from .metadata: not a DCP metadata class"):
             open_dcp(honest)
-        code, out, err = moeckpt_cli("import-dcp", honest, tmp_path / "dst")
+        code, _, err = moeckpt_cli("import-dcp", honest, tmp_path / "dst")
         assert code == 2 and err.count("\n") == 1 and "refusing to unpickle" in err, err
         assert not marker.exists()
         assert not (tmp_path / "dst").exists()
@@ -83,10 +97,10 @@ def test_admitted_classes_cannot_be_called_with_arguments(honest):
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "not-metadata"])
 def test_broken_metadata_is_one_line(honest, tmp_path, moeckpt_cli, damage):
     path = os.path.join(honest, ".metadata")
-    raw = open(path, "rb").read()
+    raw = _read(path)
     new = {"truncate": raw[: len(raw) // 2], "garbage": os.urandom(len(raw)), "empty": b"",
            "not-metadata": pickle.dumps({"a": [1, 2]})}[damage]
-    open(path, "wb").write(new)
+    _write(path, new)
     with pytest.raises((UnsafePickleError, DcpFormatError)):
         open_dcp(honest)
     code, _, err = moeckpt_cli("import-dcp", honest, tmp_path / "dst")
@@ -112,7 +126,7 @@ def test_truncated_data_file_is_refused_before_writing(honest, tmp_path, moeckpt
 def test_garbage_data_file_is_refused(honest, tmp_path, moeckpt_cli):
     path = _distcp(honest)
     size = os.path.getsize(path)
-    open(path, "wb").write(os.urandom(size))
+    _write(path, os.urandom(size))
     ck = open_dcp(honest)  # sizes still match: the damage shows when a chunk is located
     with pytest.raises(DcpFormatError):
         ck.chunks()

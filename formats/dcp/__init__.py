@@ -6,7 +6,15 @@ names onto a bundled architecture. Nothing in a DCP checkpoint is ever unpickled
 :mod:`~moeckpt.formats.dcp.unpickler`, non-tensor values through ``torch.load(weights_only=True)``.
 """
 
-from .metadata import METADATA_NAME, DcpChunk, DcpFormatError, DcpMetadata, DcpTensor, Record, parse_metadata
+from .metadata import (
+    METADATA_NAME,
+    DcpChunk,
+    DcpFormatError,
+    DcpMetadata,
+    DcpTensor,
+    Record,
+    parse_metadata,
+)
 from .reader import DcpCheckpoint, StoredChunk, open_dcp
 from .unpickler import UnsafePickleError
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import io
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from moeckpt.formats import dtypes
 

@@ -12,15 +12,22 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-import torch
 
+import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import StorageError
 from moeckpt.formats.storage import Storage
 
 from . import payload
-from .metadata import METADATA_NAME, DcpFormatError, DcpMetadata, DcpTensor, Record, parse_metadata
+from .metadata import (
+    METADATA_NAME,
+    DcpFormatError,
+    DcpMetadata,
+    DcpTensor,
+    Record,
+    parse_metadata,
+)
 
 
 @dataclass(frozen=True)
@@ -198,7 +205,7 @@ class DcpCheckpoint:
         for fd in fds.values():
             os.close(fd)
 
-    def __enter__(self) -> "DcpCheckpoint":
+    def __enter__(self) -> DcpCheckpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -7,14 +7,15 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeckpt.formats.box import Box
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import TensorEntry
-from moeckpt.formats.box import Box
 from moeckpt.reshard.dcp_source import Slot
 from moeckpt.reshard.tensors import logical_tensors, tensor_name
 
 from ..models import ModelSpec
-from ..models.qwen3_moe import ARCH as QWEN3_MOE, Qwen3MoeConfig, param_specs
+from ..models.qwen3_moe import ARCH as QWEN3_MOE
+from ..models.qwen3_moe import Qwen3MoeConfig, param_specs
 
 
 class MappingError(MoeckptError, ValueError):

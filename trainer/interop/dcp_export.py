@@ -14,11 +14,10 @@ save planner reads each tensor from the checkpoint when DCP asks for its data, t
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
-
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
@@ -108,7 +107,7 @@ class _LazyPlanner:
         from torch.distributed.checkpoint import DefaultSavePlanner
 
         class Planner(DefaultSavePlanner):
-            def resolve_data(self, write_item):  # noqa: ANN001 - DCP's signature
+            def resolve_data(self, write_item):
                 fqn = write_item.index.fqn
                 if fqn not in sources:
                     return super().resolve_data(write_item)

@@ -9,7 +9,7 @@ each chunk read once) and commits it, or leaves nothing behind on failure.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from moeckpt.formats.dcp import DcpCheckpoint
 from moeckpt.formats.index import Index
@@ -76,10 +76,10 @@ class DcpImport:
             self.dcp.close()
 
 
-def import_dcp(location: str, dst: str, *, layout: Layout = Layout(), mapping: str = "none",
+def import_dcp(location: str, dst: str, *, layout: Layout | None = None, mapping: str = "none",
                backend: str = "safetensors", model: ModelSpec | None = None, overwrite: bool = False,
                workers: int = 4, on_bytes: Callable[[int], None] | None = None) -> Index:
     """Convert the DCP checkpoint at ``location`` into a moeckpt checkpoint at ``dst`` (see :class:`DcpImport`)."""
-    job = DcpImport(location, layout=layout, mapping=mapping, backend=backend, model=model)
+    job = DcpImport(location, layout=layout or Layout(), mapping=mapping, backend=backend, model=model)
     index, _ = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=on_bytes)
     return index

@@ -24,14 +24,21 @@ from __future__ import annotations
 import re
 
 import torch
-
 from moeckpt.formats.box import Box
 from moeckpt.formats.dcp import DcpCheckpoint
 from moeckpt.reshard.dcp_source import Slot
 
 from ..models import ModelSpec
 from ..models.qwen3_moe import ARCH as QWEN3_MOE
-from .common import Mapped, MappingError, check_shapes, qkv_group_slots, qwen3_config, qwen3_tensors, role_name
+from .common import (
+    Mapped,
+    MappingError,
+    check_shapes,
+    qkv_group_slots,
+    qwen3_config,
+    qwen3_tensors,
+    role_name,
+)
 
 _TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
         "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}

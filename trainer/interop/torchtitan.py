@@ -15,14 +15,21 @@ from __future__ import annotations
 import re
 
 import torch
-
 from moeckpt.formats.box import Box
 from moeckpt.formats.dcp import DcpCheckpoint
 from moeckpt.reshard.dcp_source import Slot, whole
 
 from ..models import ModelSpec
 from ..models.qwen3_moe import ARCH as QWEN3_MOE
-from .common import Mapped, MappingError, check_shapes, qkv_group_slots, qwen3_config, qwen3_tensors, role_name
+from .common import (
+    Mapped,
+    MappingError,
+    check_shapes,
+    qkv_group_slots,
+    qwen3_config,
+    qwen3_tensors,
+    role_name,
+)
 from .generic import VALUES_KEY, read_values
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
