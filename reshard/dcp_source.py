@@ -138,6 +138,10 @@ class DcpPieceReader:
             r0, r1 = rows
             start += r0 * (ref.nbytes // shape[0] if shape[0] else 0)
             shape = (r1 - r0,) + shape[1:]
+        if self.dcp.storage.is_local:
+            # Mapped, not read: the writers copy straight from the page cache (an offline conversion only;
+            # nothing of a training rank's state is ever backed by a file).
+            return self.dcp.map_bytes(ref.file, start, shape, ref.dtype)
         out = torch.empty(shape, dtype=dtypes.to_torch(ref.dtype))
         self.dcp.read_into(ref.file, start, out)
         return out

@@ -8,6 +8,8 @@ range (``os.pread`` on local files, a range request on object stores): no ``torc
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -169,6 +171,29 @@ class DcpCheckpoint:
         if got != n:
             raise DcpFormatError(f"{self.storage.path(relpath)}: the file ends early reading {n} bytes at {start}; "
                                  "it is truncated")
+
+    def map_bytes(self, relpath: str, start: int, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        """A tensor over bytes at ``start`` of a local data file, mapped from the page cache (nothing copied).
+
+        A private, copy-on-write mapping: nothing written through it reaches the file; it is unmapped when the
+        last view goes. The file's size is checked first: touching a mapping past the end of a file that was
+        truncated meanwhile would kill the process (SIGBUS) instead of raising.
+        """
+        torch_dtype = dtypes.to_torch(dtype)
+        count = math.prod(shape)
+        n = count * dtypes.itemsize(dtype)
+        if n == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        fd = self._fd(relpath)
+        where = self.storage.path(relpath)
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            if os.fstat(fd).st_size < start + n:
+                raise DcpFormatError(f"{where}: the file ends before byte {start + n}; it was truncated")
+            mapped = mmap.mmap(fd, start - base + n, offset=base, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            raise StorageError(f"{where}: mapping bytes {start}..{start + n} failed: {e}") from e
+        return torch.frombuffer(mapped, dtype=torch_dtype, offset=start - base, count=count).reshape(shape)
 
     def read_chunk(self, chunk: StoredChunk, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """A chunk's elements (or rows ``[r0, r1)`` of its dim 0) as a tensor of its dtype."""
