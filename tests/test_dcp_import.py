@@ -85,10 +85,14 @@ def _copy_to(fs_url: str, local: str) -> None:
             fs.pipe(f"{root}/{name}", f.read())
 
 
-def test_source_on_memory_and_s3(generic_dcp, tmp_path, s3_url):
+def test_source_on_memory_and_s3(generic_dcp, tmp_path, s3_url, moeckpt_cli):
     src, sd = generic_dcp
     for i, url in enumerate((f"memory://dcp-tests/{os.getpid()}/src", s3_url)):
         _copy_to(url, src)
+        if i:  # through the command line too
+            code, _, err = moeckpt_cli("import-dcp", url, tmp_path / "cli", "--tp", "1", "--dp", "2")
+            assert code == 0, err
+            assert torch.equal(CheckpointReader(str(tmp_path / "cli")).read_tensor("w"), sd["w"])
         index = import_dcp(url, str(tmp_path / f"out{i}"), layout=Layout(dp=2))
         reader = CheckpointReader(str(tmp_path / f"out{i}"))
         assert torch.equal(reader.read_tensor("w"), sd["w"]), url
@@ -238,9 +242,10 @@ def test_torchtitan_mapping_refuses_what_qwen3_lacks(titan_named, tmp_path):
 
 # -- Megatron-Core's names and shapes, without Megatron ------------------------------------------------------------
 
-def _megatron_state(g: torch.Generator, with_optimizer: bool) -> tuple[dict, dict]:
-    """Megatron torch_dist keys (stacked layers, QKV fused per query group, fc1 = [gate; up], experts [L, E, ...])
-    and the Hugging Face tensors they stand for."""
+def _megatron_state(g: torch.Generator, with_optimizer: bool, per_expert: bool = False) -> tuple[dict, dict]:
+    """Megatron torch_dist keys (stacked layers, QKV fused per query group, fc1 = [gate; up], experts [L, E, ...]
+    or, with ``per_expert``, one key per global expert as ``singleton_local_shards`` saves them) and the Hugging
+    Face tensors they stand for."""
     t = TINY
     layers, h, hd, nq, nkv, e, inter = (t["n_layers"], t["dim"], t["head_dim"], t["n_heads"], t["n_kv_heads"],
                                         t["experts"], t["moe_hidden"])
@@ -275,6 +280,11 @@ def _megatron_state(g: torch.Generator, with_optimizer: bool) -> tuple[dict, dic
                        (d + "mlp.linear_fc1.layer_norm_weight", ln2), (d + "mlp.router.weight", router),
                        (d + "mlp.experts.experts.linear_fc1.weight", fc1), (d + "mlp.experts.experts.linear_fc2.weight", fc2)):
         mg[key] = torch.stack(parts)
+    if per_expert:
+        for fc in ("linear_fc1", "linear_fc2"):
+            fused = mg.pop(f"{d}mlp.experts.experts.{fc}.weight")
+            for x in range(e):
+                mg[f"{d}mlp.experts.{x}.{fc}.weight"] = fused[:, x].contiguous()
     if with_optimizer:
         for key in list(mg):
             for role in ("exp_avg", "exp_avg_sq"):
@@ -303,8 +313,8 @@ def torchrun_megatron_like(path: str) -> None:
         "        sd[k] = v; continue\n"
         "    boxes = [((l,) + (0,) * (v.dim() - 1), (1,) + tuple(v.shape[1:])) for l in range(v.shape[0])]\n"
         "    if 'linear_fc1.weight' in k:  # gate and up saved as separate chunks, as the swiglu factory does\n"
-        "        half = v.shape[2] // 2\n"
-        "        boxes = [((l, 0, j * half, 0), (1, v.shape[1], half, v.shape[3])) for l in range(v.shape[0]) for j in (0, 1)]\n"
+        "        d = v.dim() - 2; half = v.shape[d] // 2\n"
+        "        boxes = [((l,) + (0,) * (d - 1) + (j * half, 0), (1,) + tuple(v.shape[1:d]) + (half, v.shape[-1])) for l in range(v.shape[0]) for j in (0, 1)]\n"
         "    mine = boxes[r::w]\n"
         "    shards = [Shard(v[tuple(slice(o, o + s) for o, s in zip(off, size))].clone(), ShardMetadata(list(off), list(size), f'rank:{r}/cpu')) for off, size in mine]\n"
         "    sd[k] = init_from_local_shards(shards, list(v.shape))\n"
@@ -321,8 +331,9 @@ def torchrun_megatron_like(path: str) -> None:
     assert run.returncode == 0, run.stderr[-6000:]
 
 
-def test_megatron_names_map_onto_qwen3(tmp_path, moeckpt_cli):
-    mg, hf = _megatron_state(torch.Generator().manual_seed(5), with_optimizer=True)
+@pytest.mark.parametrize("per_expert", [False, True], ids=["fused-experts", "per-expert"])
+def test_megatron_names_map_onto_qwen3(tmp_path, moeckpt_cli, per_expert):
+    mg, hf = _megatron_state(torch.Generator().manual_seed(5), with_optimizer=True, per_expert=per_expert)
     src = tmp_path / "mg"
     _save_megatron_like(src, mg)
     (src / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))

@@ -261,3 +261,12 @@ def test_zip_offsets_are_checked():
         locate_tensor(lambda a, b: good[a:b], len(good), (4, 3), "float32", "item")
     with pytest.raises(DcpFormatError, match="bfloat16"):
         locate_tensor(lambda a, b: good[a:b], len(good), (3, 4), "bfloat16", "item")
+
+
+def test_a_strided_view_is_refused_with_the_fix(tmp_path):
+    w = torch.arange(12.0).reshape(3, 4)
+    path = _save(tmp_path / "views", {"t": w.t(), "cols": w[:, 1:3]})
+    ck = open_dcp(path)
+    assert torch.equal(ck.read_tensor("cols"), w[:, 1:3])  # a slice is cloned compact by DCP: fine
+    with pytest.raises(DcpFormatError, match=r"strided view .* save .contiguous\(\) tensors"):
+        ck.read_tensor("t")

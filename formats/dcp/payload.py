@@ -158,8 +158,11 @@ def locate_tensor(read: ReadRecord, length: int, shape: tuple[int, ...], dtype: 
     if tuple(ref.size) != tuple(shape):
         raise DcpFormatError(f"{where}: the item holds a tensor of shape {list(ref.size)}, the metadata's chunk is "
                              f"{list(shape)}")
-    if math.prod(shape) and tuple(ref.stride) != _contiguous(shape):
-        raise DcpFormatError(f"{where}: the stored tensor has strides {list(ref.stride)}, not C-contiguous ones")
+    if math.prod(shape) and not _is_contiguous(tuple(ref.stride), shape):
+        raise DcpFormatError(
+            f"{where}: the tensor was saved as a strided view (strides {list(ref.stride)} for shape {list(shape)}, "
+            "e.g. a transposed weight); moeckpt streams C-contiguous items only: save .contiguous() tensors"
+        )
     data = entries.get(f"{prefix}data/{storage.key}")
     if data is None:
         raise DcpFormatError(f"{where}: the archive lacks the storage record data/{storage.key}")
@@ -171,12 +174,16 @@ def locate_tensor(read: ReadRecord, length: int, shape: tuple[int, ...], dtype: 
     return TensorLocation(start + ref.offset * item, nbytes)
 
 
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for s in reversed(shape):
-        out.append(step)
-        step *= max(s, 1)
-    return tuple(reversed(out))
+def _is_contiguous(stride: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """C order, ignoring the strides of dims of size 1 (a clone of a slice keeps its parent's stride there)."""
+    if len(stride) != len(shape):
+        return False
+    step = 1
+    for st, sz in zip(reversed(stride), reversed(shape)):
+        if sz != 1 and st != step:
+            return False
+        step *= sz
+    return True
 
 
 def decode_value(data: bytes, where: str) -> object:
