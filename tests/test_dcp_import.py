@@ -399,3 +399,20 @@ def test_each_chunk_is_read_once_and_a_truncation_meanwhile_is_caught(titan_name
     with pytest.raises(DcpFormatError, match="truncated"):
         job.write(str(tmp_path / "ck2"))
     assert not (tmp_path / "ck2").exists() and not (tmp_path / ".ck2.partial").exists()
+
+
+def test_older_torchtitan_rope_table_is_dropped_and_other_dtypes_refused(titan_named, tmp_path, moeckpt_cli):
+    """Older torchtitan saved its complex RoPE table (``freqs_cis``) with the model; a mapping recomputes it,
+    ``--mapping none`` cannot store a complex tensor and says so."""
+    from safetensors.torch import load_file
+
+    state = dict(load_file(titan_named + ".weights.safetensors"))
+    state["freqs_cis"] = torch.polar(torch.ones(16, 8), torch.randn(16, 8))
+    src = _save(tmp_path / "old", state)
+    model_json = tmp_path / "model.json"
+    model_json.write_text(json.dumps(hf_config_json()))
+    code, _, err = moeckpt_cli("import-dcp", src, tmp_path / "ck", "--mapping", "torchtitan", "--model", model_json)
+    assert code == 0, err
+    assert "freqs_cis dropped" in err and "no optimizer state" in err
+    code, _, err = moeckpt_cli("import-dcp", src, tmp_path / "generic")
+    assert code == 2 and "'freqs_cis' is complex64" in err and err.count("\n") == 1

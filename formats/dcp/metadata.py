@@ -58,7 +58,20 @@ class DcpTensor:
 
     @property
     def nbytes(self) -> int:
-        return Box.full(self.shape).numel * dtypes.itemsize(self.dtype)
+        return Box.full(self.shape).numel * itemsize(self.dtype)
+
+    @property
+    def storable(self) -> bool:
+        """Whether moeckpt stores this dtype (complex RoPE tables, unsigned ints wider than 8 bits it does not)."""
+        return self.dtype in dtypes.DTYPE_NAMES
+
+
+#: element sizes of the dtypes a DCP checkpoint may hold that moeckpt does not store (read only to be skipped).
+_OTHER_ITEMSIZE = {"complex64": 8, "complex128": 16, "uint16": 2, "uint32": 4, "uint64": 8}
+
+
+def itemsize(dtype: str) -> int:
+    return dtypes.itemsize(dtype) if dtype in dtypes.DTYPE_NAMES else _OTHER_ITEMSIZE[dtype]
 
 
 @dataclass(frozen=True)
@@ -151,8 +164,6 @@ def _tensor(name: str, item: object, records: dict, where: str) -> DcpTensor:
     dtype = props.get("dtype") if isinstance(props, up._Record) else None
     if not isinstance(dtype, up.DType):
         raise _fail(here, f"the dtype is {dtype!r}")
-    if str(dtype) not in dtypes.DTYPE_NAMES:
-        raise DcpFormatError(f"{here}: dtype {dtype} is not one moeckpt stores ({', '.join(dtypes.DTYPE_NAMES)})")
     layout = props.get("layout", "torch.strided")
     if layout != "torch.strided":
         raise DcpFormatError(f"{here}: layout {layout} is not supported (dense tensors only)")

@@ -20,10 +20,8 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moeckpt.formats import dtypes
-
 from . import unpickler as up
-from .metadata import DcpFormatError
+from .metadata import DcpFormatError, itemsize
 
 #: bytes read at each end of a record to find its zip directory and ``data.pkl`` in one go (each is small).
 PROBE_BYTES = 8192
@@ -133,7 +131,7 @@ class TensorLocation:
 
 def locate_tensor(read: ReadRecord, length: int, shape: tuple[int, ...], dtype: str, where: str) -> TensorLocation:
     """The chunk's data inside its record, checked against ``shape`` and ``dtype`` from the metadata."""
-    nbytes = math.prod(shape) * dtypes.itemsize(dtype)
+    nbytes = math.prod(shape) * itemsize(dtype)
     if length == nbytes:  # written raw (SerializationFormat.SAFETENSORS): a torch.save is always longer
         return TensorLocation(0, nbytes)
     entries = _zip_entries(read, length, where)
@@ -166,7 +164,7 @@ def locate_tensor(read: ReadRecord, length: int, shape: tuple[int, ...], dtype: 
     data = entries.get(f"{prefix}data/{storage.key}")
     if data is None:
         raise DcpFormatError(f"{where}: the archive lacks the storage record data/{storage.key}")
-    item = dtypes.itemsize(dtype)
+    item = itemsize(dtype)
     if data.size != storage.numel * item or (ref.offset + math.prod(shape)) > storage.numel:
         raise DcpFormatError(f"{where}: storage data/{storage.key} is {data.size} bytes, too small for the tensor "
                              "it holds; the file is corrupt")

@@ -14,6 +14,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 from moeckpt.formats import dtypes
@@ -230,7 +231,7 @@ class DcpCheckpoint:
         for fd in fds.values():
             os.close(fd)
 
-    def __enter__(self) -> DcpCheckpoint:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from typing import Any, Self
 
 from moeckpt.formats.errors import MoeckptError
 
@@ -37,7 +37,7 @@ class _Record:
     #: names of the fields when the state is a tuple (TensorProperties pickles a tuple).
     tuple_fields: tuple[str, ...] = ()
 
-    def __new__(cls, *args: object, **kwargs: object) -> _Record:
+    def __new__(cls, *args: object, **kwargs: object) -> Self:
         if args or kwargs:
             raise UnsafePickleError(f"refusing to unpickle {cls.dcp_name} called with arguments: not how DCP stores it")
         return super().__new__(cls)
@@ -73,7 +73,7 @@ def _record(name: str, fields: tuple[str, ...] = ()) -> type:
 class Size(tuple):
     """``torch.Size``: pickled as ``REDUCE(torch.Size, (tuple_of_ints,))``."""
 
-    def __new__(cls, dims: object = ()) -> Size:
+    def __new__(cls, dims: object = ()) -> Self:
         if not isinstance(dims, (tuple, list)) or not all(type(d) is int and d >= 0 for d in dims):
             raise UnsafePickleError(f"refusing to unpickle torch.Size({dims!r}): not a tuple of non-negative ints")
         return super().__new__(cls, dims)
@@ -111,7 +111,7 @@ def _enum(name: str, values: tuple[object, ...]) -> type:
 class _Path(str):
     """``pathlib.PosixPath('...')`` (``StorageMeta.checkpoint_id``), kept as the joined string."""
 
-    def __new__(cls, *parts: object) -> _Path:
+    def __new__(cls, *parts: object) -> Self:
         if not all(isinstance(p, str) for p in parts):
             raise UnsafePickleError(f"refusing to unpickle a path of {parts!r}: parts must be strings")
         return super().__new__(cls, "/".join(parts))
@@ -120,7 +120,7 @@ class _Path(str):
 class _OrderedDict(dict):
     """``collections.OrderedDict()``: built empty (items come by SETITEMS), or from a list of pairs."""
 
-    def __new__(cls, items: object = ()) -> _OrderedDict:
+    def __new__(cls, items: object = ()) -> Self:
         out = super().__new__(cls)
         if not isinstance(items, (list, tuple)) or not all(isinstance(p, tuple) and len(p) == 2 for p in items):
             raise UnsafePickleError("refusing to unpickle collections.OrderedDict: its argument is not a list of pairs")
@@ -207,7 +207,7 @@ STORAGE_DTYPES = {
     "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16", "BFloat16Storage": "bfloat16",
     "LongStorage": "int64", "IntStorage": "int32", "ShortStorage": "int16", "CharStorage": "int8",
     "ByteStorage": "uint8", "BoolStorage": "bool", "Float8_e4m3fnStorage": "float8_e4m3fn",
-    "Float8_e5m2Storage": "float8_e5m2",
+    "Float8_e5m2Storage": "float8_e5m2", "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
 }
 
 

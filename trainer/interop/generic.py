@@ -58,6 +58,8 @@ def map_generic(dcp: DcpCheckpoint) -> Mapped:
     tensors, slots = {}, []
     for name, t in dcp.tensors.items():
         safe_name(name, dcp.location)
+        if not t.storable:
+            raise MappingError(f"{dcp.location}: tensor {name!r} is {t.dtype}, a dtype moeckpt does not store")
         tensors[name] = TensorEntry(name=name, shape=t.shape, dtype=t.dtype, role="param", param=name, sharding=rule)
         slots.append(whole(name, t.shape))
     values = read_values(dcp, dcp.values, notes)

@@ -237,6 +237,6 @@ def _shapes(dcp: DcpCheckpoint, keys: dict[str, _Key], where: str) -> tuple[dict
         if not ids or one is None:
             raise MappingError(f"{where}: no expert weights (linear_fc2): not a MoE model")
         experts, inter = len(ids), inner(one)[-1]
-    return dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, head_dim=head_dim,
-                num_attention_heads=heads, num_key_value_heads=(rows - heads) // 2, num_experts=experts,
-                moe_intermediate_size=inter), layers
+    return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "head_dim": head_dim,
+                "num_attention_heads": heads, "num_key_value_heads": (rows - heads) // 2, "num_experts": experts,
+                "moe_intermediate_size": inter}, layers

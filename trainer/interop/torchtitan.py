@@ -59,6 +59,8 @@ _EXPERTS = {
     "moe.experts.w2": ("mlp.experts.down_proj", None),
 }
 _BIAS = ("moe.expert_bias_E", "moe.expert_bias")
+#: buffers older torchtitan saves that the model recomputes from its config (the RoPE table): dropped with a note.
+_DERIVED = ("freqs_cis", "rope.cache")
 #: the fused Q/K/V parameter (per key/value group); its model state is saved split, its optimizer state is not.
 _WQKV = "attention.qkv_linear.wqkv.weight"
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -95,7 +97,12 @@ def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped
     where = dcp.location
     notes: list[str] = []
     model_keys, opt_keys, unknown, biases = {}, {}, [], []
+    derived = [n for n in dcp.tensors if n in _DERIVED]
+    if derived:
+        notes.append(f"{', '.join(derived)} dropped: the RoPE table is recomputed from rope_theta")
     for name in dcp.tensors:
+        if name in _DERIVED:
+            continue
         m = _OPT_RE.match(name)
         if m:
             opt_keys.setdefault(m.group(1), {})[m.group(2)] = name
@@ -209,9 +216,9 @@ def _shapes(dcp: DcpCheckpoint, keys: dict, where: str) -> dict[str, int]:
     (head_dim,) = shape("layers.0.attention.q_norm.weight")
     k = q.replace("wq", "wk")
     experts, inter, _ = shape(w1)
-    return dict(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, head_dim=head_dim,
-                num_attention_heads=shape(q)[0] // head_dim, num_key_value_heads=shape(k)[0] // head_dim,
-                num_experts=experts, moe_intermediate_size=inter)
+    return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "head_dim": head_dim,
+                "num_attention_heads": shape(q)[0] // head_dim, "num_key_value_heads": shape(k)[0] // head_dim,
+                "num_experts": experts, "moe_intermediate_size": inter}
 
 
 # -- the way back: names of an export ---------------------------------------------------------------------------
