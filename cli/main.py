@@ -19,6 +19,8 @@ COMMAND_MODULES = (
     "demo_cmd",
     "export_hf_cmd",
     "import_hf_cmd",
+    "import_dcp_cmd",
+    "export_dcp_cmd",
     "reshard_cmd",
     "train_cmd",
     "eval_cmd",

@@ -1,0 +1,31 @@
+"""``moeckpt export-dcp``: a moeckpt checkpoint as a standard torch DCP checkpoint (torch's own dcp.save)."""
+
+from __future__ import annotations
+
+import click
+
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.trainer.interop.dcp_export import (
+    EXPORT_MAPPINGS,
+    default_mapping,
+    export_dcp,
+)
+
+from .common import progress
+
+
+@click.command("export-dcp")
+@click.argument("ckpt")
+@click.argument("out")
+@click.option("--mapping", type=click.Choice(EXPORT_MAPPINGS), default=None,
+              help="torchtitan: torchtitan's Qwen3-MoE names and flattened optimizer; none: our tensor names  "
+                   "[default: torchtitan for a qwen3_moe checkpoint, else none]")
+@click.option("--overwrite", is_flag=True, help="replace whatever OUT holds")
+def command(ckpt, out, mapping, overwrite) -> None:
+    """Write CKPT (any layout and storage; a run directory: its newest step) to OUT, a local directory, as a DCP
+    checkpoint that dcp.load reads, e.g. into a torchtitan model and its optimizer. One tensor in memory at a time."""
+    reader = CheckpointReader(ckpt)
+    mapping = mapping or default_mapping(reader)
+    with progress(reader.index.nbytes, "export-dcp") as bar:
+        result = export_dcp(ckpt, out, mapping=mapping, overwrite=overwrite, on_bytes=bar.update)
+    click.echo(f"wrote {out}: {result['tensors']} tensors, {result['bytes'] / 1e6:.2f} MB (DCP, mapping {mapping})")

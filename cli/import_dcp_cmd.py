@@ -1,0 +1,49 @@
+"""``moeckpt import-dcp``: a torch DCP checkpoint (torchtitan, Megatron-Core torch_dist, any dcp.save) as a moeckpt
+checkpoint in any layout, read without running its pickles."""
+
+from __future__ import annotations
+
+import click
+
+from moeckpt.reshard.layout import Layout
+from moeckpt.trainer.interop import MAPPINGS, DcpImport
+from moeckpt.trainer.models import resolve_model
+
+from .common import format_option, layout_options, progress
+
+
+@click.command("import-dcp")
+@click.argument("dcp_dir")
+@click.argument("dst")
+@layout_options
+@format_option
+@click.option("--model", "model_name", default=None,
+              help="PRESET or config.json (ours or a Hugging Face one): the fields tensor shapes do not tell "
+                   "(top-k, RoPE theta, ...) for a named mapping  [default: taken from the shapes, Qwen3-MoE defaults]")
+@click.option("--mapping", type=click.Choice(MAPPINGS), default="none", show_default=True,
+              help="none: keep the names (a generic checkpoint); torchtitan, megatron: map onto the bundled "
+                   "qwen3_moe model (trainable, exportable to Hugging Face)")
+@click.option("--overwrite", is_flag=True, help="replace whatever DST holds")
+@click.option("--workers", type=click.IntRange(min=1, max=256), default=4, show_default=True,
+              help="target files written in parallel")
+def command(dcp_dir, dst, tp, ep, dp, fmt, model_name, mapping, overwrite, workers) -> None:
+    """Convert the DCP checkpoint in DCP_DIR (local path or URL: .metadata and __R_N.distcp files, any sharding)
+    into a moeckpt checkpoint at DST in layout (tp, ep, dp), streaming each chunk once with bounded memory.
+
+    Nothing is unpickled by pickle itself: .metadata is read by a restricted unpickler that admits only DCP's own
+    metadata classes, tensor data is located inside each torch.save record and read as raw bytes, and non-tensor
+    values go through torch.load(weights_only=True). Optimizer state (AdamW moments) comes along when the mapping
+    knows it; what is dropped is printed.
+    """
+    layout = Layout(tp=tp, ep=ep, dp=dp)
+    model = resolve_model(model_name) if model_name is not None else None
+    job = DcpImport(dcp_dir, layout=layout, mapping=mapping, backend=fmt, model=model)
+    for note in job.notes:
+        click.echo(f"note: {note}", err=True)
+    with progress(job.index.nbytes, "import-dcp") as bar:
+        index, read = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=bar.update)
+    roles = sorted({t.role for t in index.tensors.values()})
+    click.echo(
+        f"wrote {dst}: {index.model['arch']}, {layout}, {len(index.tensors)} tensors ({', '.join(roles)}), "
+        f"{index.nbytes / 1e6:.2f} MB ({fmt}); read {read / 1e6:.2f} MB of DCP data"
+    )

@@ -1,0 +1,247 @@
+"""Read access to a torch DCP checkpoint directory (local or fsspec URL): its tensors, chunks and values.
+
+:class:`DcpCheckpoint` parses ``.metadata`` with the restricted unpickler, checks that every data file it names
+exists and is long enough, and locates each chunk's bytes inside its ``.distcp`` record
+(:func:`~moeckpt.formats.dcp.payload.locate_tensor`, in parallel). After that, reading rows of a chunk is one byte
+range (``os.pread`` on local files, a range request on object stores): no ``torch.load``, no whole-file reads.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Self, cast
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.box import Box
+from moeckpt.formats.errors import StorageError
+from moeckpt.formats.storage import open_storage
+
+from . import payload
+from .metadata import (
+    METADATA_NAME,
+    DcpFormatError,
+    DcpMetadata,
+    DcpTensor,
+    Record,
+    parse_metadata,
+)
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """A chunk of a DCP tensor with the absolute byte range of its elements (C order) in ``file``."""
+
+    tensor: str
+    box: Box
+    dtype: str
+    file: str
+    start: int
+    nbytes: int
+
+
+class DcpCheckpoint:
+    """A DCP checkpoint directory, read without running any of its pickles."""
+
+    def __init__(self, location: str, *, workers: int = 8) -> None:
+        self.storage = open_storage(location)
+        self.location = self.storage.location
+        self.workers = max(1, workers)
+        where = self.storage.path(METADATA_NAME)
+        try:
+            raw = self.storage.read_bytes(METADATA_NAME)
+        except FileNotFoundError:
+            hint = ""
+            if self.storage.exists("moeckpt.json"):
+                hint = " (it is a moeckpt checkpoint: use it directly, or `moeckpt export-dcp` to make a DCP one)"
+            raise DcpFormatError(f"{where}: missing; {self.location} is not a torch DCP checkpoint{hint}") from None
+        except IsADirectoryError:
+            raise DcpFormatError(f"{where}: is a directory, not DCP metadata") from None
+        self.metadata: DcpMetadata = parse_metadata(raw, where)
+        self._sizes = self._check_files()
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._chunks: dict[str, tuple[StoredChunk, ...]] = {}
+
+    # -- what it holds -------------------------------------------------------------------------------------
+    @property
+    def tensors(self) -> dict[str, DcpTensor]:
+        return self.metadata.tensors
+
+    @property
+    def values(self) -> dict[str, Record]:
+        return self.metadata.values
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def _check_files(self) -> dict[str, int]:
+        records = [c.record for t in self.tensors.values() for c in t.chunks] + list(self.values.values())
+        sizes: dict[str, int] = {}
+        for f in sorted({r.file for r in records}):
+            try:
+                sizes[f] = self.storage.size(f)
+            except FileNotFoundError:
+                raise DcpFormatError(f"{self.storage.path(f)}: data file named by .metadata is missing") from None
+        for r in records:
+            if r.offset + r.length > sizes[r.file]:
+                raise DcpFormatError(
+                    f"{self.storage.path(r.file)}: an item at bytes {r.offset}..{r.offset + r.length} runs past the "
+                    f"end of the {sizes[r.file]}-byte file; the file is truncated"
+                )
+        return sizes
+
+    # -- chunks ---------------------------------------------------------------------------------------------
+    def chunks(self, names: list[str] | None = None) -> dict[str, tuple[StoredChunk, ...]]:
+        """The located chunks of ``names`` (default: every tensor), each chunk's zip record read once."""
+        wanted = list(self.tensors) if names is None else names
+        todo = [(n, c) for n in wanted if n not in self._chunks for c in self.tensors[n].chunks]
+        if todo:
+            with ThreadPoolExecutor(self.workers) as pool:
+                found = list(pool.map(lambda nc: self._locate(*nc), todo))
+            by_name: dict[str, list[StoredChunk]] = {}
+            for sc in found:
+                by_name.setdefault(sc.tensor, []).append(sc)
+            for n in {n for n, _ in todo}:
+                self._chunks[n] = tuple(by_name.get(n, ()))
+        return {n: self._chunks[n] for n in wanted}
+
+    def _locate(self, name: str, chunk) -> StoredChunk:
+        tensor = self.tensors[name]
+        rec = chunk.record
+        where = f"{self.storage.path(rec.file)} (tensor {name!r} chunk at {list(chunk.box.offsets)})"
+        cache: dict[tuple[int, int], bytes] = {}
+
+        def read(lo: int, hi: int) -> bytes:
+            lo, hi = max(0, lo), min(rec.length, hi)
+            for (a, b), data in cache.items():  # the probes at both ends hold most small reads
+                if a <= lo and hi <= b:
+                    return data[lo - a : hi - a]
+            data = self.read_bytes(rec.file, rec.offset + lo, rec.offset + hi)
+            if len(data) != hi - lo:
+                raise DcpFormatError(f"{where}: the file ends early; it is truncated")
+            if hi - lo >= 1024:
+                cache[(lo, hi)] = data
+            return data
+
+        if rec.length > payload.PROBE_BYTES and chunk.box.numel:
+            read(0, payload.PROBE_BYTES)
+        loc = payload.locate_tensor(read, rec.length, chunk.box.shape, tensor.dtype, where)
+        return StoredChunk(name, chunk.box, tensor.dtype, rec.file, rec.offset + loc.start, loc.nbytes)
+
+    # -- bytes -------------------------------------------------------------------------------------------
+    def _fd(self, relpath: str) -> int:
+        fd = self._fds.get(relpath)
+        if fd is None:
+            with self._lock:
+                fd = self._fds.get(relpath)
+                if fd is None:
+                    fd = self._fds[relpath] = os.open(self.storage.path(relpath), os.O_RDONLY)
+        return fd
+
+    def read_bytes(self, relpath: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a data file."""
+        if not self.storage.is_local:
+            return bytes(self.storage.read_range(relpath, start, end))
+        try:
+            return os.pread(self._fd(relpath), end - start, start)
+        except OSError as e:
+            raise StorageError(f"{self.storage.path(relpath)}: reading bytes {start}..{end} failed: {e}") from e
+
+    def read_into(self, relpath: str, start: int, out: torch.Tensor) -> None:
+        """Fill the (contiguous, CPU) tensor ``out`` with the bytes at ``start`` of a data file."""
+        n = out.numel() * out.element_size()
+        if n == 0:
+            return
+        view = memoryview(cast(Any, out.view(-1).view(torch.uint8).numpy()))
+        if self.storage.is_local:
+            try:
+                got = os.preadv(self._fd(relpath), [view], start)
+            except OSError as e:
+                raise StorageError(
+                    f"{self.storage.path(relpath)}: reading bytes {start}..{start + n} failed: {e}"
+                ) from e
+        else:
+            data = self.storage.read_range(relpath, start, start + n)
+            got = len(data)
+            view[:got] = data
+        if got != n:
+            raise DcpFormatError(
+                f"{self.storage.path(relpath)}: the file ends early reading {n} bytes at {start}; it is truncated"
+            )
+
+    def map_bytes(self, relpath: str, start: int, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
+        """A tensor over bytes at ``start`` of a local data file, mapped from the page cache (nothing copied).
+
+        A private, copy-on-write mapping: nothing written through it reaches the file; it is unmapped when the
+        last view goes. The file's size is checked first: touching a mapping past the end of a file that was
+        truncated meanwhile would kill the process (SIGBUS) instead of raising.
+        """
+        torch_dtype = dtypes.to_torch(dtype)
+        count = math.prod(shape)
+        n = count * dtypes.itemsize(dtype)
+        if n == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        fd = self._fd(relpath)
+        where = self.storage.path(relpath)
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        try:
+            if os.fstat(fd).st_size < start + n:
+                raise DcpFormatError(f"{where}: the file ends before byte {start + n}; it was truncated")
+            mapped = mmap.mmap(fd, start - base + n, offset=base, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            raise StorageError(f"{where}: mapping bytes {start}..{start + n} failed: {e}") from e
+        return torch.frombuffer(mapped, dtype=torch_dtype, offset=start - base, count=count).reshape(shape)
+
+    def read_chunk(self, chunk: StoredChunk, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """A chunk's elements (or rows ``[r0, r1)`` of its dim 0) as a tensor of its dtype."""
+        shape = chunk.box.shape
+        start = chunk.start
+        if rows is not None and shape:
+            r0, r1 = rows
+            row = chunk.nbytes // shape[0] if shape[0] else 0
+            start += r0 * row
+            shape = (r1 - r0,) + shape[1:]
+        out = torch.empty(shape, dtype=dtypes.to_torch(chunk.dtype))
+        self.read_into(chunk.file, start, out)
+        return out
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        """A whole tensor assembled from its chunks (small tensors: checks, tests)."""
+        t = self.tensors[name]
+        out = torch.empty(t.shape, dtype=dtypes.to_torch(t.dtype))
+        for c in self.chunks([name])[name]:
+            out[c.box.slices()] = self.read_chunk(c)
+        return out
+
+    def read_value(self, name: str) -> object:
+        """A non-tensor item decoded as JSON data (or :data:`~moeckpt.formats.dcp.payload.NOT_JSON`)."""
+        rec = self.values[name]
+        where = f"{self.storage.path(rec.file)} (value {name!r})"
+        if rec.length > payload.MAX_VALUE_BYTES:
+            raise DcpFormatError(f"{where}: {rec.length} bytes is larger than moeckpt decodes")
+        return payload.decode_value(self.read_bytes(rec.file, rec.offset, rec.offset + rec.length), where)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_dcp(location: str, *, workers: int = 8) -> DcpCheckpoint:
+    """Open the DCP checkpoint at ``location`` (a local directory or an fsspec URL)."""
+    return DcpCheckpoint(location, workers=workers)

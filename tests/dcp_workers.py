@@ -1,0 +1,262 @@
+"""Workers (run under torchrun, gloo on CPU) that write real torch DCP checkpoints for the import-dcp tests.
+
+``torchtitan OUT``: torchtitan's own tiny Qwen3-MoE, parallelized by torchtitan's ``parallelize_qwen3`` (FSDP2 over
+2 ranks x TP 2, EP 2: DTensors with ``_StridedShard`` placements), two AdamW steps on random gradients (flex
+attention has no CPU backward, so no real loss), then ``dcp.save`` of the state torchtitan's checkpointer saves:
+the model's state dict at the top level, ``optimizer`` flattened by parameter (torchtitan's own
+``get_flat_optim_state_dict``), ``train_state`` and ``lr_scheduler``.
+
+``megatron OUT``: Megatron-Core's tiny GPTModel with MoE layers, saved by its own ``dist_checkpointing.save``.
+
+``titan-names OUT``: the same names, shapes and DTensor shardings without torchtitan installed: a Qwen3-MoE from
+moeckpt's plan renamed to torchtitan's names, sharded over a 2 x 2 mesh, with AdamW moments, through dcp.save.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+TINY = {"dim": 64, "head_dim": 16, "n_layers": 2, "vocab": 256, "n_heads": 4, "n_kv_heads": 2, "moe_hidden": 32,
+        "experts": 4, "top_k": 2}
+
+
+def torchtitan_config():
+    """torchtitan's Qwen3-MoE config at the tiny size, built with torchtitan's own builders."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+    from torchtitan.models.qwen3 import (
+        _EMBEDDING_INIT,
+        _LINEAR_INIT,
+        Qwen3Model,
+        _build_qwen3_moe_layers,
+        _qwen3_norm,
+    )
+
+    t = TINY
+    return Qwen3Model.Config(
+        vocab_size=t["vocab"], dim=t["dim"], norm=_qwen3_norm(t["dim"]),
+        tok_embeddings=Embedding.Config(num_embeddings=t["vocab"], embedding_dim=t["dim"], param_init=_EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=t["dim"], out_features=t["vocab"], param_init=_LINEAR_INIT),
+        layers=_build_qwen3_moe_layers(
+            fuse_qkv=True, n_layers=t["n_layers"], dim=t["dim"], n_heads=t["n_heads"], n_kv_heads=t["n_kv_heads"],
+            head_dim=t["head_dim"], moe_hidden_dim=t["moe_hidden"], num_experts=t["experts"], top_k=t["top_k"],
+            attn_backend="flex", rope=CosSinRoPE.Config(dim=t["head_dim"], max_seq_len=128, theta=1e6),
+            moe_comm_backend="standard"),
+    )
+
+
+def hf_config_json() -> dict:
+    """The moeckpt model config of the tiny model (what --model is given)."""
+    t = TINY
+    return {"arch": "qwen3_moe", "config": {
+        "vocab_size": t["vocab"], "hidden_size": t["dim"], "num_hidden_layers": t["n_layers"],
+        "num_attention_heads": t["n_heads"], "num_key_value_heads": t["n_kv_heads"], "head_dim": t["head_dim"],
+        "moe_intermediate_size": t["moe_hidden"], "num_experts": t["experts"], "num_experts_per_tok": t["top_k"],
+        "max_position_embeddings": 128, "rope_theta": 1e6, "rms_norm_eps": 1e-6}}
+
+
+def torchtitan_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(tokens.shape[1]).repeat(tokens.shape[0], 1)
+    with torch.no_grad():
+        return model(tokens, positions, model.get_attention_masks(positions))
+
+
+def _same_everywhere(like, full: torch.Tensor):
+    """``full`` (equal on every rank) as a tensor sharded like ``like`` (a DTensor or a plain tensor).
+
+    Random values made per rank with ``randn_like`` would differ between the replicas of a replicated dimension,
+    and DCP saves one replica: the checkpoint would depend on which."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    rep = distribute_tensor(full, like.device_mesh, [Replicate()] * like.device_mesh.ndim)
+    return rep.redistribute(like.device_mesh, like.placements)
+
+
+def _noise(p, scale: float, g: torch.Generator):
+    return _same_everywhere(p, torch.randn(tuple(p.shape), generator=g) * scale)
+
+
+def _adamw_steps(params, steps: int = 2) -> torch.optim.AdamW:
+    """AdamW over ``params`` (tensors, or (name, tensor) pairs as torchtitan builds it) after ``steps`` steps on
+    seeded random gradients (the same on every rank)."""
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+    g = torch.Generator().manual_seed(11)
+    for _ in range(steps):
+        for p in tensors:
+            p.grad = _noise(p, 0.01, g)
+        opt.step()
+    return opt
+
+
+def write_torchtitan(out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims, parallel_dims
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    # torchtitan picks "cuda" when no accelerator is found; its meshes must be CPU (gloo) meshes here.
+    parallel_dims.device_type = "cpu"
+    world = dist.get_world_size()
+    dims = ParallelDims(dp_replicate=1, dp_shard=world // 2, cp=1, tp=2, pp=1, ep=2, world_size=world,
+                        spmd_backend="partial_dtensor")
+    dims.build_mesh()
+    par = ParallelismConfig(data_parallel_shard_degree=world // 2, tensor_parallel_degree=2,
+                            expert_parallel_degree=2, spmd_backend="partial_dtensor")
+    cfg = torchtitan_config()
+    set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=True)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = cfg.build()
+    parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=par,
+                      compile_config=CompileConfig(), ac_config=None, dump_folder=out)
+    model.to_empty(device="cpu")
+    torch.manual_seed(1)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.init_weights()
+        for _, p in model.named_parameters():  # from seeded full tensors, so every replica holds the same values
+            p.copy_(_noise(p, 0.1, g))
+    opt = _adamw_steps(list(model.named_parameters()))
+    state = {**ModelWrapper(model).state_dict(), "optimizer": get_flat_optim_state_dict(opt),
+             "train_state": {"step": 2, "ntokens_seen": 64}, "lr_scheduler": {"last_epoch": 2}}
+    dcp.save(state, checkpoint_id=out)
+
+
+def write_titan_names(out: str) -> None:
+    """torchtitan's names and DTensor shardings without torchtitan: (Shard(0) over dp) x (TP splits)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    t = TINY
+    mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("fsdp", "tp"))
+    g = torch.Generator().manual_seed(7)
+    hd, h = t["head_dim"], t["dim"]
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    full = {"tok_embeddings.weight": rand(t["vocab"], h), "norm.weight": 1 + rand(h), "lm_head.weight": rand(t["vocab"], h)}
+    for i in range(t["n_layers"]):
+        p = f"layers.{i}."
+        full.update({
+            p + "attention.qkv_linear.wq.weight": rand(t["n_heads"] * hd, h),
+            p + "attention.qkv_linear.wk.weight": rand(t["n_kv_heads"] * hd, h),
+            p + "attention.qkv_linear.wv.weight": rand(t["n_kv_heads"] * hd, h),
+            p + "attention.wo.weight": rand(h, t["n_heads"] * hd),
+            p + "attention.q_norm.weight": 1 + rand(hd), p + "attention.k_norm.weight": 1 + rand(hd),
+            p + "moe.expert_bias_E": torch.zeros(t["experts"]),
+            p + "moe.routed_experts.inner_experts.w1_EFD": rand(t["experts"], t["moe_hidden"], h),
+            p + "moe.routed_experts.inner_experts.w2_EDF": rand(t["experts"], h, t["moe_hidden"]),
+            p + "moe.routed_experts.inner_experts.w3_EFD": rand(t["experts"], t["moe_hidden"], h),
+            p + "moe.router.gate.weight": rand(t["experts"], h),
+            p + "attention_norm.weight": 1 + rand(h), p + "ffn_norm.weight": 1 + rand(h),
+        })
+
+    def place(name: str, value: torch.Tensor):
+        tp = Shard(0) if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1_EFD", "w3_EFD")) else (
+            Shard(1) if name.endswith(("wo.weight", "w2_EDF")) else Replicate())
+        if name.endswith(("w1_EFD", "w3_EFD")):
+            tp = Shard(1)
+        if name.endswith("w2_EDF"):
+            tp = Shard(2)
+        return distribute_tensor(value, mesh, [Shard(0), tp])
+
+    model = {k: place(k, v) for k, v in full.items()}
+    names = [k for k in model if not k.endswith("expert_bias_E")]
+    params = [torch.nn.Parameter(model[k]) for k in names]
+    opt = _adamw_steps(params)
+    state: dict = {k: v for k, v in model.items() if k.endswith("expert_bias_E")}
+    state.update({k: p.data for k, p in zip(names, params)})
+    optim: dict = {}
+    for k, p in zip(names, params):
+        for s, v in opt.state[p].items():
+            optim[f"state.{k}.{s}"] = v
+        optim[f"param_groups.{k}.lr"] = 1e-3
+    state.update({"optimizer": optim, "train_state": {"step": 2, "ntokens_seen": 64}})
+    dcp.save(state, checkpoint_id=out)
+    if dist.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: p.data.full_tensor() for k, p in zip(names, params)}, out + ".weights.safetensors")
+    else:
+        for p in params:
+            p.data.full_tensor()  # full_tensor is collective: every rank takes part
+
+
+def write_megatron(out: str) -> None:
+    """Megatron-Core's GPTModel with MoE layers (local spec, SequentialMLP experts) saved by its own
+    ``dist_checkpointing.save`` (torch_dist backend), and its own forward's logits beside it.
+
+    Megatron-Core 0.16.1 assumes CUDA in a few places that this CPU build of torch does not have; each shim below
+    replaces exactly one such call and changes no computation: ``torch.cuda.current_device()`` (the rotary
+    embedding and the router move their tensors there) returns ``"cpu"``; ``torch.cuda.synchronize()`` (after the
+    saver's device-to-host copies, which are synchronous on CPU) does nothing; ``te_general_gemm``, left undefined
+    by the failed Transformer Engine import and read by the router, is ``None`` (Megatron's own non-TE branch).
+    The causal mask is passed explicitly (Megatron's default one is made on ``device="cuda"``), dropout is off and
+    the RNG tracker is Megatron's inference tracker (its training tracker needs CUDA RNG states).
+    """
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe_utils.te_general_gemm = None
+    ps.initialize_model_parallel(1, 1)
+    initialize_rng_tracker(inference_rng_tracker=True)
+    torch.manual_seed(0)
+    t = TINY
+    cfg = TransformerConfig(
+        num_layers=t["n_layers"], hidden_size=t["dim"], num_attention_heads=t["n_heads"],
+        num_query_groups=t["n_kv_heads"], kv_channels=t["head_dim"], ffn_hidden_size=t["dim"],
+        num_moe_experts=t["experts"], moe_router_topk=t["top_k"], moe_ffn_hidden_size=t["moe_hidden"],
+        use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
+        qk_layernorm=True, add_bias_linear=False, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+        bf16=False, params_dtype=torch.float32, layernorm_epsilon=1e-6, moe_router_pre_softmax=False,
+        moe_aux_loss_coeff=0.0, moe_router_dtype="fp64", hidden_dropout=0.0, attention_dropout=0.0)
+    spec = get_gpt_layer_local_spec(num_experts=t["experts"], moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=t["vocab"], max_sequence_length=128,
+                     position_embedding_type="rope", rotary_base=1000000,
+                     share_embeddings_and_output_weights=False).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms start at ones: make every weight distinct
+            p.add_(torch.randn_like(p) * 0.05)
+    tokens = torch.randint(0, t["vocab"], (2, 16), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(16).repeat(2, 1)
+    mask = torch.triu(torch.ones(16, 16), diagonal=1).bool()[None, None]
+    with torch.no_grad():
+        logits = model(tokens, positions, attention_mask=mask)
+    os.makedirs(out, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), out)
+    save_file({"tokens": tokens, "logits": logits.contiguous()}, out + ".logits.safetensors")
+
+
+def main() -> None:
+    kind, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    try:
+        {"torchtitan": write_torchtitan, "titan-names": write_titan_names, "megatron": write_megatron}[kind](out)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Export a moeckpt checkpoint (any layout, any storage) as a standard torch DCP checkpoint, written by torch's own
+``dcp.save`` from one process.
+
+``--mapping torchtitan`` writes a ``qwen3_moe`` checkpoint under torchtitan's names (what ``dcp.load`` into a
+torchtitan Qwen3-MoE model and its flattened optimizer reads): the model at the top level, AdamW moments as
+``optimizer.state.<fqn>.exp_avg`` / ``exp_avg_sq`` with ``.step``, ``train_state.step``, and the non-tensor values
+an import from torchtitan kept (``param_groups``, ``lr_scheduler``, ``dataloader``). ``--mapping none`` writes every
+logical tensor under its own name.
+
+Memory stays one tensor: the state dict handed to ``dcp.save`` holds meta tensors (shape and dtype only), and the
+save planner reads each tensor from the checkpoint when DCP asks for its data, then drops it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.box import Box
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.errors import DestinationNotEmptyError
+from moeckpt.formats.storage import Storage
+
+from ..models import ModelSpec
+from ..models.qwen3_moe import ARCH as QWEN3_MOE
+from . import torchtitan
+from .common import MappingError
+from .generic import VALUES_KEY
+
+EXPORT_MAPPINGS = ("torchtitan", "none")
+
+
+def default_mapping(reader: CheckpointReader) -> str:
+    """torchtitan for a qwen3_moe checkpoint (the architecture torchtitan has), else none."""
+    return "torchtitan" if reader.index.model.get("arch") == QWEN3_MOE else "none"
+
+
+@dataclass(frozen=True)
+class Part:
+    """Box ``box`` of logical tensor ``name`` goes to ``offsets`` of the exported tensor."""
+
+    name: str
+    box: Box
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    """An exported DCP tensor: its shape and dtype, and the parts of logical tensors it is made of."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    parts: tuple[Part, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return Box.full(self.shape).numel * dtypes.itemsize(self.dtype)
+
+
+def _whole(reader: CheckpointReader, name: str, box: Box | None = None) -> Source:
+    entry = reader.index.tensors[name]
+    box = box or Box.full(entry.shape)
+    return Source(box.shape, entry.dtype, (Part(name, box, (0,) * len(box.shape)),))
+
+
+def _plan_none(reader: CheckpointReader) -> dict[str, Source]:
+    return {name: _whole(reader, name) for name in reader.index.tensors}
+
+
+def _plan_torchtitan(reader: CheckpointReader) -> tuple[dict[str, Source], dict[str, torch.Tensor]]:
+    index = reader.index
+    if index.model.get("arch") != QWEN3_MOE:
+        raise MappingError(f"{reader.location}: --mapping torchtitan writes qwen3_moe checkpoints; this one is "
+                           f"{index.model.get('arch')!r} (use --mapping none)")
+    spec = ModelSpec.from_json(index.model)
+    out: dict[str, Source] = {}
+    roles = [r for r in ("exp_avg", "exp_avg_sq") if all(f"{r}/{p.name}" in index.tensors for p in spec.param_specs())]
+    for p in spec.param_specs():
+        if p.name not in index.tensors:
+            raise MappingError(f"{reader.location}: parameter {p.name} of the qwen3_moe model is missing")
+        for tt, box in torchtitan.export_names(p.name, tuple(p.shape)):
+            out[tt] = _whole(reader, p.name, box)
+            if tt.endswith(("wq.weight", "wk.weight", "wv.weight")):
+                continue  # torchtitan's optimizer holds the fused wqkv parameter: below
+            for role in roles:
+                out[f"optimizer.state.{tt}.{role}"] = _whole(reader, f"{role}/{p.name}", box)
+    cfg = spec.config
+    for layer in range(cfg.num_hidden_layers):
+        fqn, parts = torchtitan.export_wqkv(layer, cfg)
+        for role in roles:
+            dtype = index.tensors[f"{role}/{parts[0][0]}"].dtype
+            rows = sum(b.shape[0] for _, b, _ in parts)
+            out[f"optimizer.state.{fqn}.{role}"] = Source(
+                (rows, cfg.hidden_size), dtype, tuple(Part(f"{role}/{n}", b, o) for n, b, o in parts))
+    extra = {name: torch.zeros(shape) for name, shape in torchtitan.export_extra(spec.config).items()}
+    return out, extra
+
+
+class _LazyPlanner:
+    """A DCP save planner whose tensors are read from the moeckpt checkpoint when DCP resolves their data."""
+
+    @staticmethod
+    def make(reader: CheckpointReader, sources: dict[str, Source], on_bytes: Callable[[int], None] | None):
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        class Planner(DefaultSavePlanner):
+            def resolve_data(self, write_item):
+                fqn = write_item.index.fqn
+                if fqn not in sources:
+                    return super().resolve_data(write_item)
+                src = sources[fqn]
+                if len(src.parts) == 1:
+                    part = src.parts[0]
+                    data = reader.read_box(part.name, part.box).contiguous()
+                else:
+                    data = torch.empty(src.shape, dtype=dtypes.to_torch(src.dtype))
+                    for part in src.parts:
+                        at = Box(part.offsets, part.box.shape)
+                        data[at.slices()] = reader.read_box(part.name, part.box)
+                if on_bytes is not None:
+                    on_bytes(data.numel() * data.element_size())
+                return data
+
+        return Planner()
+
+
+def export_dcp(ckpt: str, out: str, *, mapping: str | None = None, overwrite: bool = False,
+               on_bytes: Callable[[int], None] | None = None) -> dict:
+    """Write checkpoint ``ckpt`` as a DCP checkpoint at ``out``; returns ``{"tensors": n, "bytes": b, "mapping": m}``."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = CheckpointReader(ckpt)
+    mapping = mapping or default_mapping(reader)
+    if mapping not in EXPORT_MAPPINGS:
+        raise MappingError(f"unknown export mapping {mapping!r}; choose one of: {', '.join(EXPORT_MAPPINGS)}")
+    extra: dict[str, torch.Tensor] = {}
+    if mapping == "none":
+        sources = _plan_none(reader)
+    else:
+        sources, extra = _plan_torchtitan(reader)
+    storage = Storage(out)
+    if not storage.is_local:
+        raise MappingError(f"{out}: export-dcp writes to a local directory (torch's FileSystemWriter)")
+    storage.refuse_file()
+    if storage.exists() and storage.listdir():
+        if not overwrite:
+            raise DestinationNotEmptyError(f"{storage.location}: destination is not empty; pass --overwrite")
+        storage.remove()
+    state: dict[str, object] = {}
+    for fqn, src in sources.items():
+        state[fqn] = torch.empty(src.shape, dtype=dtypes.to_torch(src.dtype), device="meta")
+    state.update(extra)
+    ts = reader.index.train_state or {}
+    values = ts.get(VALUES_KEY) if isinstance(ts.get(VALUES_KEY), dict) else {}
+    for key, value in values.items():
+        if key not in state:
+            state[key] = value
+    if mapping == "torchtitan":
+        steps = (ts.get("optimizer") or {}).get("steps") if isinstance(ts.get("optimizer"), dict) else None
+        if isinstance(steps, int):
+            for fqn in [k for k in sources if k.startswith("optimizer.state.") and k.endswith(".exp_avg")]:
+                state[fqn[: -len("exp_avg")] + "step"] = torch.tensor(float(steps))
+        state.setdefault("train_state.step", reader.index.step)
+    planner = _LazyPlanner.make(reader, sources, on_bytes)
+    with warnings.catch_warnings():
+        # dcp.save warns that it runs in a single process without a process group: that is what export does.
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(storage.location, single_file_per_rank=True,
+                                                             thread_count=1), planner=planner, no_dist=True)
+    return {"tensors": len(sources) + len(extra), "bytes": sum(s.nbytes for s in sources.values()),
+            "mapping": mapping}

@@ -1,0 +1,243 @@
+"""Megatron-Core's GPTModel with MoE layers (``dist_checkpointing``, ``torch_dist`` backend) -> ``qwen3_moe``.
+
+Megatron saves *sharded keys*, not module names: a layer's tensors are stacked along a leading layer dim
+(``decoder.layers.self_attention.linear_qkv.weight [L, ...]``; per layer ``decoder.layers.<i>.`` when the layers
+differ), local-spec layer norms are saved under the Transformer Engine names
+(``self_attention.linear_qkv.layer_norm_weight``, ``mlp.linear_fc1.layer_norm_weight``), and:
+
+* ``linear_qkv`` fuses Q, K and V *per query group*: for each of the ``G`` groups, its ``H/G`` query heads, then
+  one key head, then one value head, ``head_dim`` rows each;
+* ``linear_fc1`` stacks gate and up (``[2I, H]``: the gate rows first, then the up rows, whatever the TP degree:
+  the swiglu sharded factory saves the TP halves at their global gate/up offsets);
+* experts are ``mlp.experts.experts.linear_fc{1,2}.weight [L, E, ...]`` (SequentialMLP and the grouped GEMM
+  experts save the same keys), or one key per global expert (``mlp.experts.<e>.linear_fc1.weight`` with
+  ``singleton_local_shards``, ``mlp.experts.linear_fc1.weight<e>`` from TE grouped experts);
+* the distributed optimizer in model space (``fully_reshardable``, ``fully_sharded_model_space``) and the plain
+  optimizer save ``optimizer.state.{exp_avg,exp_avg_sq,param|fp32_param}.<model key>``, shaped as the model key.
+
+Every one of these becomes slots of the bundled plan's tensors: no tensor is reshaped in memory. ``common.pt``
+(Megatron's pickled common state: arguments, RNG, the optimizer step) is never read.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from moeckpt.formats.box import Box
+from moeckpt.formats.dcp import DcpCheckpoint
+from moeckpt.reshard.dcp_source import Slot
+
+from ..models import ModelSpec
+from ..models.qwen3_moe import ARCH as QWEN3_MOE
+from .common import (
+    Mapped,
+    MappingError,
+    check_shapes,
+    qkv_group_slots,
+    qwen3_config,
+    qwen3_tensors,
+    role_name,
+)
+
+_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+_LAYER = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+}
+_QKV = "self_attention.linear_qkv.weight"
+_BIAS = "mlp.router.expert_bias"
+_FUSED_EXPERTS = {"mlp.experts.experts.linear_fc1.weight": "mlp.experts.gate_up_proj",
+                  "mlp.experts.experts.linear_fc2.weight": "mlp.experts.down_proj"}
+_ONE_EXPERT = [
+    (re.compile(r"^mlp\.experts\.(\d+)\.linear_fc1\.weight$"), "mlp.experts.gate_up_proj"),
+    (re.compile(r"^mlp\.experts\.(\d+)\.linear_fc2\.weight$"), "mlp.experts.down_proj"),
+    (re.compile(r"^mlp\.experts\.linear_fc1\.weight(\d+)$"), "mlp.experts.gate_up_proj"),
+    (re.compile(r"^mlp\.experts\.linear_fc2\.weight(\d+)$"), "mlp.experts.down_proj"),
+]
+_PER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_STACKED = re.compile(r"^decoder\.layers\.(?!\d+\.)(.+)$")
+_OPT = re.compile(r"^optimizer\.state\.(exp_avg|exp_avg_sq|param|fp32_param)\.(.+)$")
+#: Megatron's dist_checkpointing metadata file, naming the backend.
+METADATA_JSON = "metadata.json"
+
+
+def looks_like(names) -> bool:
+    return "embedding.word_embeddings.weight" in names
+
+
+class _Key:
+    """A model key split into (layer or None for stacked, name within a layer) or a top-level name."""
+
+    def __init__(self, key: str):
+        self.key = key
+        self.layer: int | None = None
+        self.stacked = False
+        self.rest = key
+        m = _PER_LAYER.match(key)
+        if m:
+            self.layer, self.rest = int(m.group(1)), m.group(2)
+            return
+        m = _STACKED.match(key)
+        if m:
+            self.stacked, self.rest = True, m.group(1)
+
+    @property
+    def in_layer(self) -> bool:
+        return self.stacked or self.layer is not None
+
+
+def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
+    """A Megatron-Core GPT MoE checkpoint as the bundled ``qwen3_moe`` model, optimizer state included."""
+    where = dcp.location
+    notes: list[str] = []
+    _check_backend(dcp, notes)
+    model_keys, opt = [], {}
+    for name in dcp.tensors:
+        m = _OPT.match(name)
+        if m:
+            role = {"param": "master", "fp32_param": "master"}.get(m.group(1), m.group(1))
+            opt.setdefault(m.group(2), {})[role] = name
+        else:
+            model_keys.append(name)
+    keys = {n: _Key(n) for n in model_keys}
+    unknown = [n for n, k in keys.items() if not _known(k)]
+    if unknown:
+        raise MappingError(
+            f"{where}: {len(unknown)} tensor(s) are not part of a Megatron GPT MoE model the bundled qwen3_moe has, "
+            f"e.g. {unknown[:3]} (dense MLP layers, shared experts and biases are not in qwen3_moe); use --mapping none"
+        )
+    if "embedding.word_embeddings.weight" not in keys:
+        raise MappingError(f"{where}: no embedding.word_embeddings.weight: not a Megatron GPT checkpoint")
+    for n, k in keys.items():
+        if k.rest == _BIAS and torch.count_nonzero(dcp.read_tensor(n)).item():
+            raise MappingError(f"{where}: {n} is not zero: the router was trained with expert biases, which Qwen3-MoE "
+                               "does not compute")
+    shapes, layers = _shapes(dcp, keys, where)
+    cfg = qwen3_config(shapes, "output_layer.weight" not in keys, model, where, notes)
+    dtype = dcp.tensors["embedding.word_embeddings.weight"].dtype
+    real = [n for n, k in keys.items() if k.rest != _BIAS]
+    have = {r for n in real for r in opt.get(n, {})}
+    full = {"exp_avg", "exp_avg_sq"} | ({"master"} if dtype != "float32" else set())
+    with_optimizer = all(full <= set(opt.get(n, {})) for n in real)
+    if opt and not with_optimizer:
+        notes.append(f"optimizer state dropped: it does not hold {', '.join(sorted(full))} for every parameter "
+                     f"(found {', '.join(sorted(have)) or 'none'})")
+    elif not opt:
+        notes.append("no optimizer state in the checkpoint: the result holds parameters only")
+    if with_optimizer:
+        notes.append("the AdamW step count is in Megatron's common.pt, which moeckpt does not unpickle: bias "
+                     "correction restarts from step 0")
+    tensors = qwen3_tensors(cfg, dtype, with_optimizer)
+    roles = ["param"] + (sorted(full) if with_optimizer else [])
+    if with_optimizer and dtype == "float32" and any("master" in opt.get(n, {}) for n in real):
+        notes.append("fp32 master copies dropped: the parameters are fp32 and are their own master")
+    slots: list[Slot] = []
+    for n in real:
+        for role in roles:
+            src = n if role == "param" else opt[n][role]
+            slots += _slots(keys[n], src, dcp.tensors[src].shape, role, cfg, layers)
+    check_shapes(tensors, slots, dcp, where)
+    return Mapped(model={"arch": QWEN3_MOE, "config": cfg.to_json()}, tensors=tensors, slots=slots, notes=notes,
+                  train_state={})
+
+
+def _check_backend(dcp: DcpCheckpoint, notes: list[str]) -> None:
+    import json
+
+    if not dcp.storage.exists(METADATA_JSON):
+        notes.append(f"no {METADATA_JSON}: read as a plain torch_dist checkpoint")
+        return
+    try:
+        doc = json.loads(dcp.storage.read_bytes(METADATA_JSON))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MappingError(f"{dcp.storage.path(METADATA_JSON)}: not valid JSON ({e})") from None
+    backend = doc.get("sharded_backend") if isinstance(doc, dict) else None
+    if backend != "torch_dist":
+        raise MappingError(f"{dcp.storage.path(METADATA_JSON)}: sharded_backend is {backend!r}; moeckpt reads the "
+                           "torch_dist backend (re-save with --ckpt-format torch_dist)")
+
+
+def _known(k: _Key) -> bool:
+    if not k.in_layer:
+        return k.key in _TOP
+    return (k.rest in _LAYER or k.rest in (_QKV, _BIAS) or k.rest in _FUSED_EXPERTS
+            or any(p.match(k.rest) for p, _ in _ONE_EXPERT))
+
+
+def _region(shape: tuple[int, ...], stacked: bool, layer: int, inner_lo: tuple[int, ...] = (),
+            inner_shape: tuple[int, ...] | None = None) -> Box:
+    inner = shape[1:] if stacked else shape
+    lo = inner_lo + (0,) * (len(inner) - len(inner_lo))
+    size = inner_shape if inner_shape is not None else tuple(s - o for s, o in zip(inner, lo))
+    return Box(((layer,) if stacked else ()) + lo, ((1,) if stacked else ()) + size)
+
+
+def _slots(k: _Key, src: str, shape: tuple[int, ...], role: str, cfg, layers: int) -> list[Slot]:
+    if not k.in_layer:
+        target = role_name(_TOP[k.key], role)
+        return [Slot(src, Box.full(shape), target, (0,) * len(shape))]
+    out = []
+    for layer in range(layers) if k.stacked else [k.layer]:
+        drop = 1 if k.stacked else 0
+        pre = f"model.layers.{layer}."
+        if k.rest in _LAYER:
+            out.append(Slot(src, _region(shape, k.stacked, layer), role_name(pre + _LAYER[k.rest], role),
+                            (0,) * (len(shape) - drop), drop))
+        elif k.rest == _QKV:
+            out += qkv_group_slots(src, shape, layer if k.stacked else None, pre, role, cfg)
+        elif k.rest in _FUSED_EXPERTS:
+            out.append(Slot(src, _region(shape, k.stacked, layer), role_name(pre + _FUSED_EXPERTS[k.rest], role),
+                            (0, 0, 0), drop))
+        else:
+            for pattern, plan in _ONE_EXPERT:
+                m = pattern.match(k.rest)
+                if m:
+                    out.append(Slot(src, _region(shape, k.stacked, layer), role_name(pre + plan, role),
+                                    (int(m.group(1)), 0, 0), drop, lift=1))
+    return out
+
+
+def _shapes(dcp: DcpCheckpoint, keys: dict[str, _Key], where: str) -> tuple[dict[str, int], int]:
+    def find(rest: str) -> tuple[_Key, tuple[int, ...]] | None:
+        for n, k in keys.items():
+            if k.in_layer and k.rest == rest and (k.stacked or k.layer == 0):
+                return k, dcp.tensors[n].shape
+        return None
+
+    vocab, hidden = dcp.tensors["embedding.word_embeddings.weight"].shape
+    qkv, proj, qn = find(_QKV), find("self_attention.linear_proj.weight"), find("self_attention.q_layernorm.weight")
+    if qkv is None or proj is None or qn is None:
+        raise MappingError(f"{where}: no linear_qkv, linear_proj and q_layernorm weights: not a Qwen3-style Megatron "
+                           "GPT model (q/k layer norms are needed)")
+    stacked = qkv[0].stacked
+    layers = qkv[1][0] if stacked else 1 + max(k.layer for k in keys.values() if k.layer is not None)
+    inner = (lambda s: s[1:]) if stacked else (lambda s: s)
+    head_dim = inner(qn[1])[0]
+    heads = inner(proj[1])[1] // head_dim
+    rows = inner(qkv[1])[0] // head_dim
+    if (rows - heads) % 2 or rows <= heads:
+        raise MappingError(f"{where}: linear_qkv has {rows} heads of rows for {heads} query heads: not fused per "
+                           "query group")
+    fc2 = find("mlp.experts.experts.linear_fc2.weight")
+    if fc2 is not None:
+        experts, _h, inter = inner(fc2[1])
+    else:
+        ids = sorted({int(m.group(1)) for k in keys.values() for p, plan in _ONE_EXPERT
+                      if plan.endswith("down_proj") and (m := p.match(k.rest))})
+        one = next((dcp.tensors[n].shape for n, k in keys.items()
+                    if any(p.match(k.rest) for p, plan in _ONE_EXPERT if plan.endswith("down_proj"))), None)
+        if not ids or one is None:
+            raise MappingError(f"{where}: no expert weights (linear_fc2): not a MoE model")
+        experts, inter = len(ids), inner(one)[-1]
+    return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "head_dim": head_dim,
+                "num_attention_heads": heads, "num_key_value_heads": (rows - heads) // 2, "num_experts": experts,
+                "moe_intermediate_size": inter}, layers
