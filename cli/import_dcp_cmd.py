@@ -15,7 +15,7 @@ from .common import format_option, layout_options, progress
 @click.command("import-dcp")
 @click.argument("dcp_dir")
 @click.argument("dst")
-@layout_options
+@layout_options(default_source=True)
 @format_option
 @click.option("--model", "model_name", default=None,
               help="PRESET or config.json (ours or a Hugging Face one): the fields tensor shapes do not tell "
@@ -29,13 +29,17 @@ from .common import format_option, layout_options, progress
 def command(dcp_dir, dst, tp, ep, dp, fmt, model_name, mapping, overwrite, workers) -> None:
     """Convert the DCP checkpoint in DCP_DIR (local path or URL: .metadata and __R_N.distcp files, any sharding)
     into a moeckpt checkpoint at DST in layout (tp, ep, dp), streaming each chunk once with bounded memory.
+    With --mapping none and no layout given, the names and the DCP shardings are kept as they are (each chunk a
+    piece, in the file of the rank that wrote it; moeckpt.load reads it into any mesh); --dp N splits every tensor
+    along dim 0 over N files instead.
 
     Nothing is unpickled by pickle itself: .metadata is read by a restricted unpickler that admits only DCP's own
     metadata classes, tensor data is located inside each torch.save record and read as raw bytes, and non-tensor
     values go through torch.load(weights_only=True). Optimizer state (AdamW moments) comes along when the mapping
     knows it; what is dropped is printed.
     """
-    layout = Layout(tp=tp, ep=ep, dp=dp)
+    given = any(d is not None for d in (tp, ep, dp))
+    layout = Layout(tp=tp or 1, ep=ep or 1, dp=dp or 1) if given or mapping != "none" else None
     model = resolve_model(model_name) if model_name is not None else None
     job = DcpImport(dcp_dir, layout=layout, mapping=mapping, backend=fmt, model=model)
     for note in job.notes:
@@ -44,6 +48,7 @@ def command(dcp_dir, dst, tp, ep, dp, fmt, model_name, mapping, overwrite, worke
         index, read = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=bar.update)
     roles = sorted({t.role for t in index.tensors.values()})
     click.echo(
-        f"wrote {dst}: {index.model['arch']}, {layout}, {len(index.tensors)} tensors ({', '.join(roles)}), "
+        f"wrote {dst}: {index.model['arch']}, {'DCP shardings kept' if job.targets is not None else job.layout}, "
+        f"{len(index.tensors)} tensors ({', '.join(roles)}), "
         f"{index.nbytes / 1e6:.2f} MB ({fmt}); read {read / 1e6:.2f} MB of DCP data"
     )

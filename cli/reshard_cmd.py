@@ -6,10 +6,10 @@ import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard.executor import reshard
+from moeckpt.reshard.generic import is_state_dict
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.tensors import check_layout
-from moeckpt.trainer.interop.generic import GENERIC_ARCH
 from moeckpt.trainer.models import ModelSpec
 
 from .common import FormatChoice, layout_options, progress, sigterm_unwinds
@@ -41,7 +41,7 @@ def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     tp, ep, dp = (source.tp if tp is None else tp), (source.ep if ep is None else ep), (source.dp if dp is None else dp)
     layout = Layout(tp=tp, ep=ep, dp=dp)
     # The model's own constraints (heads, vocabulary) first, then the stored rules of every tensor.
-    if index.model.get("arch") != GENERIC_ARCH:  # a generic checkpoint (import-dcp --mapping none) has no model
+    if not is_state_dict(index):  # a state dict (moeckpt.save, import-dcp --mapping none) has no model
         ModelSpec.from_json(index.model).check_layout(tp, ep)
     check_layout(index.tensors, layout)
     with sigterm_unwinds(), progress(index.nbytes, f"reshard -> {layout}") as bar:

@@ -25,8 +25,11 @@ INDEX_NAME = "moeckpt.json"
 FORMAT_NAME = "moeckpt"
 #: the newest version this moeckpt reads; it writes 1 unless the index needs what 2 added (device meshes).
 FORMAT_VERSION = 2
-#: the version an index with device-mesh shardings is written as.
+#: the version an index with device-mesh shardings (or stored-piece shardings) is written as.
 MESH_FORMAT_VERSION = 2
+#: the sharding of a tensor whose pieces, and the files holding them, only the data files' headers list (no rule
+#: computes them): what ``dcp.save`` through ``moeckpt.dcp.StorageWriter`` and ``import-dcp --mapping none`` write.
+STORED_SHARDING: dict[str, Any] = {"pieces": "stored"}
 
 
 def check_relative_path(path: object, where: str) -> str:
@@ -232,8 +235,11 @@ class Index:
 
     @property
     def written_version(self) -> int:
-        """The format version this index is written as: 1, unless it has device meshes (2)."""
-        return MESH_FORMAT_VERSION if self.meshes else 1
+        """The format version this index is written as: 1, unless it has device meshes or stored-piece shardings
+        (2: a version-1 reader could not locate those tensors' pieces)."""
+        if self.meshes or any(e.sharding == STORED_SHARDING for e in self.tensors.values()):
+            return MESH_FORMAT_VERSION
+        return 1
 
     @property
     def nbytes(self) -> int:

@@ -12,6 +12,7 @@ byte of a DCP chunk is read once, and the target may be any layout and format. N
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -178,9 +179,11 @@ def write_from_dcp(
     workers: int = 4,
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
+    targets: Mapping[str, Sequence[tuple[Box, int]]] | None = None,
 ) -> tuple[Index, int]:
     """Write ``index``'s tensors, filled from ``dcp`` through ``slots``, to ``dst`` in layout ``target``; commit.
 
+    ``targets`` places the pieces of tensors with stored-piece shardings (the DCP chunks kept as they are).
     Returns the committed index and the bytes read from the DCP files. The one place the offline executor is
     called for a DCP source.
     """
@@ -198,5 +201,21 @@ def write_from_dcp(
         overwrite=overwrite,
         on_bytes=on_bytes,
         options=ReshardOptions(workers=workers),
+        targets=targets,
     )
     return new_index, bytes_read
+
+
+_RANK_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def kept_chunks(dcp: DcpCheckpoint, names: Sequence[str]) -> dict[str, list[tuple[Box, int]]]:
+    """Each tensor's DCP chunks as the pieces to write, each by the rank whose ``__R_N.distcp`` file held it."""
+    out: dict[str, list[tuple[Box, int]]] = {}
+    for name, chunks in dcp.chunks(list(names)).items():
+        pieces = []
+        for c in chunks:
+            m = _RANK_FILE.fullmatch(c.file.rsplit("/", 1)[-1])
+            pieces.append((c.box, int(m.group(1)) if m else 0))
+        out[name] = pieces
+    return out

@@ -13,7 +13,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
@@ -29,9 +29,9 @@ from moeckpt.formats.pieces import PieceRef
 from moeckpt.formats.storage import Storage, is_url, open_storage
 
 from .chunks import ChunkReader, reads_started_ahead
+from .generic import is_state_dict, sharded_over_writers
 from .layout import Layout
 from .options import ReshardOptions
-from .placement import placements
 from .planner import RankPlan, ReshardPlan, SourcePiece, plan_reshard
 from .processes import balanced_groups, can_fork, run_forked
 from .runtime import paused_gc, single_threaded_torch
@@ -73,11 +73,13 @@ def reshard(
         reader = CheckpointReader(src)
         index = reader.index
         _refuse_overlap(reader.location, open_storage(dst).location)
+        # A state dict's tensors have no layout rules: the target only sets how many writers hold them.
+        written = sharded_over_writers(index, target) if is_state_dict(index) else index
         source = _Source(reader.open_reader(), reader.pieces())
         try:
             new_index, plan, bytes_read = _convert(
                 source,
-                index,
+                written,
                 dst,
                 target,
                 backend=backend or index.backend,
@@ -199,13 +201,16 @@ def _convert(
     overwrite: bool,
     on_bytes: Callable[[int], None] | None,
     options: ReshardOptions,
+    targets: Mapping[str, Sequence[tuple[Box, int]]] | None = None,
 ) -> tuple[Index, ReshardPlan, int]:
-    """Plan ``index``'s tensors, stored as ``source.refs``, into ``target`` and write them to ``dst``; commit."""
+    """Plan ``index``'s tensors, stored as ``source.refs``, into ``target`` and write them to ``dst``; commit.
+
+    ``targets`` gives the pieces and writers of tensors no sharding rule places (see ``plan_reshard``)."""
     out_backend = get_backend(backend)  # fails early on an unknown format
     sources: dict[str, list[SourcePiece]] = {name: [] for name in index.tensors}
     for ref in source.refs:
         sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, -1))
-    plan = plan_reshard(index, target, sources=sources)
+    plan = plan_reshard(index, target, sources=sources, targets=targets)
     by_key = {(ref.tensor, ref.box): ref for ref in source.refs}
 
     def open_chunks(read_threads: int, cache: int) -> ChunkReader:
@@ -218,7 +223,8 @@ def _convert(
             map_files=True,
         )
 
-    new_index = replace(index, backend=backend, layout=target.to_json(), files={})
+    # A state dict keeps its (empty) layout: its meshes or listed pieces say where everything is.
+    new_index = replace(index, backend=backend, layout={} if is_state_dict(index) else target.to_json(), files={})
     storage = begin_save(dst, overwrite=overwrite)
     writers = _Writers(index, plan, storage, out_backend, target, options)
     forked = (
@@ -260,11 +266,12 @@ class _Writers:
     ):
         self.index, self.plan, self.storage = index, plan, storage
         self.out_backend, self.options = out_backend, options
-        out_backend.prepare(
-            storage,
-            index.tensors,
-            {name: [p.box for p in placements(e, target) if not p.box.is_empty()] for name, e in index.tensors.items()},
-        )
+        boxes: dict[str, list[Box]] = {name: [] for name in index.tensors}
+        for rank_plan in plan.ranks:  # every piece the plan writes, whatever placed it
+            for piece in rank_plan.pieces:
+                if not piece.box.is_empty():
+                    boxes[piece.tensor].append(piece.box)
+        out_backend.prepare(storage, index.tensors, boxes)
 
     def in_threads(
         self, open_chunks: Callable[[int, int], ChunkReader], on_bytes: Callable[[int], None] | None

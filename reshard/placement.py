@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from moeckpt.formats.box import Box
-from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.index import STORED_SHARDING, TensorEntry
 from moeckpt.formats.roles import ZERO_ROLES
 
 from . import mesh
@@ -20,7 +20,7 @@ from .rules import ShardingRule, check_rule, tp_ranges
 
 #: the sharding of a tensor whose pieces and their writers are listed only by the data files' headers (what a
 #: ``dcp.save`` through ``moeckpt.dcp.StorageWriter`` writes: DCP picks the writer of each replicated chunk).
-STORED = {"pieces": "stored"}
+STORED = STORED_SHARDING
 
 
 def is_stored(entry: TensorEntry) -> bool:

@@ -132,17 +132,31 @@ def source_pieces(index: Index, tensors: Iterable[str] | None = None) -> dict[st
 
 
 def plan_reshard(
-    index: Index, target: Layout, *, sources: Mapping[str, Sequence[SourcePiece]] | None = None
+    index: Index,
+    target: Layout,
+    *,
+    sources: Mapping[str, Sequence[SourcePiece]] | None = None,
+    targets: Mapping[str, Sequence[tuple[Box, int]]] | None = None,
 ) -> ReshardPlan:
-    """The offline plan: every distinct piece of ``target``, grouped by the writer that stores it."""
+    """The offline plan: every distinct piece of ``target``, grouped by the writer that stores it.
+
+    ``index`` describes the checkpoint to write: its tensors' shardings place the pieces (a layout rule in
+    ``target``, or a device mesh), except for tensors in ``targets``, whose ``(box, writer)`` pieces are given
+    (stored-piece shardings: a DCP checkpoint's chunks kept as they are)."""
     check_layout(index.tensors, target)
     per_writer: dict[int, list[tuple[TensorEntry, Box]]] = {w: [] for w in range(target.world)}
     for name in sorted(index.tensors):
         entry = index.tensors[name]
-        geo, seed = geometry(entry, target), name_seed(entry)
-        for i, box in enumerate(geo.boxes):
-            per_writer[geo.writer(i, seed)].append((entry, box))
-    return _plan(index, target, "reshard", per_writer, sources)
+        if targets is not None and name in targets:
+            given = targets[name]
+        elif entry.mesh is not None:
+            given = [(p.box, p.writer) for p in placements(entry, target)]
+        else:
+            geo, seed = geometry(entry, target), name_seed(entry)
+            given = [(box, geo.writer(i, seed)) for i, box in enumerate(geo.boxes)]
+        for box, writer in given:
+            per_writer.setdefault(writer, []).append((entry, box))
+    return _plan(index, target, "reshard", dict(sorted(per_writer.items())), sources)
 
 
 def plan_load(

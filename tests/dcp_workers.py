@@ -260,3 +260,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def save_sharded_generic(rank: int, out: str) -> None:
+    """``dcp.save`` (DCP's own writer) of a DTensor row-sharded over 2 ranks and a plain tensor both hold."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    sd = {"w": distribute_tensor(torch.arange(48.0).reshape(8, 6), mesh, [Shard(0)]), "b": torch.ones(4)}
+    dcp.save(sd, checkpoint_id=out)

@@ -68,7 +68,9 @@ def test_mapping_none_is_a_generic_checkpoint(generic_dcp, tmp_path, moeckpt_cli
     assert code == 0, err
     reader = CheckpointReader(str(dst))
     assert reader.index.model == {"arch": "generic", "config": {}}
-    assert {t.sharding_key for t in reader.index.tensors.values()} == {"{}"}
+    # --dp 2: every tensor split along dim 0 over two files (0-d ones replicated), as a mesh sharding
+    assert {t.sharding_key for t in reader.index.tensors.values()} == {'{"mesh": 0, "placements": ["S(0)"]}'}
+    assert reader.index.meshes[0].shape == (2,) and reader.index.layout == {}
     assert torch.equal(reader.read_tensor("w"), sd["w"])
     assert torch.equal(reader.read_tensor("block.b"), sd["block"]["b"])
     assert torch.equal(reader.read_tensor("block.i"), sd["block"]["i"])
@@ -93,6 +95,32 @@ def test_mapping_none_is_a_generic_checkpoint(generic_dcp, tmp_path, moeckpt_cli
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(loaded, checkpoint_id=str(tmp_path / "back"), no_dist=True)
     assert torch.equal(loaded["w"], sd["w"]) and loaded["step"] == 11
+
+
+def test_mapping_none_without_a_layout_keeps_the_dcp_shardings(tmp_path, moeckpt_cli):
+    """No layout given: each DCP chunk becomes a piece in the file of the rank that wrote it (the names and the
+    shardings as they are); moeckpt.load fills a state dict from it, and reshard regroups it."""
+    import moeckpt
+    from moeckpt.trainer.parallel import run_local_world
+
+    from .dcp_workers import save_sharded_generic
+
+    src = str(tmp_path / "dcp")
+    run_local_world(save_sharded_generic, 2, src)
+    code, _, err = moeckpt_cli("import-dcp", src, tmp_path / "ck")
+    assert code == 0, err
+    reader = CheckpointReader(str(tmp_path / "ck"))
+    assert {t.sharding_key for t in reader.index.tensors.values()} == {'{"pieces": "stored"}'}
+    assert reader.index.written_version == 2 and sorted(reader.index.files) == [
+        "rank-00000.safetensors", "rank-00001.safetensors"]
+    rows = {r.tensor: (r.box.offsets, r.file) for r in reader.pieces() if r.tensor == "w"}
+    assert len([r for r in reader.pieces() if r.tensor == "w"]) == 2, rows  # the two ranks' row shards of w
+    out = {"w": torch.zeros(8, 6), "b": torch.zeros(4)}
+    moeckpt.load(out, str(tmp_path / "ck"))
+    assert torch.equal(out["w"], torch.arange(48.0).reshape(8, 6)) and torch.equal(out["b"], torch.ones(4))
+    assert moeckpt_cli("verify", tmp_path / "ck")[0] == 0
+    assert moeckpt_cli("reshard", tmp_path / "ck", tmp_path / "one", "--dp", "1")[0] == 0
+    assert moeckpt_cli("diff", tmp_path / "ck", tmp_path / "one")[0] == 0
 
 
 def _copy_to(fs_url: str, local: str) -> None:

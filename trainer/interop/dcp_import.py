@@ -10,10 +10,13 @@ each chunk read once) and commits it, or leaves nothing behind on failure.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
+from moeckpt.formats.box import Box
 from moeckpt.formats.dcp import DcpCheckpoint
-from moeckpt.formats.index import Index
-from moeckpt.reshard.dcp_source import write_from_dcp
+from moeckpt.formats.index import STORED_SHARDING, Index
+from moeckpt.reshard.dcp_source import kept_chunks, write_from_dcp
+from moeckpt.reshard.generic import sharded_over_writers
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.tensors import check_layout
 
@@ -48,18 +51,32 @@ def apply_mapping(dcp: DcpCheckpoint, mapping: str, model: ModelSpec | None = No
 class DcpImport:
     """A checked DCP checkpoint and the moeckpt checkpoint it becomes (``index``, committed by :meth:`write`)."""
 
-    def __init__(self, location: str, *, layout: Layout, mapping: str = "none", backend: str = "safetensors",
+    def __init__(self, location: str, *, layout: Layout | None, mapping: str = "none", backend: str = "safetensors",
                  model: ModelSpec | None = None, workers: int = 8):
+        """``layout`` ``None`` keeps a generic (``--mapping none``) checkpoint's DCP chunks as they are (each in the
+        file of the rank that wrote it); a layout of ``dp`` writers splits every tensor along dim 0 over them."""
         self.dcp = DcpCheckpoint(location, workers=workers)
         self.mapped = apply_mapping(self.dcp, mapping, model)
-        self.layout = layout
-        if self.mapped.model["arch"] != GENERIC_ARCH:
-            ModelSpec.from_json(self.mapped.model).check_layout(layout.tp, layout.ep)
+        generic = self.mapped.model["arch"] == GENERIC_ARCH
+        self.targets: dict[str, list[tuple[Box, int]]] | None = None
         train_state = {"step": 0, **self.mapped.train_state, "imported_from": self.dcp.location,
                        "imported_mapping": mapping}
         step = train_state["step"] if type(train_state["step"]) is int and train_state["step"] >= 0 else 0
-        self.index = Index(backend=backend, step=step, layout=Layout().to_json(), model=self.mapped.model,
-                           tensors=self.mapped.tensors, files={}, train_state=train_state)
+        index = Index(backend=backend, step=step, layout=Layout().to_json(), model=self.mapped.model,
+                      tensors=self.mapped.tensors, files={}, train_state=train_state)
+        if generic and layout is None:
+            self.targets = kept_chunks(self.dcp, list(index.tensors))
+            writers = 1 + max((w for pieces in self.targets.values() for _, w in pieces), default=0)
+            layout = Layout(dp=writers)
+            index = replace(index, layout={}, tensors={
+                n: replace(e, sharding=dict(STORED_SHARDING)) for n, e in index.tensors.items()})
+        elif generic:
+            index = sharded_over_writers(index, layout)
+        layout = layout or Layout()
+        if not generic:
+            ModelSpec.from_json(self.mapped.model).check_layout(layout.tp, layout.ep)
+        self.layout = layout
+        self.index = index
         check_layout(self.index.tensors, layout)
 
     @property
@@ -71,7 +88,7 @@ class DcpImport:
         """Write and commit the checkpoint at ``dst``; returns its index and the bytes read from the DCP files."""
         try:
             return write_from_dcp(self.dcp, self.index, self.mapped.slots, dst, self.layout, workers=workers,
-                                  overwrite=overwrite, on_bytes=on_bytes)
+                                  overwrite=overwrite, on_bytes=on_bytes, targets=self.targets)
         finally:
             self.dcp.close()
 
@@ -80,6 +97,6 @@ def import_dcp(location: str, dst: str, *, layout: Layout | None = None, mapping
                backend: str = "safetensors", model: ModelSpec | None = None, overwrite: bool = False,
                workers: int = 4, on_bytes: Callable[[int], None] | None = None) -> Index:
     """Convert the DCP checkpoint at ``location`` into a moeckpt checkpoint at ``dst`` (see :class:`DcpImport`)."""
-    job = DcpImport(location, layout=layout or Layout(), mapping=mapping, backend=backend, model=model)
+    job = DcpImport(location, layout=layout, mapping=mapping, backend=backend, model=model)
     index, _ = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=on_bytes)
     return index
