@@ -22,7 +22,7 @@ import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import MoeckptError
-from moeckpt.trainer.elastic_drill import (
+from moeckpt.testing.elastic_drill import (
     CPU_DRILL_KILL_AT as KILL_AT,
     CPU_DRILL_STEPS as STEPS,
     DrillResult,

@@ -22,8 +22,8 @@ from moeckpt.trainer.parallel import (
     default_device,
     group_ranks,
     init_from_env,
-    run_local_world,
 )
+from moeckpt.testing import run_local_world
 
 
 @pytest.mark.parametrize("layout", [Layout(tp=2, ep=2, dp=4), Layout(tp=1, ep=4, dp=4), Layout(tp=4, ep=1, dp=2)])
@@ -96,7 +96,7 @@ def test_init_from_env_requires_torchrun_variables(monkeypatch):
 
 
 def test_init_from_env_under_torchrun_variables():
-    from moeckpt.trainer.parallel import free_port
+    from moeckpt.testing import free_port
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     env["MASTER_PORT"] = str(free_port())
