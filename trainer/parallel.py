@@ -17,6 +17,7 @@ Everything is backend-agnostic: gloo on CPU, NCCL on NVIDIA and RCCL on AMD GPUs
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -76,9 +77,7 @@ def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> to
         torch.cuda.set_device(device)
     warning = shared_store_warning(os.environ)
     if warning and os.environ.get("RANK") == "0":
-        import sys
-
-        print(f"moeckpt: warning: {warning}", file=sys.stderr, flush=True)
+        logging.getLogger(__name__).warning("%s", warning)
     dist.init_process_group(
         backend=backend or default_backend(device),
         init_method="env://",
