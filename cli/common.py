@@ -11,6 +11,8 @@ import click
 
 from moeckpt.formats.errors import MoeckptError
 
+from .params import count
+
 
 class Stopped(BaseException):
     """SIGTERM or SIGHUP reached a command that does not handle it itself: unwind (``finally`` blocks run, so
@@ -64,14 +66,14 @@ def run_main(group: click.Group, prepare: Callable[[], None] | None = None) -> N
         try:
             if prepare is not None:
                 prepare()
-            group.main(standalone_mode=False)
+            group.main(prog_name="moeckpt", standalone_mode=False)
         except click.exceptions.Exit as e:
             code = e.exit_code
         except click.ClickException as e:
             ctx = getattr(e, "ctx", None)
             where = ctx.command_path if ctx is not None else "moeckpt"
             hint = f" (see '{where} --help')" if isinstance(e, click.UsageError) else ""
-            click.echo(f"{where}: error: {_one_line(e.format_message())}{hint}", err=True)
+            click.echo(f"moeckpt: error: {_one_line(e.format_message())}{hint}", err=True)
             code = 2
         except click.exceptions.Abort:
             click.echo("moeckpt: interrupted", err=True)
@@ -96,6 +98,10 @@ def run_main(group: click.Group, prepare: Callable[[], None] | None = None) -> N
     sys.exit(code)
 
 
+#: the largest parallel degree an option takes (a world of 4096 x 4096 ranks is a typo, not a cluster).
+MAX_DEGREE = 4096
+
+
 def layout_options(f: Callable | None = None, *, default_source: bool = False) -> Callable:
     """``--tp/--ep/--dp``: the target parallel layout; each 1 unless given, or with ``default_source`` left
     ``None`` for the command to fill in from its source checkpoint."""
@@ -103,10 +109,10 @@ def layout_options(f: Callable | None = None, *, default_source: bool = False) -
         for name, what in (("dp", "data-parallel degree"), ("ep", "expert-parallel degree (divides dp)"),
                            ("tp", "tensor-parallel degree")):
             if default_source:
-                f = click.option(f"--{name}", type=click.IntRange(min=1), default=None,
+                f = click.option(f"--{name}", type=count(1, MAX_DEGREE), default=None,
                                  help=f"{what}  [default: the source's]")(f)
             else:
-                f = click.option(f"--{name}", type=click.IntRange(min=1), default=1, show_default=True, help=what)(f)
+                f = click.option(f"--{name}", type=count(1, MAX_DEGREE), default=1, show_default=True, help=what)(f)
         return f
 
     return add(f) if f is not None else add
@@ -120,6 +126,49 @@ format_option = click.option(
     show_default=True,
     help="on-disk format of the checkpoint written",
 )
+
+#: ``--workers``: parallel file writers.
+workers_option = click.option("--workers", type=count(1, 256), default=4, show_default=True,
+                              help="parallel file writers")
+
+
+def describe_overwrite(location: str) -> str | None:
+    """What ``--overwrite`` is about to remove at ``location`` (one line), or ``None`` when it holds nothing."""
+    from moeckpt.formats.checkpoint import STEP_PREFIX, committed_steps
+    from moeckpt.formats.index import INDEX_NAME
+    from moeckpt.formats.storage import Storage
+
+    storage = Storage(location)
+    if not storage.exists():
+        return None
+    try:
+        names = storage.listdir()
+    except (OSError, MoeckptError):
+        return None
+    if not names:
+        return None
+    if INDEX_NAME in names:
+        return f"--overwrite: replaced the checkpoint that was at {location} ({len(names)} entries)"
+    steps = [s for s, _ in committed_steps(location)]
+    if steps:
+        others = [n for n in names if not n.startswith(STEP_PREFIX)]
+        return (f"--overwrite: removed the run directory that was at {location}: {len(steps)} committed checkpoint(s) (steps "
+                f"{steps[0]}..{steps[-1]})" + (f" and {len(others)} other entries ({', '.join(sorted(others)[:3])}"
+                                                f"{', ...' if len(others) > 3 else ''})" if others else ""))
+    shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+    return f"--overwrite: removed what {location} held: {len(names)} entries ({shown})"
+
+
+def announce_overwrite(location: str, overwrite: bool) -> Callable[[], None]:
+    """Note what ``--overwrite`` is about to remove at ``location``; the returned function says it on stderr
+    once the command succeeded (a refused command prints only its error line)."""
+    line = describe_overwrite(location) if overwrite else None
+
+    def say() -> None:
+        if line is not None:
+            click.echo(f"moeckpt: {line}", err=True)
+
+    return say
 
 
 def progress(total: int, desc: str, unit: str = "B"):

@@ -22,6 +22,8 @@ import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import MoeckptError
+
+from .params import Text
 from moeckpt.testing.elastic_drill import (
     CPU_DRILL_KILL_AT as KILL_AT,
     CPU_DRILL_STEPS as STEPS,
@@ -56,11 +58,18 @@ def _moeckpt(args: list[str]) -> int:
 
 
 @click.command("demo")
-@click.option("--dir", "workdir", default=None, help="where to keep the demo's files (default: a temporary directory)")
+@click.option("--dir", "workdir", type=Text(), default=None, metavar="DIR",
+              help="where the demo keeps its files (run directory, checkpoints, HF export, loss.png); kept "
+                   "afterwards  [default: a new moeckpt-demo-* directory in the temporary directory]")
 def command(workdir: str | None) -> None:
-    """Train a tiny ZAYA on 4 CPU workers, lose one, resume on 2 (resharded), grow back to 4, export to Hugging Face."""
+    """The whole story on this machine, about a minute on 2 CPU cores: zaya-tiny trains on two local nodes of 2
+    workers each (two torchrun elastic agents, gloo); one node is lost at step 17 and the survivor resumes on 2
+    workers (resharded dp 4 -> 2); a new node joins and the job grows back to 4 (resharded again). Then it
+    verifies, reshards offline, diffs across layouts, catches a flipped bit, exports to Hugging Face, checks that
+    transformers computes the same logits, and draws the loss curve (loss.png). Exit 0 when every step is ok."""
     root = os.path.abspath(workdir or tempfile.mkdtemp(prefix="moeckpt-demo-"))
     os.makedirs(root, exist_ok=True)
+    click.echo(f"moeckpt demo: working in {root} (kept afterwards; --dir chooses it)")
     run = os.path.join(root, "run")
     shutil.rmtree(run, ignore_errors=True)
     steps: list[Step] = []
@@ -137,7 +146,7 @@ def _check_transformers(run: str, hf_dir: str) -> tuple[str, bool]:
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        return "skipped: transformers is not installed (pip install 'moeckpt[hf]')", True
+        return "skipped: transformers is not installed (pip install 'moeckpt[demo]')", True
     import torch
 
     from moeckpt.trainer.models import ModelSpec
@@ -161,6 +170,6 @@ def _plot(drills: list[DrillResult], path: str) -> tuple[str, bool]:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        return "skipped: matplotlib is not installed", True
+        return "skipped: matplotlib is not installed (pip install 'moeckpt[demo]')", True
     plot_drill(drills[0], path, title=f"moeckpt demo: node lost at step {KILL_AT}, resumed on 2 workers, grown to 4")
     return path, True

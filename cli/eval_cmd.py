@@ -15,6 +15,22 @@ from .common import progress
 from .params import Text, count
 
 
+def _check_data(config) -> None:
+    """--data must be a token file the checkpoint's model can read (one line naming --data if not)."""
+    from moeckpt.trainer.data import DataError, TokenDataset
+    from moeckpt.trainer.evaluate import eval_shape
+    from moeckpt.trainer.models import ModelSpec
+
+    reader = CheckpointReader(config.checkpoint)
+    spec = ModelSpec.from_json(reader.index.model)
+    _, seq_len = eval_shape(config, reader.index.train_state or {})
+    try:
+        TokenDataset(config.data_path, seq_len=seq_len, dtype=config.data_dtype,
+                     vocab_size=getattr(spec.config, "vocab_size", None))
+    except DataError as e:
+        raise click.BadParameter(str(e), param_hint="'--data'") from None
+
+
 @click.command("eval")
 @click.argument("ckpt", type=Text())
 @click.option("--data", type=Text(), default=None, metavar="PATH",
@@ -48,6 +64,7 @@ def command(ckpt, data, data_dtype, tp, ep, nproc, seq_len, batch_size, batches,
         )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    _check_data(config)
     epoch = check_launch(config, nproc)
     if nproc > 1 and not under_torchrun():
         result = run_torchrun("eval", asdict(config), nproc)

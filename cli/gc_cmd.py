@@ -4,19 +4,45 @@ from __future__ import annotations
 
 import click
 
+from moeckpt.formats.checkpoint import STAGING_SUFFIX, STEP_PREFIX
+from moeckpt.formats.errors import NotCommittedError
+from moeckpt.formats.index import INDEX_NAME
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
+from moeckpt.formats.storage import Storage
+
+from .params import Text, count
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Refuse what is not a run directory: nothing there, a file, a checkpoint, or a directory with no trace of a
+    run (no ``step-*`` entry, no staging leftover, no metrics)."""
+    storage = Storage(run_dir)
+    storage.refuse_file()
+    if not storage.exists():
+        raise NotCommittedError(f"RUN_DIR {run_dir}: no such run directory")
+    names = storage.listdir()
+    if INDEX_NAME in names:
+        raise NotCommittedError(f"RUN_DIR {run_dir}: is a checkpoint, not a run directory; gc works on the directory "
+                                "that holds step-* checkpoints")
+    if not any(n.startswith(STEP_PREFIX) or (n.startswith(f".{STEP_PREFIX}") and STAGING_SUFFIX in n)
+               or n == "metrics.jsonl" for n in names):
+        what = "is empty" if not names else f"holds {len(names)} entries but no step-* checkpoint"
+        raise NotCommittedError(f"RUN_DIR {run_dir}: {what}; not a run directory")
 
 
 @click.command("gc")
-@click.argument("run_dir")
-@click.option("--keep-last", type=int, default=3, show_default=True, help="keep the N newest committed steps")
-@click.option("--keep-every", type=int, default=0, show_default=True, help="also keep steps that are multiples of K")
+@click.argument("run_dir", type=Text())
+@click.option("--keep-last", type=count(1, 10**6), default=3, show_default=True,
+              help="keep the N newest committed steps")
+@click.option("--keep-every", type=count(0), default=0, show_default=True,
+              help="also keep steps that are multiples of K (0: none)")
 @click.option("--dry-run", is_flag=True, help="only print what would be removed")
 def command(run_dir: str, keep_last: int, keep_every: int, dry_run: bool) -> None:
     """Remove old committed checkpoints of RUN_DIR beyond the policy, and every uncommitted leftover.
 
     Do not run it on a run directory while a trainer is saving into it: an in-flight save looks uncommitted.
     """
+    check_run_dir(run_dir)
     plan = plan_gc(run_dir, RetentionPolicy(keep_last=keep_last, keep_every=keep_every))
     verb = "would remove" if dry_run else "removed"
     for name in plan.remove_committed:

@@ -51,6 +51,16 @@ class _LazyGroup(click.Group):
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMAND_MODULES)
 
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["moeckpt.argv"] = list(args)
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context):
+        from .preflight import check_s3_reachable
+
+        check_s3_reachable(ctx.meta.get("moeckpt.argv", []))
+        return super().invoke(ctx)
+
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         module = COMMAND_MODULES.get(name)
         if module is None:

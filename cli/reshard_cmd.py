@@ -10,12 +10,13 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.tensors import check_layout
 from moeckpt.trainer.models import ModelSpec
 
-from .common import layout_options, progress
+from .common import announce_overwrite, layout_options, progress
+from .params import Text, count
 
 
 @click.command("reshard")
-@click.argument("src")
-@click.argument("dst")
+@click.argument("src", type=Text())
+@click.argument("dst", type=Text())
 @layout_options(default_source=True)
 @click.option(
     "--format",
@@ -24,8 +25,8 @@ from .common import layout_options, progress
     default=None,
     help="on-disk format of the checkpoint written  [default: the source's]",
 )
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="target files written in parallel (by processes from local safetensors to local safetensors, else threads)")
-@click.option("--overwrite", is_flag=True, help="replace whatever DST holds")
+@click.option("--workers", type=count(1, 256), default=4, show_default=True, help="target files written in parallel (by processes from local safetensors to local safetensors, else threads)")
+@click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
 def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     """Write checkpoint SRC (or a run directory's newest step) to DST in layout (tp, ep, dp); a degree not given
     keeps the source's, so `--format zarr` alone converts the format at the same layout.
@@ -40,9 +41,11 @@ def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     # The model's own constraints (heads, vocabulary) first, then the stored rules of every tensor.
     ModelSpec.from_json(index.model).check_layout(tp, ep)
     check_layout(index.tensors, layout)
+    said = announce_overwrite(dst, overwrite)
     with progress(index.nbytes, f"reshard -> {layout}") as bar:
         result = reshard(src, dst, layout, backend=fmt, workers=workers, overwrite=overwrite, on_bytes=bar.update)
     gb = result.bytes_written / 1e9
+    said()
     click.echo(
         f"wrote {dst}: {layout}, {len(result.index.files)} files, {gb:.3f} GB ({result.index.backend}) in "
         f"{result.seconds:.2f} s ({gb / max(result.seconds, 1e-9):.2f} GB/s), read {result.bytes_read / 1e9:.3f} GB"

@@ -10,7 +10,8 @@ import signal
 
 import click
 
-from moeckpt.formats.errors import MoeckptError, NotCommittedError
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.errors import CheckpointIndexError, NotCommittedError
 from moeckpt.trainer.config import TrainConfig
 from moeckpt.trainer.launch import Elastic, JobInterruptedError, run_torchrun, under_torchrun
 from moeckpt.trainer.metrics import read_metrics
@@ -35,14 +36,23 @@ def command(**values) -> None:
     if not values.get("model") and not values.get("init_from"):
         raise click.UsageError("--model is required (a preset or config.json) unless --init-from names a checkpoint")
     config = config_from_options(TrainConfig, values)
-    from moeckpt.trainer.train import check_launch, run_model
+    from moeckpt.trainer.data import DataError
+    from moeckpt.trainer.train import check_launch, open_dataset, run_model
 
     try:
-        name = config.model or run_model(config).arch
+        if config.init_from:
+            CheckpointReader(config.init_from)
+    except (NotCommittedError, CheckpointIndexError) as e:
+        raise click.BadParameter(str(e), param_hint="'--init-from'") from None
+    try:
+        spec = run_model(config)
     except UnknownModelError as e:
         raise click.BadParameter(str(e), param_hint="'--model'") from None
-    except NotCommittedError as e:
-        raise click.BadParameter(str(e), param_hint="'--init-from'") from None
+    name = config.model or spec.arch
+    try:
+        open_dataset(config, spec)
+    except DataError as e:
+        raise click.BadParameter(str(e), param_hint="'--data'") from None
     elastic = None
     if config.nnodes is not None or config.rdzv_endpoint is not None:
         elastic = Elastic.parse(config.nnodes or "1", config.rdzv_endpoint, run_id=config.rdzv_id,
@@ -73,12 +83,12 @@ def command(**values) -> None:
     from moeckpt.trainer.preemption import listen_early
     from moeckpt.trainer.train import run_training
 
+    if not under_torchrun():
+        check_launch(config, 1)  # the same checks as for N processes, before the model is built
     previous = signal.getsignal(signal.SIGTERM)
     listen_early()  # SIGTERM while the model loads is a preemption notice too: stop before the first step
     try:
         summary = run_training(config)
-    except MoeckptError:
-        raise
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not _is_rank0():

@@ -44,6 +44,8 @@ JOBS = ("train", "eval")
 STATUS_ENV = "MOECKPT_STATUS_DIR"
 #: the environment variable carrying the launcher's log level to the workers (``DEBUG``, ``INFO``, ``WARNING``).
 LOG_LEVEL_ENV = "MOECKPT_LOG_LEVEL"
+#: the most nodes an elastic job may have (``--nnodes``).
+MAX_NODES = 4096
 #: seconds torch's agent waits for workers to stop after passing them a signal (a SIGTERM save included)
 #: before it kills them.
 SHUTDOWN_TIMEOUT_S = 120
@@ -90,8 +92,10 @@ class Elastic:
         """From ``--nnodes MIN:MAX`` (or ``N``) and ``--rdzv-endpoint HOST:PORT``; raises :class:`LaunchFailedError`
         with exit code 2 on a malformed value."""
         m = re.fullmatch(r"(\d+)(?::(\d+))?", nnodes.strip())
-        if m is None or int(m.group(1)) < 1 or int(m.group(2) or m.group(1)) < int(m.group(1)):
-            raise ElasticSpecError(f"--nnodes {nnodes!r}: expected MIN:MAX with 1 <= MIN <= MAX (or one number N)")
+        if (m is None or int(m.group(1)) < 1 or int(m.group(2) or m.group(1)) < int(m.group(1))
+                or int(m.group(2) or m.group(1)) > MAX_NODES):
+            raise ElasticSpecError(
+                f"--nnodes {nnodes!r}: expected MIN:MAX with 1 <= MIN <= MAX <= {MAX_NODES} (or one number N)")
         if not endpoint or not re.fullmatch(r"[^:\s]+:\d+", endpoint) or not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536:
             raise ElasticSpecError(
                 f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT (port 1-65535), the same on every node (the host "

@@ -237,7 +237,8 @@ def choose_layout(
         raise LayoutError(f"world size must be a positive integer, got {world!r}")
     tp = 1 if tp is None else tp
     if type(tp) is not int or tp < 1 or world % tp:
-        raise LayoutError(f"tp={tp!r} must be a positive integer dividing the world size {world}")
+        raise LayoutError(f"tp={tp!r} must be a positive integer dividing the world size {world} "
+                          "(--nproc, times the nodes of an elastic job)")
     dp = world // tp
     if ep is not None:
         if type(ep) is not int or ep < 1 or dp % ep:
