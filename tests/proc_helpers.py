@@ -28,8 +28,10 @@ class Launched:
         for pid in descendants(self.proc.pid):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if b"moeckpt.trainer.launch" in f.read():
-                        out.append(pid)
+                    cmd = f.read()
+                # the agent's command line names the worker module too, after its own
+                if b"moeckpt.trainer.launch" in cmd and b"moeckpt.trainer.agent" not in cmd:
+                    out.append(pid)
             except OSError:
                 continue
         return out

@@ -128,11 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SignalException as e:
             return 128 + int(e.sigval)
         except ChildFailedError as e:
-            _, failure = e.get_first_failure()
+            try:
+                rank, failure = e.get_first_failure()
+                first = f": rank {rank} exited first, with {_describe_exit(failure.exitcode)}"
+            except (ValueError, AttributeError, KeyError):
+                first = ""
             sys.stderr.write(
-                f"moeckpt: the workers failed and no restart is left (--max-restarts {args.max_restarts}): "
-                f"rank {failure.rank} exited with {_describe_exit(failure.exitcode)}\n"
-            )
+                f"moeckpt: the workers failed and no restart is left (--max-restarts {args.max_restarts}){first}\n")
             return 1
     except _Stopped as e:
         return 128 + e.signum

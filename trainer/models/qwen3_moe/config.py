@@ -10,7 +10,7 @@ from ..base import check_fields, check_moe_layout, config_from_json
 _BOUNDS = {
     "num_hidden_layers": (1, 100_000),
     "rms_norm_eps": (0.0, 1.0),
-    "rope_theta": (0.0, 1e12),
+    "rope_theta": (0.0, 1e11),
     "initializer_range": (0.0, 10.0),
 }
 

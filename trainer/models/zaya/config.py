@@ -12,7 +12,7 @@ _BOUNDS = {
     "cca_time1": (1, 1024),
     "num_hidden_layers": (1, 100_000),
     "rms_norm_eps": (0.0, 1.0),
-    "rope_theta": (0.0, 1e12),
+    "rope_theta": (0.0, 1e11),
     "partial_rotary_factor": (0.0, 1.0),
     "initializer_range": (0.0, 10.0),
 }
