@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -32,6 +33,10 @@ from moeckpt.testing.elastic_drill import (
     plot_drill,
     run_shrink_grow_drill,
 )
+
+
+#: the file in the demo's directory that holds the elastic drill's records, timeline and exit codes.
+DRILL_JSON = "drill.json"
 
 
 @dataclass
@@ -89,6 +94,8 @@ def command(workdir: str | None) -> None:
         result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=KILL_AT,
                                        timeout_s=600, progress=click.echo)
         drills.append(result)
+        with open(os.path.join(root, DRILL_JSON), "w") as f:  # what the drill saw, for tests and plots
+            json.dump(result.to_json(), f)
         resumes = [e for e in result.events() if e.get("event") == "resume"]
         worlds = result.worlds()
         last = result.steps()[-1] if result.steps() else {}

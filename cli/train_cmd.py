@@ -68,9 +68,10 @@ def command(**values) -> None:
                 raise JobInterruptedError(
                     f"stopped by SIGTERM, but not every worker reached its save (newest checkpoint in "
                     f"{config.run_dir} is what was committed before)", signal.SIGTERM)
-            step = (result.rank0() or {}).get("step")
-            click.echo(f"{name}: stopped by SIGTERM at step {step}/{config.steps}, saved; checkpoints in "
-                       f"{config.run_dir}")
+            status = result.rank0() or {}
+            saved = "saved" if status.get("steps_trained", 1) else "nothing new to save"
+            click.echo(f"{name}: stopped by SIGTERM at step {status.get('step')}/{config.steps}, {saved}; checkpoints "
+                       f"in {config.run_dir}")
             return
         status = result.rank0()
         if status is not None:
@@ -95,7 +96,8 @@ def command(**values) -> None:
         return
     last = summary.records[-1] if summary.records else None
     if summary.preempted:
-        click.echo(f"{name}: stopped by SIGTERM at step {summary.step}/{config.steps}, saved; checkpoints in "
+        saved = "saved" if summary.records else "nothing new to save"
+        click.echo(f"{name}: stopped by SIGTERM at step {summary.step}/{config.steps}, {saved}; checkpoints in "
                    f"{config.run_dir}")
         return
     _summary(name, config, last, summary.step)

@@ -157,11 +157,15 @@ class DrillResult:
                 return int(what.split(" at step ")[1].split(",")[0])
         return None
 
+    def to_json(self) -> dict:
+        """Records, timeline and exit codes (the logs are files beside the run: ``drill-logs/node-*.log``)."""
+        return {"records": self.records, "timeline": [list(t) for t in self.timeline], "exit_codes": self.exit_codes}
+
     @classmethod
-    def from_json(cls, doc: dict) -> "DrillResult":
-        """From what ``benchmarks/elastic_agents.py`` wrote (records, timeline, exit codes; no logs)."""
+    def from_json(cls, doc: dict, logs: dict[str, str] | None = None) -> "DrillResult":
+        """From :meth:`to_json` or what ``benchmarks/elastic_agents.py`` wrote (records, timeline, exit codes)."""
         return cls(records=doc["records"], timeline=[tuple(t) for t in doc["timeline"]],
-                   exit_codes=doc["exit_codes"], logs={})
+                   exit_codes=doc["exit_codes"], logs=dict(logs or {}))
 
     def worlds(self) -> list[tuple[int, int]]:
         """``(first step, world size)`` of each stretch of training at one world size."""

@@ -430,7 +430,9 @@ class Trainer:
                 if should_stop is not None and self.step < stop and should_stop():
                     self.stopped_early = True
                     break
-            if last_saved != self.step:
+            # A save at the end, unless a stop notice came before the first step: then nothing was trained and
+            # the run directory already holds the state (or, fresh, nothing worth a checkpoint of step 0).
+            if last_saved != self.step and not (self.stopped_early and not records):
                 self.save()
             self.checkpoints.wait()
         finally:
@@ -494,7 +496,8 @@ def run_training(config: TrainConfig) -> RunSummary:
     try:
         records = trainer.run(should_stop=lambda: preempted.agreed(control))
         if trainer.stopped_early and trainer.rank == 0:
-            log.info("stopped on SIGTERM at step %d, its checkpoint committed", trainer.step)
+            log.info("stopped on SIGTERM at step %d%s", trainer.step,
+                     ", its checkpoint committed" if records else " before training a step: nothing new to save")
         return RunSummary(records=records, step=trainer.step, preempted=trainer.stopped_early)
     finally:
         preempted.restore()
