@@ -8,7 +8,6 @@ import threading
 from typing import Callable
 
 import click
-
 from moeckpt.formats.errors import MoeckptError
 
 from .params import count
@@ -152,9 +151,12 @@ def describe_overwrite(location: str) -> str | None:
     steps = [s for s, _ in committed_steps(location)]
     if steps:
         others = [n for n in names if not n.startswith(STEP_PREFIX)]
-        return (f"--overwrite: removed the run directory that was at {location}: {len(steps)} committed checkpoint(s) (steps "
-                f"{steps[0]}..{steps[-1]})" + (f" and {len(others)} other entries ({', '.join(sorted(others)[:3])}"
-                                                f"{', ...' if len(others) > 3 else ''})" if others else ""))
+        extra = ""
+        if others:
+            shown = ", ".join(sorted(others)[:3]) + (", ..." if len(others) > 3 else "")
+            extra = f" and {len(others)} other entries ({shown})"
+        return (f"--overwrite: removed the run directory that was at {location}: {len(steps)} committed "
+                f"checkpoint(s) (steps {steps[0]}..{steps[-1]}){extra}")
     shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
     return f"--overwrite: removed what {location} held: {len(names)} entries ({shown})"
 

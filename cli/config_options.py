@@ -9,7 +9,6 @@ from dataclasses import MISSING, Field, fields
 from typing import Any, Callable
 
 import click
-
 from moeckpt.trainer.config import SECTIONS, field_kind
 
 from .params import Number, Text

@@ -20,20 +20,22 @@ from dataclasses import dataclass
 from typing import Callable
 
 import click
-
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import MoeckptError
-
-from .params import Text
 from moeckpt.testing.elastic_drill import (
     CPU_DRILL_KILL_AT as KILL_AT,
+)
+from moeckpt.testing.elastic_drill import (
     CPU_DRILL_STEPS as STEPS,
+)
+from moeckpt.testing.elastic_drill import (
     DrillResult,
     cpu_drill_args,
     plot_drill,
     run_shrink_grow_drill,
 )
 
+from .params import Text
 
 #: the file in the demo's directory that holds the elastic drill's records, timeline and exit codes.
 DRILL_JSON = "drill.json"
@@ -155,7 +157,6 @@ def _check_transformers(run: str, hf_dir: str) -> tuple[str, bool]:
     except ImportError:
         return "skipped: transformers is not installed (pip install 'moeckpt[demo]')", True
     import torch
-
     from moeckpt.trainer.models import ModelSpec
     from moeckpt.trainer.models.layers import build_model
 

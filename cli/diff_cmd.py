@@ -6,7 +6,6 @@ import sys
 
 import click
 import torch
-
 from moeckpt.formats.checkpoint import CheckpointReader
 
 from .params import Text

@@ -7,7 +7,6 @@ import os
 from dataclasses import asdict
 
 import click
-
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.trainer.launch import LaunchFailedError, run_torchrun, under_torchrun
 
@@ -37,8 +36,10 @@ def _check_data(config) -> None:
               help="token file: .bin (uint16) or .txt (bytes)  [default: the shipped demo text, as train]")
 @click.option("--data-dtype", type=click.Choice(["auto", "uint16", "uint32", "bytes"]), default="auto",
               show_default=True, help="token dtype of --data (auto: from the extension)")
-@click.option("--tp", type=count(1, 4096), default=1, show_default=True, help="tensor-parallel degree of the evaluation")
-@click.option("--ep", type=count(1, 4096), default=1, show_default=True, help="expert-parallel degree (divides nproc / tp)")
+@click.option("--tp", type=count(1, 4096), default=1, show_default=True,
+              help="tensor-parallel degree of the evaluation")
+@click.option("--ep", type=count(1, 4096), default=1, show_default=True,
+              help="expert-parallel degree (divides nproc / tp)")
 @click.option("--nproc", type=count(1, 1024), default=1, show_default=True,
               help="local processes (starts torchrun's agent when > 1)")
 @click.option("--seq-len", type=count(1, 2**20), default=None, help="tokens per sample  [default: the run's]")
@@ -48,7 +49,8 @@ def _check_data(config) -> None:
               help="batches to average over (together at most the samples in --data)")
 @click.option("--start-sample", type=count(0, 2**62), default=0, show_default=True,
               help="first global sample (in file order the batches must end within the data)")
-@click.option("--shuffle", is_flag=True, help="read samples in the trainer's shuffled order (with --seed), epochs included")
+@click.option("--shuffle", is_flag=True,
+              help="read samples in the trainer's shuffled order (with --seed), epochs included")
 @click.option("--seed", type=count(0, 2**63 - 1), default=None, help="seed of the shuffled order  [default: the run's]")
 @click.option("--json", "as_json", is_flag=True, help="print {\"loss\": ..., \"tokens\": ...} as JSON")
 @click.option("--cpu", is_flag=True, help="run on the CPU even when a GPU is visible")
@@ -80,7 +82,7 @@ def command(ckpt, data, data_dtype, tp, ep, nproc, seq_len, batch_size, batches,
     batch, seq_len = eval_shape(config, CheckpointReader(ckpt).index.train_state or {})
     tokens = config.batches * batch * seq_len
     where = config.data_path
+    later = f", up to epoch {epoch} of the shuffled order" if epoch else ""
     click.echo(json.dumps({"loss": loss, "tokens": tokens}) if as_json else
                f"{ckpt}: mean token cross-entropy {loss:.6f} nats over {tokens} tokens of {where} "
-               f"({config.batches} batches of {batch} x {seq_len}{f', up to epoch {epoch} of the shuffled order' if epoch else ''}; "
-               "--batches for more)")
+               f"({config.batches} batches of {batch} x {seq_len}{later}; --batches for more)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import click
-
 from moeckpt.formats import dtypes
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import click
-
 from moeckpt.formats.checkpoint import STAGING_SUFFIX, STEP_PREFIX
 from moeckpt.formats.errors import NotCommittedError
 from moeckpt.formats.index import INDEX_NAME
-from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
+from moeckpt.formats.retention import GcPlan, RetentionPolicy, apply_gc, plan_gc
 from moeckpt.formats.storage import Storage
 
+from .common import progress
 from .params import Text, count
 
 
@@ -50,5 +50,11 @@ def command(run_dir: str, keep_last: int, keep_every: int, dry_run: bool) -> Non
     for name in plan.remove_uncommitted:
         click.echo(f"{verb} {name} (uncommitted leftover)")
     if not dry_run:
-        apply_gc(run_dir, plan)
+        # one entry at a time, so that a long removal (many objects on S3) shows its progress
+        todo = [GcPlan(keep=plan.keep, remove_committed=[n], remove_uncommitted=[]) for n in plan.remove_committed]
+        todo += [GcPlan(keep=plan.keep, remove_committed=[], remove_uncommitted=[n]) for n in plan.remove_uncommitted]
+        with progress(len(todo), "gc", unit="entry") as bar:
+            for one in todo:
+                apply_gc(run_dir, one)
+                bar.update(1)
     click.echo(f"kept {len(plan.keep)} checkpoint(s): {', '.join(plan.keep) or '-'}")

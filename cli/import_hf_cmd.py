@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import click
-
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.hf_import import HfImport
 
-from .common import announce_overwrite, format_option, layout_options, progress, workers_option
+from .common import (
+    announce_overwrite,
+    format_option,
+    layout_options,
+    progress,
+    workers_option,
+)
 from .params import Text
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}

@@ -6,7 +6,6 @@ import os
 import shutil
 
 import click
-
 from moeckpt.formats.storage import Storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.save import save_full_tensors
@@ -15,7 +14,13 @@ from moeckpt.trainer.init_values import initial_value
 from moeckpt.trainer.memory import check_fits
 from moeckpt.trainer.models import UnknownModelError, presets, resolve_model
 
-from .common import announce_overwrite, format_option, layout_options, progress, workers_option
+from .common import (
+    announce_overwrite,
+    format_option,
+    layout_options,
+    progress,
+    workers_option,
+)
 from .params import Text, count
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}

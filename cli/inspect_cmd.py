@@ -7,7 +7,6 @@ import os
 from collections import Counter
 
 import click
-
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import StorageError
 from moeckpt.formats.storage import Storage

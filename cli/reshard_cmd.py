@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import click
-
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
@@ -25,7 +24,9 @@ from .params import Text, count
     default=None,
     help="on-disk format of the checkpoint written  [default: the source's]",
 )
-@click.option("--workers", type=count(1, 256), default=4, show_default=True, help="target files written in parallel (by processes from local safetensors to local safetensors, else threads)")
+@click.option("--workers", type=count(1, 256), default=4, show_default=True,
+              help="target files written in parallel (by processes from local safetensors to local safetensors, "
+                   "else threads)")
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
 def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     """Write checkpoint SRC (or a run directory's newest step) to DST in layout (tp, ep, dp); a degree not given

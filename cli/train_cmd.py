@@ -9,11 +9,15 @@ from __future__ import annotations
 import signal
 
 import click
-
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import CheckpointIndexError, NotCommittedError
 from moeckpt.trainer.config import TrainConfig
-from moeckpt.trainer.launch import Elastic, JobInterruptedError, run_torchrun, under_torchrun
+from moeckpt.trainer.launch import (
+    Elastic,
+    JobInterruptedError,
+    run_torchrun,
+    under_torchrun,
+)
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.models import UnknownModelError
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import click
-
 from moeckpt.formats.checkpoint import CheckpointReader, verify
 from moeckpt.formats.errors import CheckpointIndexError, DataFileError, UnsafePathError
 

@@ -23,8 +23,8 @@ from typing import Callable, Sequence
 
 from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.formats.errors import MoeckptError
-
 from moeckpt.trainer.metrics import read_metrics
+
 from .local_world import free_port
 
 __all__ = ["DrillError", "DrillResult", "LocalNode", "cpu_drill_args", "kill_node", "plot_drill", "run_shrink_grow_drill",

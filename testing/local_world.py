@@ -17,7 +17,6 @@ import traceback
 from typing import Any, Callable
 
 import torch.distributed as dist
-
 from moeckpt.trainer.parallel import LaunchError
 
 __all__ = ["free_port", "run_local_world"]

@@ -7,7 +7,6 @@ import os
 import re
 
 import click
-
 from moeckpt.cli.main import all_commands, cli
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "cli.md")

@@ -35,7 +35,8 @@ def _drill_of_the_demo(demo_run):
     _, out, err, root = demo_run
     path = root / "drill.json"
     assert path.exists(), f"the demo wrote no drill result:\n{out[-3000:]}\n{err[-3000:]}"
-    logs = {p.stem.split("-", 1)[1]: p.read_text(errors="replace") for p in (root / "run" / "drill-logs").glob("node-*.log")}
+    logs = {p.stem.split("-", 1)[1]: p.read_text(errors="replace")
+            for p in (root / "run" / "drill-logs").glob("node-*.log")}
     return DrillResult.from_json(json.loads(path.read_text()), logs), str(root / "run")
 
 

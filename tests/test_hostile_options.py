@@ -8,7 +8,6 @@ import os
 
 import click
 import pytest
-
 from moeckpt.cli.main import all_commands, cli
 
 #: what a careless or hostile user types: negative, zero, NaN, infinities, a float overflow, a huge integer,

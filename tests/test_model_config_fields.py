@@ -9,7 +9,6 @@ import math
 import time
 
 import pytest
-
 from moeckpt.trainer.models import ARCHITECTURES, presets
 
 #: JSON values nobody means as a model dimension, rate or flag.

@@ -11,7 +11,6 @@ import tempfile
 import time
 
 import pytest
-
 from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.trainer.data import default_text_path
 
@@ -60,7 +59,8 @@ def test_nothing_to_do_names_the_runs_step(tmp_path, moeckpt_cli):
     r = subprocess.run([sys.executable, "-m", "moeckpt.cli.main", "train", *TINY, "--run-dir", str(run), "--steps", "3",
                         "--nproc", "2"], capture_output=True, text=True, timeout=240,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0 and "already at step 6 (--steps 3)" in r.stdout and "6/3" not in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0, r.stderr
+    assert "already at step 6 (--steps 3)" in r.stdout and "6/3" not in r.stdout, r.stdout
 
 
 # -- 18.6: export-hf stages and commits ---------------------------------------------------------------------

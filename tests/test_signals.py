@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.trainer.metrics import read_metrics
 

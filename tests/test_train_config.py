@@ -8,7 +8,6 @@ from dataclasses import MISSING, fields
 
 import click
 import pytest
-
 from moeckpt.cli.main import all_commands
 from moeckpt.trainer.config import SECTIONS, TrainConfig
 

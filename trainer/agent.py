@@ -5,7 +5,8 @@ terminal and what happens around the edges:
 
 * its log records become at most one line per event that a user must know about (a worker failed, the workers
   restart, a node joined); everything else, and the tracebacks torchrun prints when it is stopped by a signal or
-  gives up on failed workers, is left out (``MOECKPT_AGENT_VERBOSE=1``, what ``moeckpt -vv`` sets, keeps all of torch's records);
+  gives up on failed workers, is left out (``MOECKPT_AGENT_VERBOSE=1``, what ``moeckpt -vv`` sets, keeps all of
+  torch's records);
 * stopped by SIGINT, SIGTERM or SIGHUP it exits ``128 + signal`` after torch's agent has passed the signal on to
   the workers and waited for them (``--shutdown-timeout``), and with code 1 and one line when the workers
   failed more often than ``--max-restarts`` allows;
@@ -115,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # torch._logging gives "torch.distributed" and some loggers below it handlers of their own: ours replaces
         # them, and every record of the agent (run, launcher, elastic, rendezvous) ends there.
         for name, lg in list(logging.Logger.manager.loggerDict.items()):
-            if isinstance(lg, logging.Logger) and (name == "torch.distributed" or name.startswith("torch.distributed.")):
+            if isinstance(lg, logging.Logger) and (name + ".").startswith("torch.distributed."):
                 for h in list(lg.handlers):
                     lg.removeHandler(h)
                 lg.propagate = True

@@ -189,7 +189,8 @@ class _Destination:
         self.storage.fsync_dir()
         old = None
         if os.path.lexists(final):
-            old = os.path.join(os.path.dirname(os.path.abspath(final)), f".{os.path.basename(final)}.old-{uuid.uuid4().hex[:8]}")
+            parent = os.path.dirname(os.path.abspath(final))
+            old = os.path.join(parent, f".{os.path.basename(final)}.old-{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
         os.rename(staging, final)
         Storage(os.path.dirname(os.path.abspath(final))).fsync_dir()

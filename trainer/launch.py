@@ -96,7 +96,9 @@ class Elastic:
                 or int(m.group(2) or m.group(1)) > MAX_NODES):
             raise ElasticSpecError(
                 f"--nnodes {nnodes!r}: expected MIN:MAX with 1 <= MIN <= MAX <= {MAX_NODES} (or one number N)")
-        if not endpoint or not re.fullmatch(r"[^:\s]+:\d+", endpoint) or not 0 < int(endpoint.rsplit(":", 1)[1]) < 65536:
+        port_ok = bool(endpoint and re.fullmatch(r"[^:\s]+:\d+", endpoint)
+                       and 0 < int(endpoint.rsplit(":", 1)[1]) < 65536)
+        if not port_ok:
             raise ElasticSpecError(
                 f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT (port 1-65535), the same on every node (the host "
                 "keeps the rendezvous store)"

@@ -117,8 +117,8 @@ def check_shape(config: TrainConfig, spec: ModelSpec, layout, dataset: TokenData
     """Refuse a batch the data or the layout cannot give, or a run the memory cannot hold, before allocating."""
     if config.global_batch % layout.dp:
         raise DataError(
-            f"--global-batch: global_batch={config.global_batch} is not divisible by dp = nproc / tp = {layout.dp}: every "
-            "data-parallel rank must read the same number of samples"
+            f"--global-batch: global_batch={config.global_batch} is not divisible by dp = nproc / tp = {layout.dp}: "
+            "every data-parallel rank must read the same number of samples"
         )
     if config.global_batch > len(dataset):
         raise DataError(
@@ -131,7 +131,8 @@ def check_shape(config: TrainConfig, spec: ModelSpec, layout, dataset: TokenData
     need = training_bytes(spec, tp=layout.tp, ep=layout.ep, dp=layout.dp, micro_batch=config.global_batch // layout.dp,
                           seq_len=config.seq_len, param_bytes=DTYPES[config.dtype].itemsize)
     check_fits(need, ranks_here=ranks_here, device_type=device_type, what=f"training {spec.arch} in layout {layout}",
-               fix="use a smaller model, --global-batch or --seq-len, more ranks (--nproc, --tp, --ep), or --dtype bf16")
+               fix="use a smaller model, --global-batch or --seq-len, more ranks (--nproc, --tp, --ep), "
+                   "or --dtype bf16")
 
 
 def setup_world(config: TrainConfig) -> torch.device:
