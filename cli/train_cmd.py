@@ -63,9 +63,8 @@ def command(**values) -> None:
                                 max_restarts=config.max_restarts, conf=config.rdzv_conf)
     nproc = config.nproc
     if (elastic is not None or nproc > 1) and not under_torchrun():
-        worlds = range(elastic.min_nodes, elastic.max_nodes + 1) if elastic is not None else (1,)
-        for nodes in worlds:  # every world the job may shrink or grow to
-            check_launch(config, nproc * nodes)
+        nodes = range(elastic.min_nodes, elastic.max_nodes + 1) if elastic is not None else (1,)
+        check_launch(config, nproc, worlds=[nproc * n for n in nodes])  # every world it may shrink or grow to
         result = run_torchrun("train", config.to_json(), nproc, elastic=elastic, max_restarts=config.max_restarts)
         if result.signal == signal.SIGTERM:
             if not result.all_preempted():

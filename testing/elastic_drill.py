@@ -69,14 +69,16 @@ class LocalNode:
 
 
 def start_node(name: str, train_args: Sequence[str], *, nproc: int, nnodes: str, endpoint: str, log_dir: str,
-               env: dict[str, str] | None = None) -> LocalNode:
+               env: dict[str, str] | None = None, host: bool | None = None) -> LocalNode:
     """Start one node: ``moeckpt train TRAIN_ARGS --nproc N --nnodes MIN:MAX --rdzv-endpoint ...`` in the
     background, its output in ``log_dir/node-NAME.log``; ``env`` adds to the environment (e.g. the node's GPUs
-    as ``CUDA_VISIBLE_DEVICES``, so two nodes on one machine do not share a GPU)."""
+    as ``CUDA_VISIBLE_DEVICES``, so two nodes on one machine do not share a GPU). ``host`` says whether this node
+    hosts the rendezvous store (torch's ``is_host``; ``None``: whichever binds the endpoint first)."""
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"node-{name}.log")
+    conf = DRILL_RDZV_CONF + ("" if host is None else f",is_host={str(host).lower()}")
     cmd = [sys.executable, "-m", "moeckpt.cli.main", "train", *train_args, "--nproc", str(nproc),
-           "--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-conf", DRILL_RDZV_CONF,
+           "--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-conf", conf,
            "--max-restarts", str(DRILL_MAX_RESTARTS)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "w") as log:
@@ -118,6 +120,26 @@ def kill_node(node: LocalNode) -> None:
         except ProcessLookupError:
             pass  # it exited between the walk and the kill: the outcome we want
     node.proc.wait(timeout=30)
+
+
+def _wait_for_agent(node: LocalNode, timeout_s: float) -> None:
+    """Until the node's launcher has started torchrun's agent (its own start-up, torch's import, is over)."""
+    from moeckpt.trainer.supervise import descendants
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if node.proc.poll() is not None:
+            raise DrillError(f"node {node.name} exited with {node.proc.returncode} before starting its agent:\n"
+                             f"{node.log()[-3000:]}")
+        for pid in descendants(node.proc.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"moeckpt.trainer.agent" in f.read():
+                        return
+            except OSError:
+                continue
+        time.sleep(0.1)
+    raise DrillError(f"node {node.name} did not start its agent within {timeout_s:.0f} s")
 
 
 def _wait_for_port(host: str, port: int, node: LocalNode, timeout_s: float) -> None:
@@ -196,17 +218,25 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
     logs = os.path.join(run_dir, "drill-logs")
     def start(name: str) -> LocalNode:
         return start_node(name, train_args, nproc=nproc, nnodes="1:2", endpoint=endpoint, log_dir=logs,
-                          env=node_env(name) if node_env is not None else None)
+                          env=node_env(name) if node_env is not None else None, host=name == "A")
 
-    a = start("A")
-    note(f"started node A ({nproc} workers), host of the rendezvous {endpoint}")
-    try:
-        _wait_for_port("127.0.0.1", port, a, timeout_s=60)
-    except DrillError:
-        a.proc.kill()
-        raise
+    # B first: its agent waits for A's store (a client retries its connection), so that it is ready to join
+    # the first round the moment A opens it. Started the other way round, a loaded machine could close A's
+    # first round (3 s of last call) before B's agent got there, and A would train alone first.
     b = start("B")
     note(f"started node B ({nproc} workers)")
+    started = [b]
+    try:
+        _wait_for_agent(b, timeout_s=120)
+        a = start("A")
+        started.append(a)
+        note(f"started node A ({nproc} workers), host of the rendezvous {endpoint}")
+        _wait_for_port("127.0.0.1", port, a, timeout_s=120)
+    except BaseException:
+        for node in started:
+            if node.proc.poll() is None:
+                kill_node(node)
+        raise
     nodes = {"A": a, "B": b}
     phase, deadline = "kill", time.monotonic() + timeout_s
     try:

@@ -42,11 +42,12 @@ def _numel(shape) -> int:
 
 
 def training_bytes(spec, *, tp: int, ep: int, dp: int, micro_batch: int, seq_len: int, param_bytes: int,
-                   optimizer: bool = True) -> int:
+                   optimizer: bool = True, params: int | None = None) -> int:
     """A lower bound of one rank's memory: its share of parameters and gradients, its ZeRO-1 share of the fp32
     optimizer state (and master weights when parameters are narrower), the fp32 logits of its micro-batch and one
-    activation per layer."""
-    params = sum(_numel(p.shape) for p in spec.param_specs())
+    activation per layer. ``params``: the model's parameter count, when the caller has it already."""
+    if params is None:
+        params = sum(_numel(p.shape) for p in spec.param_specs())
     local = params // max(1, tp * ep)  # the most a layout can split them (dense by tp, experts by tp and ep)
     total = local * param_bytes
     if optimizer:

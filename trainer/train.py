@@ -19,7 +19,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -93,14 +93,19 @@ def check_run_dir(config: TrainConfig) -> None:
         )
 
 
-def check_launch(config: TrainConfig, nproc: int, *, device_type: str | None = None) -> None:
+def check_launch(config: TrainConfig, nproc: int, *, worlds: Sequence[int] | None = None,
+                 device_type: str | None = None) -> None:
     """Refuse, before any process starts, a model, layout, data file or memory budget that cannot work with
-    ``nproc`` processes (each worker would otherwise fail alone, behind torchrun's generic exit code)."""
+    ``nproc`` processes on this host in a world of ``nproc`` (or of each size in ``worlds``, for an elastic job):
+    each worker would otherwise fail alone, behind torchrun's generic exit code."""
     check_run_dir(config)
     spec = run_model(config)
-    layout = choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
     dataset = open_dataset(config, spec)
-    check_shape(config, spec, layout, dataset, ranks_here=nproc, device_type=device_type or _device_type(config))
+    params = sum(math.prod(p.shape) for p in spec.param_specs())
+    for world in worlds or (nproc,):
+        layout = choose_layout(world, tp=config.tp, ep=config.ep, check=spec.check_layout)
+        check_shape(config, spec, layout, dataset, ranks_here=nproc, params=params,
+                    device_type=device_type or _device_type(config))
 
 
 def _device_type(config: TrainConfig) -> str:
@@ -113,7 +118,7 @@ def open_dataset(config: TrainConfig, spec: ModelSpec) -> TokenDataset:
 
 
 def check_shape(config: TrainConfig, spec: ModelSpec, layout, dataset: TokenDataset, *, ranks_here: int,
-                device_type: str) -> None:
+                device_type: str, params: int | None = None) -> None:
     """Refuse a batch the data or the layout cannot give, or a run the memory cannot hold, before allocating."""
     if config.global_batch % layout.dp:
         raise DataError(
@@ -129,7 +134,7 @@ def check_shape(config: TrainConfig, spec: ModelSpec, layout, dataset: TokenData
     if max_pos is not None and config.seq_len > max_pos:
         raise DataError(f"--seq-len {config.seq_len} is longer than the model's max_position_embeddings={max_pos}")
     need = training_bytes(spec, tp=layout.tp, ep=layout.ep, dp=layout.dp, micro_batch=config.global_batch // layout.dp,
-                          seq_len=config.seq_len, param_bytes=DTYPES[config.dtype].itemsize)
+                          seq_len=config.seq_len, param_bytes=DTYPES[config.dtype].itemsize, params=params)
     check_fits(need, ranks_here=ranks_here, device_type=device_type, what=f"training {spec.arch} in layout {layout}",
                fix="use a smaller model, --global-batch or --seq-len, more ranks (--nproc, --tp, --ep), "
                    "or --dtype bf16")
