@@ -68,8 +68,7 @@ def test_hugging_face_config_json_fields_are_checked_too(model_type, field, valu
 def test_divisibility_and_derived_sizes_are_checked(tmp_path, moeckpt_cli):
     base = presets()["zaya-tiny"].to_json()["config"]
     for edit, named in (({"num_attention_heads": 3}, "num_attention_heads"),
-                        ({"partial_rotary_factor": 0.01}, "partial_rotary_factor"),
-                        ({"head_dim": 15, "partial_rotary_factor": 1.0}, "head_dim")):
+                        ({"num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 15}, "head_dim")):
         path = tmp_path / "model.json"
         path.write_text(json.dumps({"arch": "zaya", "config": {**base, **edit}}))
         code, _, err = moeckpt_cli("init", tmp_path / "ck", "--model", path)

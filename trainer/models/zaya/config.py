@@ -52,12 +52,7 @@ class ZayaConfig:
             raise ValueError("num_key_value_heads * head_dim must be even (the value path is split in halves)")
         if self.num_experts_per_tok != 1:
             raise ValueError("ZAYA routes each token to one expert: num_experts_per_tok must be 1")
-        rotary = int(self.head_dim * self.partial_rotary_factor)
-        if rotary < 2 or rotary % 2:
-            raise ValueError(
-                f"head_dim * partial_rotary_factor = {self.head_dim} * {self.partial_rotary_factor} gives {rotary} "
-                "rotary channels; it must be an even number >= 2"
-            )
+
 
     def check_layout(self, tp: int, ep: int) -> None:
         """Refuse a layout this model cannot take, naming the conflicting fields."""
