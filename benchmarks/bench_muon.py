@@ -13,7 +13,7 @@ Parts (``--parts``, all by default):
   so drift hits both alike; median seconds per step. This picked the default scheme (``trainer/muon.py``).
 * **checkpoint**: the real trainer with each optimizer in ``--ckpt-layout`` on ``--ckpt-model``: checkpoint bytes,
   the synchronous save's seconds, and the seconds of the resume that reads it back (fastest of ``--reps``).
-* **drill**: ``trainer/elastic_drill.py``'s CPU drill (two torchrun agents, one killed, one joining) with
+* **drill**: ``testing/elastic_drill.py``'s CPU drill (two torchrun agents, one killed, one joining) with
   ``--optimizer muon``: the world goes 4 -> 2 -> 4 workers and the run finishes; its loss curve as a PNG.
 
 Results: ``OUT/muon_cpu.json`` (and ``muon_drill.png``). ``--tiny`` shrinks everything to prove the script works.
@@ -183,7 +183,7 @@ def _scheme_worker(rank: int, model: str, layout_text: str, steps: int, warmup: 
 
 
 def schemes(model: str, layouts: list[str], steps: int, warmup: int, root: str) -> list[dict]:
-    from moeckpt.trainer.parallel import run_local_world
+    from moeckpt.testing import run_local_world
 
     rows = []
     for text in layouts:
@@ -220,8 +220,8 @@ def _train_worker(rank: int, config: dict, threads: int) -> None:
 
 def checkpoint(model: str, layout_text: str, reps: int, root: str) -> dict:
     from moeckpt.formats.checkpoint import CheckpointReader
+    from moeckpt.testing import run_local_world
     from moeckpt.trainer.metrics import read_metrics
-    from moeckpt.trainer.parallel import run_local_world
     from moeckpt.trainer.train import TrainConfig
 
     layout = _layout(layout_text)
@@ -276,7 +276,7 @@ def checkpoint(model: str, layout_text: str, reps: int, root: str) -> dict:
 
 
 def drill(steps: int, kill_at: int, root: str, out_dir: str) -> dict:
-    from moeckpt.trainer.elastic_drill import (
+    from moeckpt.testing.elastic_drill import (
         cpu_drill_args,
         plot_drill,
         run_shrink_grow_drill,

@@ -31,8 +31,8 @@ import time
 import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.testing import run_local_world
 from moeckpt.trainer.metrics import read_metrics
-from moeckpt.trainer.parallel import run_local_world
 from moeckpt.trainer.train import TrainConfig
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "benchmarks")

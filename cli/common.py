@@ -5,61 +5,102 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import click
 
 from moeckpt.formats.backend import backend_names
 from moeckpt.formats.errors import MoeckptError
 
-
-class _Terminated(BaseException):
-    """SIGTERM, raised in the main thread so that saves in progress clean up (abort their S3 uploads) on the way
-    out; not a KeyboardInterrupt, which click would report as an abort."""
+from .params import count
 
 
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated()
+class Stopped(BaseException):
+    """SIGTERM or SIGHUP reached a command that does not handle it itself: unwind (``finally`` blocks run, so
+    whatever the command started is stopped) and exit ``128 + signal``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
-@contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """SIGTERM raises in the main thread for the duration, so a command writing a checkpoint unwinds like on Ctrl-C:
-    its uploads in flight are aborted and its staging data removed (the default action would kill it on the spot,
-    leaving incomplete S3 multipart uploads billed). Commands that launch processes keep their own handling."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+def _stop(signum, frame) -> None:
+    del frame
+    raise Stopped(signum)
+
+
+#: set by every Ctrl-C this process received: some native code (importing torch) clears the KeyboardInterrupt
+#: a Ctrl-C raises, so callers check this after such code (see :func:`check_interrupted`).
+INTERRUPTED = threading.Event()
+
+
+def _interrupt(signum, frame) -> None:
+    del signum, frame
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
+def check_interrupted() -> None:
+    """Raise the KeyboardInterrupt of a Ctrl-C that native code swallowed."""
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def run_main(group: click.Group, prepare: Callable[[], None] | None = None) -> None:
+    """Run the CLI: every error is one line on stderr and an exit code (2 bad input, 1 a failed check, 130 Ctrl-C,
+    128 + N another signal N); never a traceback for a user's mistake or a signal.
+
+    ``prepare`` runs first, inside the same protection (a Ctrl-C during start-up is an interruption too).
+    """
+    previous = {}
+    INTERRUPTED.clear()
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            previous[s] = signal.signal(s, _stop)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, _interrupt)
     try:
-        yield
+        code = 0
+        try:
+            if prepare is not None:
+                prepare()
+            group.main(prog_name="moeckpt", standalone_mode=False)
+        except click.exceptions.Exit as e:
+            code = e.exit_code
+        except click.ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            where = ctx.command_path if ctx is not None else "moeckpt"
+            hint = f" (see '{where} --help')" if isinstance(e, click.UsageError) else ""
+            click.echo(f"moeckpt: error: {_one_line(e.format_message())}{hint}", err=True)
+            code = 2
+        except click.exceptions.Abort:
+            click.echo("moeckpt: interrupted", err=True)
+            code = 130
+        except MoeckptError as e:
+            if getattr(e, "signum", None) is not None:  # the job was stopped by a signal: not an error of input
+                click.echo(f"moeckpt: {_one_line(str(e))}", err=True)
+            else:
+                click.echo(f"moeckpt: error: {_one_line(str(e))}", err=True)
+            code = e.exit_code
+        except KeyboardInterrupt:
+            click.echo("moeckpt: interrupted", err=True)
+            code = 130
+        except Stopped as e:
+            click.echo(f"moeckpt: stopped by {signal.Signals(e.signum).name}", err=True)
+            code = 128 + e.signum
+    except (KeyboardInterrupt, Stopped) as e:  # a second signal while reporting the first
+        code = 130 if isinstance(e, KeyboardInterrupt) else 128 + e.signum
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    sys.exit(code)
 
 
-def run_main(group: click.Group) -> None:
-    """Run the CLI; a :class:`MoeckptError` becomes one line on stderr and its exit code (2 bad input, 1 check)."""
-    try:
-        group.main(standalone_mode=False)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(2)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except MoeckptError as e:
-        click.echo(f"moeckpt: error: {e}", err=True)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        click.echo("interrupted", err=True)
-        sys.exit(130)
-    except _Terminated:
-        click.echo("terminated", err=True)
-        sys.exit(128 + signal.SIGTERM)
-    sys.exit(0)
+#: the largest parallel degree an option takes (a world of 4096 x 4096 ranks is a typo, not a cluster).
+MAX_DEGREE = 4096
 
 
 def layout_options(f: Callable | None = None, *, default_source: bool = False) -> Callable:
@@ -69,10 +110,10 @@ def layout_options(f: Callable | None = None, *, default_source: bool = False) -
         for name, what in (("dp", "data-parallel degree"), ("ep", "expert-parallel degree (divides dp)"),
                            ("tp", "tensor-parallel degree")):
             if default_source:
-                f = click.option(f"--{name}", type=click.IntRange(min=1), default=None,
+                f = click.option(f"--{name}", type=count(1, MAX_DEGREE), default=None,
                                  help=f"{what}  [default: the source's]")(f)
             else:
-                f = click.option(f"--{name}", type=click.IntRange(min=1), default=1, show_default=True, help=what)(f)
+                f = click.option(f"--{name}", type=count(1, MAX_DEGREE), default=1, show_default=True, help=what)(f)
         return f
 
     return add(f) if f is not None else add
@@ -102,6 +143,52 @@ format_option = click.option(
     show_default=True,
     help="on-disk format of the checkpoint written",
 )
+
+#: ``--workers``: parallel file writers.
+workers_option = click.option("--workers", type=count(1, 256), default=4, show_default=True,
+                              help="parallel file writers")
+
+
+def describe_overwrite(location: str) -> str | None:
+    """What ``--overwrite`` is about to remove at ``location`` (one line), or ``None`` when it holds nothing."""
+    from moeckpt.formats.checkpoint import STEP_PREFIX, committed_steps
+    from moeckpt.formats.index import INDEX_NAME
+    from moeckpt.formats.storage import Storage
+
+    storage = Storage(location)
+    if not storage.exists():
+        return None
+    try:
+        names = storage.listdir()
+    except (OSError, MoeckptError):
+        return None
+    if not names:
+        return None
+    if INDEX_NAME in names:
+        return f"--overwrite: replaced the checkpoint that was at {location} ({len(names)} entries)"
+    steps = [s for s, _ in committed_steps(location)]
+    if steps:
+        others = [n for n in names if not n.startswith(STEP_PREFIX)]
+        extra = ""
+        if others:
+            shown = ", ".join(sorted(others)[:3]) + (", ..." if len(others) > 3 else "")
+            extra = f" and {len(others)} other entries ({shown})"
+        return (f"--overwrite: removed the run directory that was at {location}: {len(steps)} committed "
+                f"checkpoint(s) (steps {steps[0]}..{steps[-1]}){extra}")
+    shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+    return f"--overwrite: removed what {location} held: {len(names)} entries ({shown})"
+
+
+def announce_overwrite(location: str, overwrite: bool) -> Callable[[], None]:
+    """Note what ``--overwrite`` is about to remove at ``location``; the returned function says it on stderr
+    once the command succeeded (a refused command prints only its error line)."""
+    line = describe_overwrite(location) if overwrite else None
+
+    def say() -> None:
+        if line is not None:
+            click.echo(f"moeckpt: {line}", err=True)
+
+    return say
 
 
 def progress(total: int, desc: str, unit: str = "B"):

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -22,18 +23,23 @@ import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import MoeckptError
-from moeckpt.trainer.elastic_drill import (
+from moeckpt.testing.elastic_drill import (
     CPU_DRILL_KILL_AT as KILL_AT,
 )
-from moeckpt.trainer.elastic_drill import (
+from moeckpt.testing.elastic_drill import (
     CPU_DRILL_STEPS as STEPS,
 )
-from moeckpt.trainer.elastic_drill import (
+from moeckpt.testing.elastic_drill import (
     DrillResult,
     cpu_drill_args,
     plot_drill,
     run_shrink_grow_drill,
 )
+
+from .params import Text
+
+#: the file in the demo's directory that holds the elastic drill's records, timeline and exit codes.
+DRILL_JSON = "drill.json"
 
 
 @dataclass
@@ -60,11 +66,18 @@ def _moeckpt(args: list[str]) -> int:
 
 
 @click.command("demo")
-@click.option("--dir", "workdir", default=None, help="where to keep the demo's files (default: a temporary directory)")
+@click.option("--dir", "workdir", type=Text(), default=None, metavar="DIR",
+              help="where the demo keeps its files (run directory, checkpoints, HF export, loss.png); kept "
+                   "afterwards  [default: a new moeckpt-demo-* directory in the temporary directory]")
 def command(workdir: str | None) -> None:
-    """Train a tiny ZAYA on 4 CPU workers, lose one, resume on 2 (resharded), grow back to 4, export to Hugging Face."""
+    """The whole story on this machine, about a minute on 2 CPU cores: zaya-tiny trains on two local nodes of 2
+    workers each (two torchrun elastic agents, gloo); one node is lost at step 17 and the survivor resumes on 2
+    workers (resharded dp 4 -> 2); a new node joins and the job grows back to 4 (resharded again). Then it
+    verifies, reshards offline, diffs across layouts, catches a flipped bit, exports to Hugging Face, checks that
+    transformers computes the same logits, and draws the loss curve (loss.png). Exit 0 when every step is ok."""
     root = os.path.abspath(workdir or tempfile.mkdtemp(prefix="moeckpt-demo-"))
     os.makedirs(root, exist_ok=True)
+    click.echo(f"moeckpt demo: working in {root} (kept afterwards; --dir chooses it)")
     run = os.path.join(root, "run")
     shutil.rmtree(run, ignore_errors=True)
     steps: list[Step] = []
@@ -84,6 +97,8 @@ def command(workdir: str | None) -> None:
         result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=KILL_AT,
                                        timeout_s=600, progress=click.echo)
         drills.append(result)
+        with open(os.path.join(root, DRILL_JSON), "w") as f:  # what the drill saw, for tests and plots
+            json.dump(result.to_json(), f)
         resumes = [e for e in result.events() if e.get("event") == "resume"]
         worlds = result.worlds()
         last = result.steps()[-1] if result.steps() else {}
@@ -141,7 +156,7 @@ def _check_transformers(run: str, hf_dir: str) -> tuple[str, bool]:
     try:
         from transformers import AutoModelForCausalLM
     except ImportError:
-        return "skipped: transformers is not installed (pip install 'moeckpt[hf]')", True
+        return "skipped: transformers is not installed (pip install 'moeckpt[demo]')", True
     import torch
 
     from moeckpt.trainer.models import ModelSpec
@@ -165,6 +180,6 @@ def _plot(drills: list[DrillResult], path: str) -> tuple[str, bool]:
     import importlib.util
 
     if importlib.util.find_spec("matplotlib") is None:
-        return "skipped: matplotlib is not installed", True
+        return "skipped: matplotlib is not installed (pip install 'moeckpt[demo]')", True
     plot_drill(drills[0], path, title=f"moeckpt demo: node lost at step {KILL_AT}, resumed on 2 workers, grown to 4")
     return path, True

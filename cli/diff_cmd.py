@@ -9,6 +9,8 @@ import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader
 
+from .params import Text
+
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
@@ -17,8 +19,8 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @click.command("diff")
-@click.argument("ckpt_a")
-@click.argument("ckpt_b")
+@click.argument("ckpt_a", type=Text())
+@click.argument("ckpt_b", type=Text())
 def command(ckpt_a: str, ckpt_b: str) -> None:
     """Compare every logical tensor of CKPT_A and CKPT_B, whatever their layouts and formats.
 

@@ -11,21 +11,24 @@ from moeckpt.trainer.interop.dcp_export import (
     export_dcp,
 )
 
-from .common import progress
+from .common import announce_overwrite, progress
+from .params import Text
 
 
 @click.command("export-dcp")
-@click.argument("ckpt")
-@click.argument("out")
+@click.argument("ckpt", type=Text())
+@click.argument("out", type=Text())
 @click.option("--mapping", type=click.Choice(EXPORT_MAPPINGS), default=None,
               help="torchtitan: torchtitan's Qwen3-MoE names and flattened optimizer; none: our tensor names  "
                    "[default: torchtitan for a qwen3_moe checkpoint, else none]")
-@click.option("--overwrite", is_flag=True, help="replace whatever OUT holds")
+@click.option("--overwrite", is_flag=True, help="replace whatever OUT holds; it says what it removes first")
 def command(ckpt, out, mapping, overwrite) -> None:
     """Write CKPT (any layout and storage; a run directory: its newest step) to OUT, a local directory, as a DCP
     checkpoint that dcp.load reads, e.g. into a torchtitan model and its optimizer. One tensor in memory at a time."""
     reader = CheckpointReader(ckpt)
     mapping = mapping or default_mapping(reader)
+    said = announce_overwrite(out, overwrite)
     with progress(reader.index.nbytes, "export-dcp") as bar:
         result = export_dcp(ckpt, out, mapping=mapping, overwrite=overwrite, on_bytes=bar.update)
+    said()
     click.echo(f"wrote {out}: {result['tensors']} tensors, {result['bytes'] / 1e6:.2f} MB (DCP, mapping {mapping})")

@@ -2,33 +2,42 @@
 
 from __future__ import annotations
 
-import math
-
 import click
 
-from moeckpt.formats.retention import UPLOAD_GRACE_S, RetentionPolicy, apply_gc, plan_gc
+from moeckpt.formats.checkpoint import STAGING_SUFFIX, STEP_PREFIX
+from moeckpt.formats.errors import NotCommittedError
+from moeckpt.formats.index import INDEX_NAME
+from moeckpt.formats.retention import UPLOAD_GRACE_S, GcPlan, RetentionPolicy, apply_gc, plan_gc
+from moeckpt.formats.storage import Storage
+
+from .common import progress
+from .params import Text, count, number
 
 
-class _Seconds(click.ParamType):
-    """A finite, non-negative number of seconds."""
-
-    name = "seconds"
-
-    def convert(self, value, param, ctx) -> float:
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        if not math.isfinite(seconds) or seconds < 0:
-            self.fail(f"{value!r} must be a finite number of seconds >= 0", param, ctx)
-        return seconds
+def check_run_dir(run_dir: str) -> None:
+    """Refuse what is not a run directory: nothing there, a file, a checkpoint, or a directory with no trace of a
+    run (no ``step-*`` entry, no staging leftover, no metrics)."""
+    storage = Storage(run_dir)
+    storage.refuse_file()
+    if not storage.exists():
+        raise NotCommittedError(f"RUN_DIR {run_dir}: no such run directory")
+    names = storage.listdir()
+    if INDEX_NAME in names:
+        raise NotCommittedError(f"RUN_DIR {run_dir}: is a checkpoint, not a run directory; gc works on the directory "
+                                "that holds step-* checkpoints")
+    if not any(n.startswith(STEP_PREFIX) or (n.startswith(f".{STEP_PREFIX}") and STAGING_SUFFIX in n)
+               or n == "metrics.jsonl" for n in names):
+        what = "is empty" if not names else f"holds {len(names)} entries but no step-* checkpoint"
+        raise NotCommittedError(f"RUN_DIR {run_dir}: {what}; not a run directory")
 
 
 @click.command("gc")
-@click.argument("run_dir")
-@click.option("--keep-last", type=int, default=3, show_default=True, help="keep the N newest committed steps")
-@click.option("--keep-every", type=int, default=0, show_default=True, help="also keep steps that are multiples of K")
-@click.option("--upload-grace", type=_Seconds(), default=UPLOAD_GRACE_S, show_default=True,
+@click.argument("run_dir", type=Text())
+@click.option("--keep-last", type=count(1, 10**6), default=3, show_default=True,
+              help="keep the N newest committed steps")
+@click.option("--keep-every", type=count(0), default=0, show_default=True,
+              help="also keep steps that are multiples of K (0: none)")
+@click.option("--upload-grace", type=number(0, 10 * 365 * 86400), default=UPLOAD_GRACE_S, show_default=True,
               help="abort incomplete multipart uploads (S3) older than this many seconds; 0 aborts all of them")
 @click.option("--dry-run", is_flag=True, help="only print what would be removed")
 def command(run_dir: str, keep_last: int, keep_every: int, upload_grace: float, dry_run: bool) -> None:
@@ -38,6 +47,7 @@ def command(run_dir: str, keep_last: int, keep_every: int, upload_grace: float, 
     Do not run it on a run directory while a trainer is saving into it: an in-flight save looks uncommitted (its
     uploads are younger than --upload-grace, and left alone).
     """
+    check_run_dir(run_dir)
     plan = plan_gc(run_dir, RetentionPolicy(keep_last=keep_last, keep_every=keep_every), upload_grace_s=upload_grace)
     verb = "would remove" if dry_run else "removed"
     for name in plan.remove_committed:
@@ -48,5 +58,13 @@ def command(run_dir: str, keep_last: int, keep_every: int, upload_grace: float, 
         click.echo(f"{'would abort' if dry_run else 'aborted'} the upload of {upload.relpath} "
                    f"(incomplete multipart upload, started {upload.age_s:.0f} s ago)")
     if not dry_run:
-        apply_gc(run_dir, plan)
+        # stale uploads first (their parts are billed), then one entry at a time, so that a long removal (many objects
+        # on S3) shows its progress
+        todo = [GcPlan(keep=plan.keep, remove_committed=[], remove_uncommitted=[], stale_uploads=plan.stale_uploads)]
+        todo += [GcPlan(keep=plan.keep, remove_committed=[n], remove_uncommitted=[]) for n in plan.remove_committed]
+        todo += [GcPlan(keep=plan.keep, remove_committed=[], remove_uncommitted=[n]) for n in plan.remove_uncommitted]
+        with progress(len(todo), "gc", unit="entry") as bar:
+            for one in todo:
+                apply_gc(run_dir, one)
+                bar.update(1)
     click.echo(f"kept {len(plan.keep)} checkpoint(s): {', '.join(plan.keep) or '-'}")

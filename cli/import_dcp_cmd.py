@@ -7,25 +7,25 @@ import click
 
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.interop import MAPPINGS, DcpImport
-from moeckpt.trainer.models import resolve_model
+from moeckpt.trainer.models import UnknownModelError, resolve_model
 
-from .common import format_option, layout_options, progress
+from .common import announce_overwrite, format_option, layout_options, progress, workers_option
+from .params import Text
 
 
 @click.command("import-dcp")
-@click.argument("dcp_dir")
-@click.argument("dst")
+@click.argument("dcp_dir", type=Text())
+@click.argument("dst", type=Text())
 @layout_options(default_source=True)
 @format_option
-@click.option("--model", "model_name", default=None,
+@click.option("--model", "model_name", type=Text(), default=None, metavar="PRESET|JSON",
               help="PRESET or config.json (ours or a Hugging Face one): the fields tensor shapes do not tell "
                    "(top-k, RoPE theta, ...) for a named mapping  [default: taken from the shapes, Qwen3-MoE defaults]")
 @click.option("--mapping", type=click.Choice(MAPPINGS), default="none", show_default=True,
               help="none: keep the names (a generic checkpoint); torchtitan, megatron: map onto the bundled "
                    "qwen3_moe model (trainable, exportable to Hugging Face)")
-@click.option("--overwrite", is_flag=True, help="replace whatever DST holds")
-@click.option("--workers", type=click.IntRange(min=1, max=256), default=4, show_default=True,
-              help="target files written in parallel")
+@click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
+@workers_option
 def command(dcp_dir, dst, tp, ep, dp, fmt, model_name, mapping, overwrite, workers) -> None:
     """Convert the DCP checkpoint in DCP_DIR (local path or URL: .metadata and __R_N.distcp files, any sharding)
     into a moeckpt checkpoint at DST in layout (tp, ep, dp), streaming each chunk once with bounded memory.
@@ -40,12 +40,17 @@ def command(dcp_dir, dst, tp, ep, dp, fmt, model_name, mapping, overwrite, worke
     """
     given = any(d is not None for d in (tp, ep, dp))
     layout = Layout(tp=tp or 1, ep=ep or 1, dp=dp or 1) if given or mapping != "none" else None
-    model = resolve_model(model_name) if model_name is not None else None
+    try:
+        model = resolve_model(model_name) if model_name is not None else None
+    except UnknownModelError as e:
+        raise click.BadParameter(str(e), param_hint="'--model'") from None
     job = DcpImport(dcp_dir, layout=layout, mapping=mapping, backend=fmt, model=model)
     for note in job.notes:
         click.echo(f"note: {note}", err=True)
+    said = announce_overwrite(dst, overwrite)
     with progress(job.index.nbytes, "import-dcp") as bar:
         index, read = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=bar.update)
+    said()
     roles = sorted({t.role for t in index.tensors.values()})
     click.echo(
         f"wrote {dst}: {index.model['arch']}, {'DCP shardings kept' if job.targets is not None else job.layout}, "

@@ -7,26 +7,35 @@ import click
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.hf_import import HfImport
 
-from .common import format_option, layout_options, progress, sigterm_unwinds
+from .common import (
+    announce_overwrite,
+    format_option,
+    layout_options,
+    progress,
+    workers_option,
+)
+from .params import Text
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 @click.command("import-hf")
-@click.argument("hf_dir")
-@click.argument("dst")
+@click.argument("hf_dir", type=Text())
+@click.argument("dst", type=Text())
 @layout_options
 @format_option
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="fp32", show_default=True,
               help="parameter dtype of the checkpoint (bf16 also keeps fp32 master weights)")
-@click.option("--overwrite", is_flag=True, help="replace whatever DST holds")
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True, help="parallel file writers")
+@click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
+@workers_option
 def command(hf_dir, dst, tp, ep, dp, fmt, dtype, overwrite, workers) -> None:
     """Write the model in HF_DIR (local path or URL; per-expert or fused expert tensors) to DST in layout
     (tp, ep, dp), with fresh optimizer state, ready for `moeckpt train` to fine-tune."""
     layout = Layout(tp=tp, ep=ep, dp=dp)
     job = HfImport(hf_dir, layout=layout, backend=fmt, dtype=DTYPES[dtype])
-    with sigterm_unwinds(), progress(job.index.nbytes, "import-hf") as bar:
+    said = announce_overwrite(dst, overwrite)
+    with progress(job.index.nbytes, "import-hf") as bar:
         index = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=bar.update)
     arch = index.model["arch"]
+    said()
     click.echo(f"wrote {dst}: {arch}, {layout}, {len(index.tensors)} tensors, {index.nbytes / 1e6:.2f} MB ({fmt})")

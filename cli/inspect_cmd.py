@@ -9,6 +9,8 @@ import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
 
+from .params import Text
+
 
 def stored_sizes(reader: CheckpointReader) -> tuple[int, int]:
     """``(bytes, objects)`` the checkpoint occupies on its storage, its index ``moeckpt.json`` left out.
@@ -49,13 +51,17 @@ def summary(reader: CheckpointReader) -> dict:
     }
 
 
+#: data files listed by name before the rest is summarised.
+MAX_LISTED = 16
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.2f} MB"
 
 
 @click.command("inspect")
-@click.argument("ckpt")
-@click.option("--json", "as_json", is_flag=True, help="print the full description as JSON")
+@click.argument("ckpt", type=Text())
+@click.option("--json", "as_json", is_flag=True, help="print the full description as JSON (every tensor and file)")
 def command(ckpt: str, as_json: bool) -> None:
     """Describe CKPT (a checkpoint, or a run directory: its newest committed step)."""
     reader = CheckpointReader(ckpt)
@@ -73,7 +79,16 @@ def command(ckpt: str, as_json: bool) -> None:
     for role, r in info["roles"].items():
         click.echo(f"  {role:<11} {r['tensors']:>6} tensors  {_mb(r['bytes']):>14}")
     chunks = info["stored_objects"] - len(info["files"])
+    if info["backend"] == "zarr":
+        meta = sum(f["size"] for f in info["files"].values())
+        click.echo(f"files       {len(info['files'])} zarr.json metadata documents ({_mb(meta)}) + {chunks} chunk "
+                   f"objects ({_mb(info['stored_bytes'] - meta)}), one array per tensor; --json lists them")
+        return
     extra = f" (+ {chunks} chunk objects, not in the index)" if chunks else ""
     click.echo(f"files       {len(info['files'])}{extra}")
-    for path, f in info["files"].items():
+    items = list(info["files"].items())
+    for path, f in items[:MAX_LISTED]:
         click.echo(f"  {path:<40} {_mb(f['size']):>14}")
+    if len(items) > MAX_LISTED:
+        rest = sum(f["size"] for _, f in items[MAX_LISTED:])
+        click.echo(f"  ... and {len(items) - MAX_LISTED} more files ({_mb(rest)}); --json lists them")

@@ -12,12 +12,13 @@ from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.tensors import check_layout
 from moeckpt.trainer.models import ModelSpec
 
-from .common import FormatChoice, layout_options, progress, sigterm_unwinds
+from .common import FormatChoice, announce_overwrite, layout_options, progress
+from .params import Text, count
 
 
 @click.command("reshard")
-@click.argument("src")
-@click.argument("dst")
+@click.argument("src", type=Text())
+@click.argument("dst", type=Text())
 @layout_options(default_source=True)
 @click.option(
     "--format",
@@ -26,9 +27,10 @@ from .common import FormatChoice, layout_options, progress, sigterm_unwinds
     default=None,
     help="on-disk format of the checkpoint written  [default: the source's]",
 )
-@click.option("--workers", type=click.IntRange(min=1), default=4, show_default=True,
-              help="target files written in parallel (by processes from local safetensors to local safetensors, else threads)")
-@click.option("--overwrite", is_flag=True, help="replace whatever DST holds")
+@click.option("--workers", type=count(1, 256), default=4, show_default=True,
+              help="target files written in parallel (by processes from local safetensors to local safetensors, "
+                   "else threads)")
+@click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
 def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     """Write checkpoint SRC (or a run directory's newest step) to DST in layout (tp, ep, dp); a degree not given
     keeps the source's, so `--format zarr` alone converts the format at the same layout.
@@ -44,10 +46,12 @@ def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     if not is_state_dict(index):  # a state dict (moeckpt.save, import-dcp --mapping none) has no model
         ModelSpec.from_json(index.model).check_layout(tp, ep)
     check_layout(index.tensors, layout)
-    with sigterm_unwinds(), progress(index.nbytes, f"reshard -> {layout}") as bar:
+    said = announce_overwrite(dst, overwrite)
+    with progress(index.nbytes, f"reshard -> {layout}") as bar:
         result = reshard(src, dst, layout, backend=fmt, overwrite=overwrite, on_bytes=bar.update,
                          options=ReshardOptions(workers=workers))
     gb = result.bytes_written / 1e9
+    said()
     click.echo(
         f"wrote {dst}: {layout}, {len(result.index.files)} files, {gb:.3f} GB ({result.index.backend}) in "
         f"{result.seconds:.2f} s ({gb / max(result.seconds, 1e-9):.2f} GB/s), read {result.bytes_read / 1e9:.3f} GB"

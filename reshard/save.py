@@ -29,8 +29,10 @@ def save_full_tensors(
     train_state: dict[str, Any] | None = None,
     overwrite: bool = False,
     workers: int = 4,
+    on_written: Callable[[int], None] | None = None,
 ) -> Index:
-    """Split every tensor (``values(entry)`` returns it whole) into the layout's pieces and commit a checkpoint."""
+    """Split every tensor (``values(entry)`` returns it whole) into the layout's pieces and commit a checkpoint;
+    ``on_written`` gets the bytes of each writer's file once written (progress bars)."""
     check_layout(tensors, layout)
     by_writer: dict[int, list[Piece]] = {r: [] for r in range(layout.world)}
     for entry in tensors.values():
@@ -50,4 +52,4 @@ def save_full_tensors(
         files={},
         train_state=train_state or {},
     )
-    return save_pieces(location, index, by_writer, overwrite=overwrite, workers=workers)
+    return save_pieces(location, index, by_writer, overwrite=overwrite, workers=workers, on_written=on_written)

@@ -54,3 +54,15 @@ def moeckpt_cli(capsys, monkeypatch):
         return code, out, err
 
     return run
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """``moeckpt demo`` run once for the whole suite (its elastic drill is the suite's longest job): the exit code,
+    output, and its directory (``run/`` the drill's run directory, ``drill.json`` what the drill saw)."""
+    import subprocess
+
+    root = tmp_path_factory.mktemp("demo")
+    proc = subprocess.run([sys.executable, "-m", "moeckpt.cli.main", "demo", "--dir", str(root)], capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return proc.returncode, proc.stdout, proc.stderr, root

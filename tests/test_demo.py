@@ -1,4 +1,5 @@
-"""The README's main job, `moeckpt demo`, runs end to end and reports every step ok."""
+"""The README's main job, `moeckpt demo`, runs end to end and reports every step ok (the run is shared with
+tests/test_elastic_agents.py through the session's ``demo_run`` fixture: the drill runs once in the suite)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import pytest
 pytestmark = pytest.mark.slow  # multi-process
 
 
-def test_demo_runs(tmp_path, moeckpt_cli):
-    code, out, err = moeckpt_cli("demo", "--dir", str(tmp_path / "demo"))
+def test_demo_runs(demo_run):
+    code, out, err, root = demo_run
     assert code == 0, out + err
     assert "moeckpt demo summary" in out
     assert "FAIL " not in out.split("moeckpt demo summary")[1]
+    assert f"working in {root}" in out  # it says where it keeps its files
+    assert (root / "loss.png").stat().st_size > 10_000  # the README's first command draws the picture
+    assert "skipped" not in out.split("moeckpt demo summary")[1]

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
-from moeckpt.trainer.elastic_drill import CPU_DRILL_KILL_AT as KILL_AT
-from moeckpt.trainer.elastic_drill import CPU_DRILL_STEPS as STEPS
-from moeckpt.trainer.elastic_drill import cpu_drill_args, run_shrink_grow_drill
+from moeckpt.testing.elastic_drill import CPU_DRILL_KILL_AT as KILL_AT
+from moeckpt.testing.elastic_drill import CPU_DRILL_STEPS as STEPS
+from moeckpt.testing.elastic_drill import DrillResult
 from moeckpt.trainer.launch import Elastic, ElasticSpecError
 
 pytestmark = [
@@ -31,9 +31,21 @@ def test_elastic_spec_parsing():
             Elastic.parse(nnodes, endpoint)
 
 
-def test_a_lost_node_shrinks_the_world_and_a_new_node_grows_it_back(tmp_path, moeckpt_cli):
-    run = str(tmp_path / "run")
-    result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=KILL_AT, timeout_s=400)
+def _drill_of_the_demo(demo_run):
+    """The drill ``moeckpt demo`` ran (the suite runs it once): its result, logs and run directory."""
+    import json
+
+    _, out, err, root = demo_run
+    path = root / "drill.json"
+    assert path.exists(), f"the demo wrote no drill result:\n{out[-3000:]}\n{err[-3000:]}"
+    logs = {p.stem.split("-", 1)[1]: p.read_text(errors="replace")
+            for p in (root / "run" / "drill-logs").glob("node-*.log")}
+    return DrillResult.from_json(json.loads(path.read_text()), logs), str(root / "run")
+
+
+@pytest.mark.slow
+def test_a_lost_node_shrinks_the_world_and_a_new_node_grows_it_back(demo_run, moeckpt_cli):
+    result, run = _drill_of_the_demo(demo_run)
     logs = "\n".join(f"--- node {n}\n{text[-4000:]}" for n, text in result.logs.items())
     assert result.exit_codes == {"A": 0, "C": 0}, logs
 

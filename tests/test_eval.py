@@ -6,10 +6,10 @@ import json
 
 import pytest
 
+from moeckpt.testing import run_local_world
 from moeckpt.trainer.data import default_text_path
 from moeckpt.trainer.evaluate import EvalConfig, evaluate
 from moeckpt.trainer.metrics import read_metrics
-from moeckpt.trainer.parallel import run_local_world
 from moeckpt.trainer.train import TrainConfig, train
 
 from .train_workers import eval_run

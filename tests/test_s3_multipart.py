@@ -102,7 +102,8 @@ def test_a_killed_save_leaves_an_upload_that_gc_aborts(source, s3_url, moto_endp
     assert verify(CheckpointReader(run)) == []
 
 
-@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "aborted"), (signal.SIGTERM, 143, "terminated")],
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "moeckpt: interrupted"),
+                                             (signal.SIGTERM, 143, "moeckpt: stopped by SIGTERM")],
                          ids=["SIGINT", "SIGTERM"])
 def test_an_interrupted_save_aborts_its_own_uploads(source, s3_url, moto_endpoint, sig, code, word):
     dst = f"{s3_url}/step-00000100"

@@ -81,9 +81,9 @@ def test_a_damaged_checkpoint_is_set_aside_and_resume_takes_the_previous_one(tmp
     common = ("train", "--model", "zaya-tiny", "--run-dir", run, "--steps", "12", "--save-every", "4",
               "--global-batch", "4", "--seq-len", "16", "--nproc", "2", "--cpu")
     # rank 1's file of step 8 gets a flipped byte after the commit; the job then dies at step 10 (saves are
-    # synchronous here, so step 8 is surely committed by then)
+    # synchronous here, so step 8 is surely committed by then), for good: no automatic restart
     r = _cli(*common, "--sync-save", "--inject", "corrupt-file:rank=1,step=8", "--inject", "kill:rank=0,step=10",
-             timeout=240)
+             "--max-restarts", "0", timeout=240)
     assert r.returncode != 0
     assert [s for s, _ in committed_steps(run)] == [4, 8]
     before = {m["step"]: m["loss"] for m in _metrics(run) if "loss" in m}

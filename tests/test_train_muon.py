@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
-from moeckpt.trainer.elastic_drill import CPU_DRILL_KILL_AT, CPU_DRILL_STEPS, cpu_drill_args, run_shrink_grow_drill
+from moeckpt.testing import run_local_world
+from moeckpt.testing.elastic_drill import CPU_DRILL_KILL_AT, CPU_DRILL_STEPS, cpu_drill_args, run_shrink_grow_drill
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.optimizers import OptimizerMismatchError
-from moeckpt.trainer.parallel import run_local_world
 from moeckpt.trainer.train import TrainConfig, Trainer, train
 
 from .muon_workers import train_runs, weights_survive_resume
@@ -217,7 +217,7 @@ def test_train_config_refuses_hostile_optimizer_fields(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the drill walks /proc to kill a node")
 def test_elastic_drill_under_muon(tmp_path):
-    """The CPU drill of trainer/elastic_drill.py with --optimizer muon: real torchrun agents, one node killed, one
+    """The CPU drill of testing/elastic_drill.py with --optimizer muon: real torchrun agents, one node killed, one
     joining; the world shrinks to 2 workers and grows back to 4, each resuming Muon's state resharded."""
     run = str(tmp_path / "run")
     steps = CPU_DRILL_STEPS  # long enough for node C to join before the survivors finish

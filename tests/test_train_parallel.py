@@ -12,8 +12,8 @@ import pytest
 
 from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.reshard.layout import Layout
+from moeckpt.testing import run_local_world
 from moeckpt.trainer.metrics import read_metrics
-from moeckpt.trainer.parallel import run_local_world
 from moeckpt.trainer.train import TrainConfig, train
 
 from .train_workers import train_runs

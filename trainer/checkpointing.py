@@ -9,6 +9,7 @@ succeeded. At most one save is in flight; the next save, ``wait()`` and ``close(
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,8 @@ from moeckpt.reshard.local import local_shape, local_views
 from moeckpt.reshard.placement import placements
 
 from .faults import FaultInjector
+
+log = logging.getLogger(__name__)
 
 
 class SaveFailedError(MoeckptError, RuntimeError):
@@ -211,6 +214,8 @@ class CheckpointManager:
                 train_state=train_state,
             )
             commit(location, index)
+            log.info("saved step %d to %s: %.2f MB in %.2f s", step, location, sum(f.size for f in files) / 1e6,
+                     time.perf_counter() - t0)
             apply_gc(self.run_dir, replace(plan_gc(self.run_dir, self.retention), remove_uncommitted=[]))
         collectives.barrier(self.group)
         stats.committed = True

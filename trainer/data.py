@@ -50,7 +50,7 @@ class DataError(MoeckptError, ValueError):
 def _resolve_dtype(path: str, dtype: str) -> str:
     if dtype != "auto":
         if dtype not in TOKEN_DTYPES:
-            raise DataError(f"{path}: unknown token dtype {dtype!r}; use one of {', '.join(TOKEN_DTYPES)}")
+            raise DataError(f"{path}: unknown token dtype {dtype!r}; --data-dtype takes {', '.join(TOKEN_DTYPES)}")
         return dtype
     suffix = Path(path).suffix.lower()
     if suffix == ".txt":
@@ -59,7 +59,7 @@ def _resolve_dtype(path: str, dtype: str) -> str:
         return "uint16"  # nanoGPT's convention for GPT-2 tokens
     raise DataError(
         f"{path}: cannot tell the token format from the extension {suffix or '(none)'!r}; "
-        f"name it .txt (bytes) or .bin (uint16), or pass the dtype ({', '.join(TOKEN_DTYPES)})"
+        f"name it .txt (bytes) or .bin (uint16), or pass --data-dtype {'|'.join(TOKEN_DTYPES)}"
     )
 
 
@@ -84,7 +84,7 @@ class TokenDataset:
         if size % np_dtype.itemsize:
             raise DataError(
                 f"{self.path}: size {size} bytes is not a multiple of {np_dtype.itemsize}, so it is not a "
-                f"{self.dtype} token file; pass the dtype it was written with"
+                f"{self.dtype} token file; pass the dtype it was written with (--data-dtype)"
             )
         self.num_tokens = size // np_dtype.itemsize
         if self.num_tokens < seq_len + 1:

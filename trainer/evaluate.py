@@ -10,6 +10,7 @@ evaluating at a run's sample position with its seed reproduces the loss the trai
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,9 @@ from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.index import TensorEntry
 from moeckpt.reshard.local import split_local
 
-from .data import BatchLoader, TokenDataset
+from .data import BatchLoader, DataError, TokenDataset, default_text_path
 from .distributed import build_parallel_model
+from .memory import check_fits, training_bytes
 from .models import ModelSpec
 from .optim import StatePiece
 from .parallel import build_groups, choose_layout, default_device, init_from_env
@@ -35,8 +37,8 @@ class EvalConfig:
 
     #: a checkpoint directory, or a run directory (its newest committed step); local path or URL.
     checkpoint: str
-    #: token file (``.bin`` uint16 or ``.txt`` bytes).
-    data: str
+    #: token file (``.bin`` uint16 or ``.txt`` bytes); default: the shipped demo text (as ``moeckpt train``).
+    data: str | None = None
     #: token dtype of ``data`` (``auto`` from the extension).
     data_dtype: str = "auto"
     #: tensor-parallel degree of the evaluation (any; the checkpoint is resharded at load).
@@ -59,22 +61,66 @@ class EvalConfig:
     cpu: bool = False
 
     def __post_init__(self) -> None:
-        if type(self.batches) is not int or self.batches < 1:
-            raise ValueError(f"batches={self.batches!r} must be a positive integer")
-        if type(self.start_sample) is not int or self.start_sample < 0:
-            raise ValueError(f"start_sample={self.start_sample!r} must be a non-negative integer")
-        for name in ("tp", "ep"):
-            if type(getattr(self, name)) is not int or getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be a positive integer")
+        for name, lo, hi in (("tp", 1, 4096), ("ep", 1, 4096), ("batches", 1, 10**9), ("start_sample", 0, 2**62),
+                             ("seq_len", 1, 2**20), ("batch_size", 1, 2**24), ("seed", 0, 2**63 - 1)):
+            value = getattr(self, name)
+            if value is None and name in ("seq_len", "batch_size", "seed"):
+                continue
+            if type(value) is not int or not lo <= value <= hi:
+                raise ValueError(f"{name}={value!r} must be an integer in {lo}..{hi}")
+        if self.data is not None and (not isinstance(self.data, str) or not self.data.strip()):
+            raise ValueError(f"data={self.data!r} must name a token file")
+
+    @property
+    def data_path(self) -> str:
+        return self.data or default_text_path()
 
 
-def check_launch(config: EvalConfig, nproc: int) -> None:
-    """Refuse, before any process starts, a checkpoint, layout or data file that cannot work with ``nproc``."""
+def check_samples(config: EvalConfig, dataset: TokenDataset, batch: int) -> int | None:
+    """Refuse batches past the end of the data in file order; with ``shuffle`` a sample beyond the file belongs
+    to a later epoch of the shuffled order (as the trainer reads it): returns the epoch of the first sample."""
+    n = len(dataset)
+    wanted = config.batches * batch
+    if wanted > n:
+        raise DataError(
+            f"--batches {config.batches} of {batch} samples is {wanted} samples, more than the {n} samples of seq_len "
+            f"{dataset.seq_len} in {dataset.path}; use at most --batches {max(1, n // batch)}"
+        )
+    if config.shuffle:
+        return (config.start_sample + wanted - 1) // n if config.start_sample + wanted > n else None
+    if config.start_sample + wanted > n:
+        raise DataError(
+            f"--start-sample {config.start_sample} plus {wanted} samples reads past the end of the {n} samples in "
+            f"{dataset.path} (in file order); use --start-sample at most {n - wanted}, or --shuffle to read the "
+            "trainer's shuffled order of later epochs"
+        )
+    return None
+
+
+def check_launch(config: EvalConfig, nproc: int) -> int | None:
+    """Refuse, before any process starts, a checkpoint, layout, data file or sample range that cannot work with
+    ``nproc``; returns the epoch of the last sample when a shuffled read goes past the file's samples."""
     reader = CheckpointReader(config.checkpoint)
     spec = ModelSpec.from_json(reader.index.model)
-    choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
-    seq_len = config.seq_len or int((reader.index.train_state or {}).get("seq_len", 64))
-    TokenDataset(config.data, seq_len=seq_len, dtype=config.data_dtype, vocab_size=getattr(spec.config, "vocab_size", None))
+    layout = choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
+    batch, seq_len = eval_shape(config, reader.index.train_state or {})
+    dataset = TokenDataset(config.data_path, seq_len=seq_len, dtype=config.data_dtype,
+                           vocab_size=getattr(spec.config, "vocab_size", None))
+    return _check(config, spec, layout, dataset, batch, ranks_here=nproc, device_type="cpu" if config.cpu else None)
+
+
+def _check(config: EvalConfig, spec: ModelSpec, layout, dataset: TokenDataset, batch: int, *, ranks_here: int,
+           device_type: str | None) -> int | None:
+    if batch % layout.dp:
+        raise DataError(f"--batch-size {batch} is not divisible by dp = nproc / tp = {layout.dp}")
+    epoch = check_samples(config, dataset, batch)
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    need = training_bytes(spec, tp=layout.tp, ep=layout.ep, dp=layout.dp, micro_batch=batch // layout.dp,
+                          seq_len=dataset.seq_len, param_bytes=4, optimizer=False)
+    check_fits(need, ranks_here=ranks_here, device_type=device_type, what=f"evaluating {spec.arch} in {layout}",
+               fix="use a smaller --batch-size or --seq-len, or more ranks (--nproc, --tp, --ep)")
+    return epoch
 
 
 def _param_pieces(model: torch.nn.Module, specs, layout, rank: int) -> list[StatePiece]:
@@ -95,8 +141,10 @@ def eval_shape(config: EvalConfig, train_state: dict) -> tuple[int, int]:
             config.seq_len or int(train_state.get("seq_len", 64)))
 
 
-def evaluate(config: EvalConfig) -> float:
-    """Mean token cross-entropy (nats) of the checkpoint on ``config``'s batches; the same value on every rank."""
+def evaluate(config: EvalConfig, *, on_batch: Callable[[], None] | None = None) -> float:
+    """Mean token cross-entropy (nats) of the checkpoint on ``config``'s batches; the same value on every rank.
+
+    ``on_batch`` is called after each batch (progress bars)."""
     if dist.is_initialized() or _under_torchrun():
         device = init_from_env()
     else:
@@ -106,6 +154,12 @@ def evaluate(config: EvalConfig) -> float:
     spec = ModelSpec.from_json(reader.index.model)
     world = dist.get_world_size() if dist.is_initialized() else 1
     layout = choose_layout(world, tp=config.tp, ep=config.ep, check=spec.check_layout)
+    state = reader.index.train_state or {}
+    batch, seq_len = eval_shape(config, state)
+    vocab = getattr(spec.config, "vocab_size", None)
+    dataset = TokenDataset(config.data_path, seq_len=seq_len, dtype=config.data_dtype, vocab_size=vocab)
+    _check(config, spec, layout, dataset, batch, ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+           device_type=device.type)
     groups = build_groups(layout, device=device)
     rank = groups.coords.rank
     model = build_parallel_model(spec, groups)
@@ -122,11 +176,7 @@ def evaluate(config: EvalConfig) -> float:
     if missing:
         raise ResumeError(f"{reader.location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
 
-    state = reader.index.train_state or {}
-    batch, seq_len = eval_shape(config, state)
     seed = config.seed if config.seed is not None else int(state.get("seed", 0))
-    vocab = getattr(spec.config, "vocab_size", None)
-    dataset = TokenDataset(config.data, seq_len=seq_len, dtype=config.data_dtype, vocab_size=vocab)
     loader = BatchLoader(dataset, global_batch=batch, dp_rank=groups.coords.dp_rank, dp=layout.dp, seed=seed,
                          shuffle=config.shuffle)
     loader.consumed_samples = config.start_sample
@@ -135,6 +185,8 @@ def evaluate(config: EvalConfig) -> float:
         for _ in range(config.batches):
             inputs, targets = loader.next()
             total += model.loss(inputs.to(device), targets.to(device)).double()
+            if on_batch is not None:
+                on_batch()
     if layout.dp > 1:
         dist.all_reduce(total, group=groups.dp)
     # Every rank's batch has the same number of target tokens, so the mean of means is the token mean.

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import struct
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -28,6 +30,8 @@ from moeckpt.formats.storage import Storage
 from .models import ARCHITECTURES, ModelSpec, UnknownModelError
 
 INDEX_FILE = "model.safetensors.index.json"
+#: the largest ``--max-shard-size`` taken (a petabyte: anything above is a typo).
+MAX_SHARD_BYTES = 10**15
 #: files an export writes (and ``overwrite`` replaces); anything else in the directory is left alone.
 OWN_FILES = ("config.json", "generation_config.json", INDEX_FILE)
 
@@ -132,16 +136,78 @@ def _header(tensors: list[HfTensor], dtype: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _prepare_destination(out: Storage, overwrite: bool) -> None:
-    out.refuse_file()
-    if not out.exists() or not out.listdir():
-        out.makedirs()
-        return
-    if not overwrite:
-        raise DestinationNotEmptyError(f"{out.location}: destination is not empty; pass --overwrite to replace it")
-    for name in out.listdir():
-        if name in OWN_FILES or (name.startswith("model") and name.endswith(".safetensors")):
-            out.remove(name)
+def _is_own(name: str) -> bool:
+    return name in OWN_FILES or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+class _SourceFailed(BaseException):
+    """Carries a failure to read the source checkpoint out of an output file's ``open_write`` block, which would
+    otherwise report it as a failure to write the output file."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class _Destination:
+    """Where an export is written, and its commit: nothing at OUT is an export until it is complete.
+
+    Local disk: everything goes into the sibling staging directory ``.<name>.partial`` (a rerun replaces what an
+    interrupted export left there), which is renamed onto OUT at the end; files of OUT that are not the export's
+    own (a tokenizer, a README) move over with ``overwrite``. Object stores: shards are written in place and
+    ``config.json`` and the index last, so until the end OUT holds no loadable model; a previous export's index
+    goes first, and shards without an index (an interrupted export) are replaced without ``overwrite``.
+    """
+
+    def __init__(self, out: str, overwrite: bool) -> None:
+        self.final = Storage(out)
+        self.final.refuse_file()
+        existing = self.final.listdir() if self.final.exists() else []
+        committed = any(n in (INDEX_FILE, "config.json") for n in existing)
+        if existing and not overwrite and (self.final.is_local or committed or not all(map(_is_own, existing))):
+            raise DestinationNotEmptyError(
+                f"{self.final.location}: destination is not empty; pass --overwrite to replace it")
+        self.existing = existing
+        if self.final.is_local:
+            parent, name = os.path.split(os.path.abspath(self.final.location).rstrip(os.sep))
+            self.storage = Storage(os.path.join(parent, f".{name}.partial"))
+            self.storage.remove()
+            self.storage.makedirs()
+        else:
+            self.storage = self.final
+            for name in sorted(existing, key=lambda n: n not in (INDEX_FILE, "config.json")):  # uncommit first
+                if _is_own(name):
+                    self.final.remove(name)
+
+    def commit(self) -> None:
+        if not self.final.is_local:
+            return
+        staging, final = self.storage.location, self.final.location
+        for name in self.existing:  # what OUT held besides a previous export stays in it
+            if not _is_own(name):
+                os.rename(os.path.join(final, name), os.path.join(staging, name))
+        self.storage.fsync_dir()
+        old = None
+        if os.path.lexists(final):
+            parent = os.path.dirname(os.path.abspath(final))
+            old = os.path.join(parent, f".{os.path.basename(final)}.old-{uuid.uuid4().hex[:8]}")
+            os.rename(final, old)
+        os.rename(staging, final)
+        Storage(os.path.dirname(os.path.abspath(final))).fsync_dir()
+        if old is not None:
+            Storage(old).remove()
+
+    def abort(self) -> None:
+        """Remove what an export that failed wrote (local staging; on object stores the shards written)."""
+        try:
+            if self.final.is_local:
+                self.storage.remove()
+            else:
+                for name in self.storage.listdir():
+                    if _is_own(name):
+                        self.storage.remove(name)
+        except (OSError, MoeckptError):
+            pass  # the next export replaces what is left
 
 
 def _value_source(reader: CheckpointReader, param: str, dtype: str) -> str:
@@ -169,7 +235,9 @@ def export_hf(
 
     ``dtype`` is ``"bfloat16"`` or ``"float32"`` (default: the checkpoint's parameter dtype; a float32 export of
     bf16 parameters takes the fp32 master weights when the checkpoint has them). ``on_bytes`` is
-    called with the bytes written after each tensor (progress bars). The index file is written last.
+    called with the bytes written after each tensor (progress bars). The export is staged and committed
+    (:class:`_Destination`): an interrupted or failed export leaves nothing at ``out``, and a failure to read the
+    source is raised as that error (naming the source file), not as a failure to write the output.
     """
     reader = CheckpointReader(ckpt)
     spec = spec_of(reader)
@@ -183,9 +251,22 @@ def export_hf(
     torch_dtype = dtypes.to_torch(dtype)
     shards = assign_shards(tensors, dtype, max_shard_size)
     names = [shard_name(k + 1, len(shards)) for k in range(len(shards))]
-    storage = Storage(out)
-    _prepare_destination(storage, overwrite)
+    dest = _Destination(out, overwrite)
+    try:
+        _write(reader, spec, dest.storage, names, shards, tensors, dtype, torch_dtype, on_bytes)
+        dest.commit()
+    except _SourceFailed as e:
+        dest.abort()
+        raise e.error from None
+    except BaseException:
+        dest.abort()
+        raise
+    total = sum(t.nbytes(dtype) for t in tensors)
+    return ExportResult(files=tuple(names), total_size=total, num_tensors=len(tensors), dtype=dtype)
 
+
+def _write(reader, spec, storage: Storage, names, shards, tensors, dtype, torch_dtype, on_bytes) -> None:
+    """Every shard, then ``generation_config.json``, ``config.json`` and the index, last."""
     hf = hf_module(spec)
     values: dict[str, torch.Tensor] = {}  # HF tensors of the logical tensor being written (one at a time)
     current = None
@@ -195,7 +276,10 @@ def export_hf(
             f.write(_header(shard, dtype))
             for t in shard:
                 if t.source != current:
-                    full = reader.read_tensor(_value_source(reader, t.source, dtype)).to(torch_dtype)
+                    try:
+                        full = reader.read_tensor(_value_source(reader, t.source, dtype)).to(torch_dtype)
+                    except MoeckptError as e:
+                        raise _SourceFailed(e) from None
                     values = hf.export_values(t.source, full, spec.config)
                     current = t.source
                 data = tensor_bytes(values.pop(t.name))
@@ -204,11 +288,10 @@ def export_hf(
                 if on_bytes is not None:
                     on_bytes(len(data))
     total = sum(t.nbytes(dtype) for t in tensors)
-    storage.write_bytes("config.json", _json(hf.to_hf_config(spec.config, dtype=dtype)))
     storage.write_bytes("generation_config.json", _json({"_from_model_config": True, **hf.generation_config(spec.config)}))
+    storage.write_bytes("config.json", _json(hf.to_hf_config(spec.config, dtype=dtype)))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     storage.write_bytes(INDEX_FILE, _json(index))
-    return ExportResult(files=tuple(names), total_size=total, num_tensors=len(tensors), dtype=dtype)
 
 
 def _json(doc: dict) -> bytes:
@@ -226,6 +309,7 @@ def parse_size(text: str) -> int:
         value = float(num)
     except ValueError:
         value = -1.0
-    if unit not in units or value <= 0:
-        raise HfExportError(f"max shard size {text!r} is not a size such as 5GB, 500MB or 2GiB")
+    if unit not in units or not 0 < value < float("inf") or not 1 <= value * units[unit] <= MAX_SHARD_BYTES:
+        raise HfExportError(
+            f"--max-shard-size {text!r} is not a size such as 5GB, 500MB or 2GiB (1 byte to 1PB)")
     return int(value * units[unit])

@@ -1,17 +1,25 @@
 """Process launching: ``torchrun`` for multi-process runs, and the worker entry point it starts.
 
-``moeckpt train --nproc N`` (N > 1, not already under torchrun) re-executes itself as::
+``moeckpt train --nproc N`` (N > 1, not already under torchrun) starts torchrun's elastic agent::
 
-    python -m torch.distributed.run --standalone --nproc-per-node N -m moeckpt.trainer.launch train '<config JSON>'
+    python -m moeckpt.trainer.agent --standalone --max-restarts R --nproc-per-node N \\
+        -m moeckpt.trainer.launch train '<config JSON>'
 
-torchrun's elastic agent gives every worker ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` (c10d rendezvous),
-and each worker runs :func:`moeckpt.trainer.train.train` with the same config. The config travels as JSON on the
-command line, never as serialised Python objects.
+(:mod:`moeckpt.trainer.agent` is ``torch.distributed.run`` with quieter output). The agent gives every worker
+``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT`` (c10d rendezvous), and each worker runs
+:func:`moeckpt.trainer.train.train` with the same config. The config travels as JSON on the command line, never as
+serialised Python objects. A worker that fails or hangs (its watchdog ends it) makes the agent restart all of them,
+up to ``max_restarts`` times; each new world resumes from the newest committed checkpoint.
 
 Elastic runs (``moeckpt train --nnodes MIN:MAX --rdzv-endpoint HOST:PORT`` on every node, :class:`Elastic`) start
-torchrun with a c10d rendezvous instead of ``--standalone``: when a node dies the survivors' agent restarts its
+the agent with a c10d rendezvous instead of ``--standalone``: when a node dies the survivors' agent restarts its
 workers in a smaller world, when a node joins the running agents restart theirs in a larger one, and every new
 world resumes from the newest committed checkpoint, resharded at load (``docs/fault-tolerance.md``).
+
+The launcher supervises the agent (:func:`moeckpt.trainer.supervise.supervise`): SIGINT, SIGTERM or SIGHUP stop
+the whole job and no worker outlives it. Each worker leaves a small JSON status (how it ended, at which step) in a
+directory the launcher names in ``MOECKPT_STATUS_DIR``, so the launcher can tell a SIGTERM that was saved from
+one that was not, and report the step the run reached.
 """
 
 from __future__ import annotations
@@ -19,26 +27,44 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
+import signal
 import sys
+import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from moeckpt.formats.errors import MoeckptError
 
-__all__ = ["Elastic", "LaunchFailedError", "torchrun_command", "torchrun_env", "under_torchrun", "run_torchrun", "main"]
+__all__ = ["Elastic", "JobInterruptedError", "JobResult", "LaunchFailedError", "torchrun_command", "torchrun_env",
+           "under_torchrun", "run_torchrun", "main"]
 
 #: what the worker entry point can run.
 JOBS = ("train", "eval")
+#: the environment variable naming the directory where each worker leaves its status (``rank<R>.json``).
+STATUS_ENV = "MOECKPT_STATUS_DIR"
+#: the environment variable carrying the launcher's log level to the workers (``DEBUG``, ``INFO``, ``WARNING``).
+LOG_LEVEL_ENV = "MOECKPT_LOG_LEVEL"
+#: the most nodes an elastic job may have (``--nnodes``).
+MAX_NODES = 4096
+#: seconds torch's agent waits for workers to stop after passing them a signal (a SIGTERM save included)
+#: before it kills them.
+SHUTDOWN_TIMEOUT_S = 120
 
 
 class LaunchFailedError(MoeckptError, RuntimeError):
     """torchrun exited with an error (a worker failed); the workers' own messages are on stderr above."""
 
     exit_code = 1
+
+
+class JobInterruptedError(MoeckptError, RuntimeError):
+    """The launcher was stopped by a signal and stopped its workers; exit code ``128 + signal``."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum
 
 
 def under_torchrun() -> bool:
@@ -67,12 +93,16 @@ class Elastic:
         """From ``--nnodes MIN:MAX`` (or ``N``) and ``--rdzv-endpoint HOST:PORT``; raises :class:`LaunchFailedError`
         with exit code 2 on a malformed value."""
         m = re.fullmatch(r"(\d+)(?::(\d+))?", nnodes.strip())
-        if m is None or int(m.group(1)) < 1 or int(m.group(2) or m.group(1)) < int(m.group(1)):
-            raise ElasticSpecError(f"--nnodes {nnodes!r}: expected MIN:MAX with 1 <= MIN <= MAX (or one number N)")
-        if not endpoint or not re.fullmatch(r"[^:\s]+:\d+", endpoint):
+        if (m is None or int(m.group(1)) < 1 or int(m.group(2) or m.group(1)) < int(m.group(1))
+                or int(m.group(2) or m.group(1)) > MAX_NODES):
             raise ElasticSpecError(
-                f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT, the same on every node (the host keeps the "
-                "rendezvous store)"
+                f"--nnodes {nnodes!r}: expected MIN:MAX with 1 <= MIN <= MAX <= {MAX_NODES} (or one number N)")
+        port_ok = bool(endpoint and re.fullmatch(r"[^:\s]+:\d+", endpoint)
+                       and 0 < int(endpoint.rsplit(":", 1)[1]) < 65536)
+        if not port_ok:
+            raise ElasticSpecError(
+                f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT (port 1-65535), the same on every node (the host "
+                "keeps the rendezvous store)"
             )
         return cls(min_nodes=int(m.group(1)), max_nodes=int(m.group(2) or m.group(1)), endpoint=endpoint, **kwargs)
 
@@ -89,14 +119,16 @@ class ElasticSpecError(MoeckptError, ValueError):
 
 
 def torchrun_command(job: str, config: dict[str, Any], nproc: int, *, elastic: Elastic | None = None,
-                     extra: Sequence[str] = ()) -> list[str]:
+                     max_restarts: int = 0, extra: Sequence[str] = ()) -> list[str]:
     """The command line that starts ``nproc`` local workers running ``job`` (``train`` or ``eval``) on ``config``:
-    a standalone single-node job, or one node of an elastic job."""
+    a standalone single-node job (restarting its workers up to ``max_restarts`` times), or one node of an elastic
+    job (its own ``max_restarts``)."""
     if job not in JOBS:
         raise ValueError(f"job={job!r} must be one of {JOBS}")
-    mode = elastic.torchrun_args() if elastic is not None else ["--standalone"]
+    mode = elastic.torchrun_args() if elastic is not None else ["--standalone", f"--max-restarts={max_restarts}"]
     return [
-        sys.executable, "-m", "torch.distributed.run", *mode, f"--nproc-per-node={nproc}", *extra,
+        sys.executable, "-m", "moeckpt.trainer.agent", *mode, f"--nproc-per-node={nproc}",
+        f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", *extra,
         "-m", "moeckpt.trainer.launch", job, json.dumps(config, separators=(",", ":")),
     ]
 
@@ -111,63 +143,169 @@ def torchrun_env(nproc: int, base: dict[str, str] | None = None) -> dict[str, st
     # ("Connection refused") and every re-rendezvous after a node loss fails. Opting out gives each round a fresh
     # store hosted by its rank-0 worker. (torch 2.13; see docs/fault-tolerance.md.)
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # c10's C++ warnings (a TCPStore connect interrupted by the Ctrl-C that stops the job prints 30 lines of C++
+    # frames) are not for the terminal; TORCH_CPP_LOG_LEVEL=WARNING brings them back.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return env
 
 
+@dataclass(frozen=True)
+class JobResult:
+    """How a launched job ended: the signal that stopped it (if one did) and each local worker's last status."""
+
+    nproc: int
+    signal: int | None = None
+    #: ``{global rank: status}`` of this node's workers (see :func:`write_status`); a worker that was killed
+    #: before it could report is missing.
+    statuses: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+    def rank0(self) -> dict[str, Any] | None:
+        return self.statuses.get(0)
+
+    def all_preempted(self) -> bool:
+        """Whether every local worker stopped through the SIGTERM path, its step saved (or nothing to save)."""
+        return len(self.statuses) == self.nproc and all(s.get("outcome") == "preempted" for s in self.statuses.values())
+
+
 def run_torchrun(job: str, config: dict[str, Any], nproc: int, *, elastic: Elastic | None = None,
-                 timeout_s: float | None = None, capture_stdout: bool = False) -> str | None:
-    """Run ``job`` in ``nproc`` local workers under torchrun and wait; raises :class:`LaunchFailedError`.
+                 max_restarts: int = 0) -> JobResult:
+    """Run ``job`` in ``nproc`` local workers under torchrun's agent, supervised, and wait.
 
-    With ``elastic`` this process is one node's agent of an elastic job. With ``capture_stdout`` the workers'
-    standard output is returned instead of printed (stderr passes through).
+    Raises :class:`LaunchFailedError` when the workers failed (past their restarts) and
+    :class:`JobInterruptedError` when a signal stopped the job, except a SIGTERM to ``train``: that returns, with
+    :attr:`JobResult.signal` set, so the caller can tell whether the workers saved first.
     """
-    proc = subprocess.run(torchrun_command(job, config, nproc, elastic=elastic), env=torchrun_env(nproc),
-                          timeout=timeout_s, check=False, stdout=subprocess.PIPE if capture_stdout else None,
-                          text=True)
-    if proc.returncode:
-        raise LaunchFailedError(f"torchrun with {nproc} workers running {job} exited with code {proc.returncode}")
-    return proc.stdout if capture_stdout else None
+    from .supervise import supervise
+
+    with tempfile.TemporaryDirectory(prefix="moeckpt-status-") as status_dir:
+        env = torchrun_env(nproc)
+        env[STATUS_ENV] = status_dir
+        # torchrun's own log directory too, so that nothing of the job stays in the temporary directory
+        cmd = torchrun_command(job, config, nproc, elastic=elastic, max_restarts=max_restarts,
+                               extra=["--log-dir", os.path.join(status_dir, "torchelastic")])
+        outcome = supervise(cmd, env=env)
+        result = JobResult(nproc=nproc, signal=outcome.signal, statuses=read_statuses(status_dir))
+    if outcome.signal is not None and (outcome.signal != signal.SIGTERM or job != "train"):
+        name = signal.Signals(outcome.signal).name
+        raise JobInterruptedError(f"interrupted ({name}): stopped the {nproc} {job} workers", outcome.signal)
+    if outcome.signal is None and outcome.returncode:
+        raise LaunchFailedError(
+            f"the {nproc} {job} workers failed (torchrun's agent exited with code {outcome.returncode}); "
+            "their messages are above"
+        )
+    return result
 
 
-def worker(job: str, config: dict[str, Any]) -> Any:
-    """Run ``job`` on this rank (called in every torchrun worker)."""
+def write_status(status: dict[str, Any]) -> None:
+    """Leave this worker's status for the launcher (no-op outside a launch by :func:`run_torchrun`)."""
+    where = os.environ.get(STATUS_ENV)
+    if not where or not os.path.isdir(where):
+        return
+    path = os.path.join(where, f"rank{os.environ.get('RANK', '0')}.json")
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(status, f)
+    os.replace(tmp, path)
+
+
+def read_statuses(where: str) -> dict[int, dict[str, Any]]:
+    out = {}
+    for name in os.listdir(where):
+        m = re.fullmatch(r"rank(\d+)\.json", name)
+        if m:
+            try:
+                with open(os.path.join(where, name)) as f:
+                    out[int(m.group(1))] = json.load(f)
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def worker(job: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Run ``job`` on this rank (called in every torchrun worker); returns its status for the launcher."""
+    import torch
+
     if not torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if job == "train":
-        from .train import TrainConfig, train
+        from .train import TrainConfig, run_training
 
-        return train(TrainConfig.from_json(config))
+        summary = run_training(TrainConfig.from_json(config))
+        return {"outcome": "preempted" if summary.preempted else "done", "step": summary.step,
+                "steps_trained": len(summary.records), "last": summary.records[-1] if summary.records else None}
+    from tqdm import tqdm
+
     from .evaluate import EvalConfig, evaluate
 
-    loss = evaluate(EvalConfig(**config))
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps({"loss": loss}), flush=True)
-    return loss
+    cfg = EvalConfig(**config)
+    # Rank 0 shows the terminal a bar (tqdm draws nothing when stderr is not a terminal).
+    with tqdm(total=cfg.batches, desc="eval", unit="batch", file=sys.stderr, leave=False,
+              disable=True if os.environ.get("RANK", "0") != "0" else None) as bar:
+        return {"outcome": "done", "loss": evaluate(cfg, on_batch=lambda: bar.update(1))}
+
+
+def _peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is a collective failing because another worker is gone (the echo of that worker's failure)."""
+    import torch.distributed as dist
+
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = str(e)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                                   "Connection refused"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["train"]:
+        from .preemption import listen_early
+
+        listen_early()  # a SIGTERM from now on is a preemption notice, even before the training loop listens
+    rank = os.environ.get("RANK", "0")
+    from .logs import configure_logging, logger
+
+    configure_logging(os.environ.get(LOG_LEVEL_ENV, "INFO"))
+    log = logger("moeckpt.trainer.launch")  # not __name__: run as a module, that is "__main__"
     if len(args) != 2 or args[0] not in JOBS:
-        print(f"usage: python -m moeckpt.trainer.launch {{{'|'.join(JOBS)}}} CONFIG_JSON", file=sys.stderr)
+        log.error("usage: python -m moeckpt.trainer.launch {%s} CONFIG_JSON", "|".join(JOBS))
         return 2
+    code = 0
     try:
-        worker(args[0], json.loads(args[1]))
+        write_status(worker(args[0], json.loads(args[1])))
     except MoeckptError as e:
-        print(f"moeckpt: error (rank {os.environ.get('RANK', '0')}): {e}", file=sys.stderr)
-        return e.exit_code
+        # A save or load that failed because another worker died is the echo of that worker's failure, which
+        # the agent reports; only the root cause reaches the terminal.
+        (log.debug if _peer_lost(e) else log.error)("(rank %s) %s", rank, e)
+        code = e.exit_code
+    except KeyboardInterrupt:
+        write_status({"outcome": "interrupted"})
+        code = 128 + signal.SIGINT
+    except Exception as e:
+        if not _peer_lost(e):
+            raise
+        # Another worker died or was stopped and took the collective with it; its own report says why.
+        log.debug("(rank %s) a collective failed because a peer is gone: %s", rank, " ".join(str(e).split())[:300])
+        code = 1
     finally:
-        import gc
+        _tear_down()
+    return code
 
-        import torch.distributed as dist
 
-        # Free what garbage cycles still hold (a caught error's frames can reference process groups) while
-        # torch.distributed is intact: left to interpreter shutdown, tearing down a gloo group can abort the
-        # process ("terminate called without an active exception") after a run that succeeded.
-        gc.collect()
-        if dist.is_initialized():
+def _tear_down() -> None:
+    """Free what garbage cycles still hold (a caught error's frames can reference process groups) while
+    torch.distributed is intact: left to interpreter shutdown, tearing down a gloo group can abort the process
+    ("terminate called without an active exception") after a run that succeeded. Nothing to do when torch was
+    never (fully) imported: importing it again after a Ctrl-C cut its first import short aborts the process."""
+    import gc
+
+    dist = sys.modules.get("torch.distributed")
+    gc.collect()
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    except Exception:  # noqa: BLE001 - a half-imported or broken torch: the process ends anyway
+        pass
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storage import open_storage
 
 __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
 
@@ -27,7 +27,7 @@ class MetricsLog:
         self.run_dir = run_dir
         self.enabled = enabled
         self.records: list[dict[str, Any]] = []
-        self._storage = Storage(run_dir)
+        self._storage = open_storage(run_dir)
         self._remote = not self._storage.is_local
         self._lines: list[str] = []
         if enabled and self._remote:
@@ -59,7 +59,7 @@ def read_metrics(run_dir: str, *, events: bool = False) -> list[dict[str, Any]]:
 
     With ``events=True`` also the event records (``{"event": "resume" | "nan_rollback", ...}``) between them.
     """
-    storage = Storage(run_dir)
+    storage = open_storage(run_dir)
     if not storage.exists(METRICS_FILE):
         return []
     text = storage.read_bytes(METRICS_FILE).decode()

@@ -33,10 +33,12 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import geometry
 from moeckpt.reshard.tensors import Matrices, ParamSpec, tensor_name
 
+from .config import MUON_SCHEMES
+
 __all__ = ["SCHEMES", "Family", "RankPlan", "Transfer", "families", "matrix_pieces", "rank_plan", "receives", "sends"]
 
 #: the exchange schemes (``MuonConfig.scheme``).
-SCHEMES = ("assign", "gather")
+SCHEMES = MUON_SCHEMES
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,13 @@ from moeckpt.formats.index import Index
 from moeckpt.formats.roles import MOMENT_ROLES, MUON_ROLES
 from moeckpt.reshard.tensors import ParamSpec
 
+from .config import OPTIMIZERS  # the one list of --optimizer values: the config validates against it
 from .muon import MuonConfig, ZeroMuon
 from .optim import AdamWConfig, ZeroAdamW
 from .parallel import ParallelGroups
 
 __all__ = ["OPTIMIZERS", "OptimizerMismatchError", "build_optimizer", "check_resume_optimizer", "written_by"]
 
-#: ``--optimizer`` values.
-OPTIMIZERS = ("adamw", "muon")
 #: the checkpoint roles only one optimizer writes (how a checkpoint without a record is recognised).
 _OWN_ROLES = {**dict.fromkeys(MOMENT_ROLES, "adamw"), **dict.fromkeys(MUON_ROLES, "muon")}
 

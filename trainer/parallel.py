@@ -17,8 +17,8 @@ Everything is backend-agnostic: gloo on CPU, NCCL on NVIDIA and RCCL on AMD GPUs
 from __future__ import annotations
 
 import datetime
+import logging
 import os
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,10 +36,8 @@ __all__ = [
     "choose_layout",
     "default_backend",
     "default_device",
-    "free_port",
     "group_ranks",
     "init_from_env",
-    "run_local_world",
 ]
 
 
@@ -80,9 +78,7 @@ def init_from_env(*, timeout_s: float = 600.0, backend: str | None = None) -> to
         torch.cuda.set_device(device)
     warning = shared_store_warning(os.environ)
     if warning and os.environ.get("RANK") == "0":
-        import sys
-
-        print(f"moeckpt: warning: {warning}", file=sys.stderr, flush=True)
+        logging.getLogger(__name__).warning("%s", warning)
     dist.init_process_group(
         backend=backend or default_backend(device),
         init_method="env://",
@@ -242,7 +238,8 @@ def choose_layout(
         raise LayoutError(f"world size must be a positive integer, got {world!r}")
     tp = 1 if tp is None else tp
     if type(tp) is not int or tp < 1 or world % tp:
-        raise LayoutError(f"tp={tp!r} must be a positive integer dividing the world size {world}")
+        raise LayoutError(f"tp={tp!r} must be a positive integer dividing the world size {world} "
+                          "(--nproc, times the nodes of an elastic job)")
     dp = world // tp
     if ep is not None:
         if type(ep) is not int or ep < 1 or dp % ep:
@@ -263,104 +260,3 @@ def choose_layout(
         f"world {world} with tp={tp}: no expert-parallel degree dividing dp={dp} fits the model "
         f"({'; '.join(reasons) or f'none is at most max_ep={max_ep}'})"
     )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (for a local rendezvous)."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _local_worker(
-    rank: int, fn: Callable, world: int, port: int, timeout_s: float, error_dir: str, args: tuple
-) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    try:
-        fn(rank, *args)
-    except BaseException as e:
-        # When one rank fails, its peers fail a moment later in a collective ("connection closed by peer"). Which
-        # of them the parent notices first is a race, so each rank records when it failed and the parent reports
-        # the earliest failure: the root cause, not its echo.
-        import json
-        import time
-        import traceback
-
-        record = {"rank": rank, "time": time.time(), "error": f"{type(e).__name__}: {e}",
-                  "traceback": traceback.format_exc()}
-        with open(os.path.join(error_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(record, f)
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _first_failure(error_dir: str, world: int, wait_s: float = 5.0) -> dict | None:
-    """The earliest failure any rank recorded in ``error_dir`` (waits briefly for ranks still writing theirs)."""
-    import json
-    import time
-
-    deadline = time.monotonic() + wait_s
-    records: list[dict] = []
-    while True:
-        records = []
-        for rank in range(world):
-            try:
-                with open(os.path.join(error_dir, f"rank{rank}.json")) as f:
-                    records.append(json.load(f))
-            except (OSError, ValueError):
-                continue
-        if records or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    return min(records, key=lambda r: r["time"]) if records else None
-
-
-def run_local_world(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0) -> None:
-    """Run ``fn(rank, *args)`` in ``world`` fresh CPU processes joined by gloo on 127.0.0.1 (tests, benchmarks).
-
-    ``fn`` must be importable (a module-level function). A failure in any rank is raised here; a rank still running
-    after ``timeout_s`` seconds is killed and reported as :class:`LaunchError`, so a broken collective cannot hang
-    the caller. Training runs use torchrun instead (``moeckpt train --nproc N``).
-    """
-    import time
-
-    import torch.multiprocessing as mp
-
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="moeckpt-local-world-") as error_dir:
-        ctx = mp.start_processes(
-            _local_worker,
-            args=(fn, world, port, min(timeout_s, 60.0), error_dir, args),
-            nprocs=world,
-            join=False,
-            start_method="spawn",
-        )
-        deadline = time.monotonic() + timeout_s
-        try:
-            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
-                if time.monotonic() > deadline:
-                    for p in ctx.processes:
-                        if p.is_alive():
-                            p.kill()
-                    for p in ctx.processes:
-                        p.join(5)
-                    raise LaunchError(
-                        f"{world} local processes running {fn.__name__} did not finish within {timeout_s:.0f} s"
-                    )
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            first = _first_failure(error_dir, world)
-            if first is None:
-                raise
-            raise LaunchError(
-                f"rank {first['rank']} of {world} running {fn.__name__} failed first: {first['error']}\n"
-                f"{first['traceback']}"
-            ) from e

@@ -3,6 +3,9 @@
 Schedulers (Slurm, Kubernetes) send SIGTERM some seconds before killing a job. Saving inside the signal handler
 would interrupt a step half way; instead the handler sets a flag, the training loop checks it after each step,
 agrees with the other ranks (a flag on one rank must stop all of them at the same step), saves and exits 0.
+
+A worker listens from its first instruction (:func:`listen_early`), so a notice that arrives while the process
+still imports torch or loads its checkpoint is not lost: the loop then stops before its first step.
 """
 
 from __future__ import annotations
@@ -10,8 +13,21 @@ from __future__ import annotations
 import signal
 import threading
 
-import torch
-import torch.distributed as dist
+__all__ = ["PreemptionFlag", "listen_early"]
+
+#: a SIGTERM this process received before a :class:`PreemptionFlag` listened (see :func:`listen_early`).
+_EARLY = threading.Event()
+
+
+def _early_handler(signum, frame) -> None:
+    del signum, frame
+    _EARLY.set()
+
+
+def listen_early() -> None:
+    """Take SIGTERM as a preemption notice from now on (call first thing in a worker process; main thread)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _early_handler)
 
 
 class PreemptionFlag:
@@ -20,6 +36,8 @@ class PreemptionFlag:
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
         self._event = threading.Event()
         self._previous = {}
+        if _EARLY.is_set():
+            self._event.set()
         if threading.current_thread() is threading.main_thread():
             for s in signals:
                 self._previous[s] = signal.signal(s, self._handler)
@@ -37,6 +55,9 @@ class PreemptionFlag:
 
     def agreed(self, group=None) -> bool:
         """True on every rank if any rank was signalled (a MAX all-reduce over a CPU group)."""
+        import torch
+        import torch.distributed as dist
+
         flag = torch.tensor([1 if self.is_set else 0], dtype=torch.int32)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -1,6 +1,6 @@
 """The training loop: a model shard per rank, ZeRO-1 AdamW, checkpoints through moeckpt, automatic resume.
 
-One process per rank (torchrun, or :func:`moeckpt.trainer.parallel.run_local_world` in tests); each calls
+One process per rank (torchrun, or :func:`moeckpt.testing.run_local_world` in tests); each calls
 :func:`train` with the same :class:`TrainConfig`. The layout is ``(tp, ep, dp = world / tp)``. A run directory holds
 ``step-XXXXXXXX`` checkpoints and ``metrics.jsonl``; starting :func:`train` on a run directory that already has a
 committed checkpoint continues from the newest one, in whatever layout this invocation has (load-time resharding).
@@ -13,18 +13,18 @@ floating-point reduction order, and a resume in the same layout continues bit fo
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-import sys
+import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from moeckpt.formats.backend import backend_names
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps, quarantine
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import INDEX_NAME, TensorEntry
@@ -35,26 +35,31 @@ from moeckpt.reshard.local import join_local
 from moeckpt.reshard.tensors import logical_tensors
 
 from .checkpointing import CheckpointManager
+from .config import RESUME_READS, TrainConfig
 from .data import BatchLoader, DataError, TokenDataset, default_text_path
 from .distributed import build_parallel_model
 from .faults import FaultInjector, parse_fault
 from .init_values import initial_value
+from .logs import progress
+from .memory import check_fits, training_bytes
 from .metrics import MetricsLog
 from .models import ModelSpec, resolve_model
 from .muon import MuonConfig
-from .muon_plan import SCHEMES
 from .optim import AdamWConfig
-from .optimizers import OPTIMIZERS, build_optimizer, check_run_optimizer
+from .optimizers import build_optimizer, check_run_optimizer
 from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
 from .preemption import PreemptionFlag
 from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore
 from .schedule import LRSchedule, ScheduleConfig
 from .watchdog import Watchdog
 
-__all__ = ["DTYPES", "NonFiniteLossError", "TrainConfig", "Trainer", "check_launch", "train"]
+__all__ = ["DTYPES", "RESUME_READS", "NonFiniteLossError", "RunSummary", "TrainConfig", "Trainer", "check_launch",
+           "run_training", "train"]
 
 #: ``--dtype`` values and the parameter dtype they select.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(MoeckptError, FloatingPointError):
@@ -63,139 +68,16 @@ class NonFiniteLossError(MoeckptError, FloatingPointError):
     exit_code = 1
 
 
-#: values of ``TrainConfig.resume_reads``.
-RESUME_READS = ("auto", "exchange", "own")
+@dataclass(frozen=True)
+class RunSummary:
+    """What one invocation of :func:`run_training` did on this rank."""
 
-
-@dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything a training run needs; the ``moeckpt train`` options map one-to-one onto these fields."""
-
-    #: preset name (``zaya-tiny``, ``qwen3moe-tiny``, ...) or a model config.json; empty with ``init_from``: the
-    #: model of that checkpoint.
-    model: str
-    #: run directory (local path or fsspec URL): checkpoints and ``metrics.jsonl``.
-    run_dir: str
-    #: token file (``.bin`` uint16, or ``.txt`` bytes); default: the shipped demo text.
-    data: str | None = None
-    #: token dtype of ``data`` (``auto`` from the extension, ``uint16``, ``uint32``, ``bytes``).
-    data_dtype: str = "auto"
-    #: tensor-parallel degree.
-    tp: int = 1
-    #: expert-parallel degree (divides dp = world / tp); ``None`` picks the widest the model accepts in each world
-    #: (elastic runs whose world may shrink below a pinned ep).
-    ep: int | None = 1
-    #: total optimizer steps of the run; a resumed run continues up to it.
-    steps: int = 100
-    #: stop this invocation after this step (saving first), although the run's total is ``steps`` (planned
-    #: interruptions, tests); ``None`` runs to ``steps``.
-    stop_at: int | None = None
-    #: save a checkpoint every this many steps (0: only at the end).
-    save_every: int = 0
-    #: checkpoint format: ``safetensors`` or ``zarr``.
-    format: str = "safetensors"
-    #: seed of the initial weights and of the data order.
-    seed: int = 0
-    #: samples per optimizer step over all data-parallel ranks.
-    global_batch: int = 8
-    #: tokens per sample.
-    seq_len: int = 64
-    #: peak learning rate.
-    lr: float = 3e-3
-    #: linear warmup steps.
-    warmup_steps: int = 10
-    #: the cosine decays to ``lr * min_lr_ratio`` at the last step.
-    min_lr_ratio: float = 0.1
-    #: decoupled weight decay (matrices only), shared by AdamW and Muon.
-    weight_decay: float = 0.1
-    #: gradient clipping by global norm (0 disables).
-    max_grad_norm: float = 1.0
-    #: parameter dtype: ``fp32`` or ``bf16`` (bf16 keeps fp32 master weights in the optimizer).
-    dtype: str = "fp32"
-    #: persist checkpoints in a background thread (training blocks only for the snapshot copy).
-    async_save: bool = True
-    #: keep this many newest checkpoints.
-    keep_last: int = 3
-    #: collective backend override (``gloo``/``nccl``); default from the device.
-    backend: str | None = None
-    #: force the CPU even when a GPU is visible.
-    cpu: bool = False
-    #: injected faults for tests and the demo, e.g. ``("kill:rank=1,step=12",)`` (see ``trainer/faults.py``).
-    inject: tuple[str, ...] = ()
-    #: end a worker whose step makes no progress for this many seconds, with a report (0: no watchdog).
-    hang_timeout_s: float = 0.0
-    #: NaN/Inf loss: roll back to the last checkpoint and skip the batches since, at most this many times.
-    max_nan_rollbacks: int = 3
-    #: a checkpoint (or run directory: its newest step) whose parameters and optimizer state start the run when
-    #: ``run_dir`` holds no checkpoint yet, resharded to this run's layout; the run starts at step 0 with a fresh
-    #: data position and schedule (fine-tuning an ``import-hf`` checkpoint). Ignored once ``run_dir`` has one.
-    init_from: str | None = None
-    #: how the ranks read a checkpoint they resume from: ``exchange`` replicated pieces over the process group
-    #: (each stored byte read once per group), each rank reads its ``own`` bytes, or ``auto``: ``own`` when the
-    #: checkpoint is on a local path and every rank runs on one host (its page cache already reads each byte from
-    #: the device once; the exchange only adds copies), else ``exchange`` (see ``reshard.load.exchange_pays``).
-    resume_reads: str = "auto"
-    #: ``adamw``, or ``muon``: Muon for the hidden weight matrices, AdamW for the rest, one lr (docs/trainer.md).
-    optimizer: str = "adamw"
-    #: Muon's momentum coefficient (Nesterov).
-    muon_momentum: float = 0.95
-    #: Muon's Newton-Schulz iterations.
-    muon_ns_steps: int = 5
-    #: where Muon's matrices meet: ``assign`` (each to one rank, balanced) or ``gather`` (every rank holding part).
-    muon_scheme: str = "assign"
-    #: resuming from another optimizer's state: keep the weights, start this run's optimizer fresh (else refused).
-    reset_optimizer: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.model and not self.init_from:
-            raise ValueError("model is empty: name a preset or config.json, or give init_from to take its model")
-        if type(self.steps) is not int or self.steps < 1:
-            raise ValueError(f"steps={self.steps!r} must be a positive integer")
-        if self.stop_at is not None and not 0 <= self.stop_at <= self.steps:
-            raise ValueError(f"stop_at={self.stop_at!r} must lie in [0, steps={self.steps}]")
-        if self.save_every < 0:
-            raise ValueError(f"save_every={self.save_every} must be >= 0")
-        if self.format not in backend_names():
-            raise ValueError(f"format={self.format!r} must be one of {', '.join(backend_names())}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
-        for spec in self.inject:
-            parse_fault(spec)
-        if self.resume_reads not in RESUME_READS:
-            raise ValueError(f"resume_reads={self.resume_reads!r} must be one of {', '.join(RESUME_READS)}")
-        for name, allowed in (("optimizer", OPTIMIZERS), ("muon_scheme", SCHEMES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {', '.join(allowed)}")
-        m = self.muon_momentum
-        if type(m) not in (int, float) or not 0 <= m < 1:
-            raise ValueError(f"muon_momentum={m!r} must be a number in [0, 1)")
-        if type(self.muon_ns_steps) is not int or not 1 <= self.muon_ns_steps < 100:
-            raise ValueError(f"muon_ns_steps={self.muon_ns_steps!r} must be an integer in [1, 99]")
-        if type(self.reset_optimizer) is not bool:
-            raise ValueError(f"reset_optimizer={self.reset_optimizer!r} must be true or false")
-        if self.hang_timeout_s < 0 or self.max_nan_rollbacks < 0:
-            raise ValueError("hang_timeout_s and max_nan_rollbacks must be >= 0")
-        for name in ("tp", "ep", "global_batch", "seq_len", "keep_last"):
-            value = getattr(self, name)
-            if name == "ep" and value is None:
-                continue
-            if type(value) is not int or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, value: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(value) - known
-        if unknown:
-            raise ValueError(f"train config has unknown fields {sorted(unknown)}")
-        value = dict(value)
-        value["inject"] = tuple(value.get("inject", ()))  # JSON has lists
-        return cls(**value)
+    #: the metrics records of the steps this invocation trained (this rank's view).
+    records: list[dict[str, Any]]
+    #: the run's step when the invocation ended.
+    step: int
+    #: whether a SIGTERM stopped it (its step saved).
+    preempted: bool = False
 
 
 def run_model(config: TrainConfig) -> ModelSpec:
@@ -214,20 +96,52 @@ def check_run_dir(config: TrainConfig) -> None:
         )
 
 
-def check_launch(config: TrainConfig, nproc: int) -> None:
-    """Refuse, before any process starts, a model, layout or data file that cannot work with ``nproc`` processes
-    (each worker would otherwise fail alone, behind torchrun's generic exit code)."""
+def check_launch(config: TrainConfig, nproc: int, *, worlds: Sequence[int] | None = None,
+                 device_type: str | None = None) -> None:
+    """Refuse, before any process starts, a model, layout, data file or memory budget that cannot work with
+    ``nproc`` processes on this host in a world of ``nproc`` (or of each size in ``worlds``, for an elastic job):
+    each worker would otherwise fail alone, behind torchrun's generic exit code."""
     check_run_dir(config)
     check_run_optimizer(config.run_dir, config.init_from, config.optimizer, config.reset_optimizer)
     spec = run_model(config)
-    layout = choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
+    dataset = open_dataset(config, spec)
+    params = sum(math.prod(p.shape) for p in spec.param_specs())
+    for world in worlds or (nproc,):
+        layout = choose_layout(world, tp=config.tp, ep=config.ep, check=spec.check_layout)
+        check_shape(config, spec, layout, dataset, ranks_here=nproc, params=params,
+                    device_type=device_type or _device_type(config))
+
+
+def _device_type(config: TrainConfig) -> str:
+    return "cpu" if config.cpu or not torch.cuda.is_available() else "cuda"
+
+
+def open_dataset(config: TrainConfig, spec: ModelSpec) -> TokenDataset:
+    return TokenDataset(config.data or default_text_path(), seq_len=config.seq_len, dtype=config.data_dtype,
+                        vocab_size=getattr(spec.config, "vocab_size", None))
+
+
+def check_shape(config: TrainConfig, spec: ModelSpec, layout, dataset: TokenDataset, *, ranks_here: int,
+                device_type: str, params: int | None = None) -> None:
+    """Refuse a batch the data or the layout cannot give, or a run the memory cannot hold, before allocating."""
     if config.global_batch % layout.dp:
         raise DataError(
-            f"global_batch={config.global_batch} is not divisible by dp = nproc / tp = {layout.dp}: every "
-            "data-parallel rank must read the same number of samples"
+            f"--global-batch: global_batch={config.global_batch} is not divisible by dp = nproc / tp = {layout.dp}: "
+            "every data-parallel rank must read the same number of samples"
         )
-    TokenDataset(config.data or default_text_path(), seq_len=config.seq_len, dtype=config.data_dtype,
-                 vocab_size=getattr(spec.config, "vocab_size", None))
+    if config.global_batch > len(dataset):
+        raise DataError(
+            f"--global-batch {config.global_batch} is more than the {len(dataset)} samples of --seq-len "
+            f"{config.seq_len} in {dataset.path}: one step would read samples twice; use a smaller batch or more data"
+        )
+    max_pos = getattr(spec.config, "max_position_embeddings", None)
+    if max_pos is not None and config.seq_len > max_pos:
+        raise DataError(f"--seq-len {config.seq_len} is longer than the model's max_position_embeddings={max_pos}")
+    need = training_bytes(spec, tp=layout.tp, ep=layout.ep, dp=layout.dp, micro_batch=config.global_batch // layout.dp,
+                          seq_len=config.seq_len, param_bytes=DTYPES[config.dtype].itemsize, params=params)
+    check_fits(need, ranks_here=ranks_here, device_type=device_type, what=f"training {spec.arch} in layout {layout}",
+               fix="use a smaller model, --global-batch or --seq-len, more ranks (--nproc, --tp, --ep), "
+                   "or --dtype bf16")
 
 
 def setup_world(config: TrainConfig) -> torch.device:
@@ -256,6 +170,10 @@ class Trainer:
         self.device = device
         dtype = DTYPES[config.dtype]
 
+        dataset = open_dataset(config, self.spec)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check_shape(config, self.spec, layout, dataset, ranks_here=local_ranks, device_type=device.type)
+
         self.model = build_parallel_model(self.spec, self.groups).to(device=device, dtype=dtype)
         self.model.train()
         params = self.spec.param_specs()
@@ -269,9 +187,6 @@ class Trainer:
         self.schedule = LRSchedule(
             ScheduleConfig(lr=config.lr, warmup_steps=warmup, decay_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
         )
-        vocab = getattr(self.spec.config, "vocab_size", None)
-        dataset = TokenDataset(config.data or default_text_path(), seq_len=config.seq_len, dtype=config.data_dtype,
-                               vocab_size=vocab)
         self.loader = BatchLoader(
             dataset,
             global_batch=config.global_batch,
@@ -347,15 +262,16 @@ class Trainer:
         })
         if self.rank == 0:
             st = restored.stats
-            print(
-                f"moeckpt: resumed {restored.location} (step {self.step}, written in layout {restored.source_layout}) "
-                f"into layout {self.groups.layout}: rank 0 read {st.bytes_read / 1e6:.2f} MB for "
-                f"{st.bytes_needed / 1e6:.2f} MB of state in {st.seconds:.2f} s"
-                + (f"; its optimizer state is not {self.optimizer.name}'s: started fresh" if restored.optimizer_reset
-                   else ""),
-                file=sys.stderr,
-                flush=True,
+            restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+            why = f" after restart {restart} of the workers" if restart else ""
+            fresh = f"; its optimizer state is not {self.optimizer.name}'s: started fresh" if restored.optimizer_reset else ""
+            log.info(
+                "resumed %s (step %d, written in layout %s) into layout %s%s: rank 0 read %.2f MB for %.2f MB of "
+                "state in %.2f s%s", restored.location, self.step, restored.source_layout, self.groups.layout, why,
+                st.bytes_read / 1e6, st.bytes_needed / 1e6, st.seconds, fresh,
             )
+            if restored.source_layout != self.groups.layout:
+                log.info("layout change: %s -> %s (resharded at load)", restored.source_layout, self.groups.layout)
 
     def _start_from(self, location: str) -> None:
         """Load ``init_from``'s parameters and optimizer state (resharded, collective); the run starts at step 0."""
@@ -368,13 +284,9 @@ class Trainer:
         })
         if self.rank == 0:
             st = restored.stats
-            print(
-                f"moeckpt: starting from {restored.location} (its step {restored.step}, layout "
-                f"{restored.source_layout}) in layout {self.groups.layout}: rank 0 read {st.bytes_read / 1e6:.2f} MB "
-                f"in {st.seconds:.2f} s",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.info("starting from %s (its step %d, layout %s) in layout %s: rank 0 read %.2f MB in %.2f s",
+                     restored.location, restored.step, restored.source_layout, self.groups.layout,
+                     st.bytes_read / 1e6, st.seconds)
 
     def _restore_newest_intact(self) -> Restored | None:
         """Load the newest committed checkpoint that reads back intact (collective); ``None`` for a fresh run.
@@ -407,8 +319,8 @@ class Trainer:
         moved = None
         if self.rank == 0:
             moved = quarantine(location)
-            print(f"moeckpt: warning: checkpoint of step {step} is damaged ({error}); moved it to {moved} and "
-                  "resuming from the previous one", file=sys.stderr, flush=True)
+            log.warning("checkpoint of step %d is damaged (%s); moved it to %s and resuming from the previous one",
+                        step, error, moved)
             self.metrics.write({"event": "damaged_checkpoint", "step": step, "error": str(error),
                                 "moved_to": moved, "time": time.time()})
         collectives.broadcast_json(moved, 0, self.checkpoints.group)
@@ -494,19 +406,23 @@ class Trainer:
     def run(self, *, should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
         """Train up to ``stop_at`` (or ``steps``), saving every ``save_every`` steps and at the end.
 
-        ``should_stop`` is asked after every step; ``True`` saves and returns early (a SIGTERM handler's flag, say).
-        It must answer the same on every rank at the same step (agree with an all-reduce first), since saving is
-        collective.
+        ``should_stop`` is asked before the first step and after every step; ``True`` saves and returns early (a
+        SIGTERM handler's flag, say). It must answer the same on every rank at the same step (agree with an
+        all-reduce first), since saving is collective.
         """
         cfg = self.config
         stop = cfg.steps if cfg.stop_at is None else cfg.stop_at
         last_saved = self.step if self.resumed_from else None
-        records = []
+        records: list[dict[str, Any]] = []
+        self.stopped_early = False
         watchdog = None
         if cfg.hang_timeout_s:
-            report = None if is_url(cfg.run_dir) else os.path.join(cfg.run_dir, f"hang-rank{self.rank}.txt")
-            watchdog = Watchdog(cfg.hang_timeout_s, report_path=report).start()
+            watchdog = Watchdog(cfg.hang_timeout_s, report_path=self._hang_report_path()).start()
+        meter = _Progress(self, stop)
         try:
+            if self.step < stop and should_stop is not None and should_stop():
+                self.stopped_early = True
+                stop = self.step  # asked to stop before the first step: nothing new to save
             while self.step < stop:
                 record = self.train_step()
                 if watchdog is not None:
@@ -519,11 +435,15 @@ class Trainer:
                     last_saved = self.step
                 self.metrics.write(record)
                 records.append(record)
+                meter.step(record)
                 if record["save_blocked_s"]:
                     self.metrics.flush()
                 if should_stop is not None and self.step < stop and should_stop():
+                    self.stopped_early = True
                     break
-            if last_saved != self.step:
+            # A save at the end, unless a stop notice came before the first step: then nothing was trained and
+            # the run directory already holds the state (or, fresh, nothing worth a checkpoint of step 0).
+            if last_saved != self.step and not (self.stopped_early and not records):
                 self.save()
             self.checkpoints.wait()
         finally:
@@ -531,6 +451,13 @@ class Trainer:
                 watchdog.stop()
             self.metrics.flush()
         return records
+
+    def _hang_report_path(self) -> str:
+        """Where the watchdog writes its stacks: the run directory, or a local file for a run on object storage."""
+        name = f"hang-rank{self.rank}.txt"
+        if not is_url(self.config.run_dir):
+            return os.path.join(self.config.run_dir, name)
+        return os.path.join(tempfile.gettempdir(), f"moeckpt-{os.getpid()}-{name}")
 
     def roll_back(self, loss: float) -> None:
         """NaN/Inf loss: reload the last checkpoint but keep the data position, so the batches since it are
@@ -554,9 +481,9 @@ class Trainer:
         self.schedule.steps = int(restored.train_state.get("schedule", {}).get("steps", self.step))
         self.loader.load_state_dict(position)  # skip the window: continue after the bad batch
         if self.rank == 0:
-            print(f"moeckpt: loss {loss} at step {self.step}: rolled back to {restored.location} (step {self.step}), "
-                  f"skipping to sample {self.loader.consumed_samples} (rollback {self.nan_rollbacks} of "
-                  f"{cfg.max_nan_rollbacks})", file=sys.stderr, flush=True)
+            log.warning("loss %s: rolled back to %s (step %d), skipping to sample %d (rollback %d of %d)", loss,
+                        restored.location, self.step, self.loader.consumed_samples, self.nan_rollbacks,
+                        cfg.max_nan_rollbacks)
         self.metrics.write({"step": self.step, "event": "nan_rollback", "bad_loss": str(loss),
                             "consumed_samples": self.loader.consumed_samples})
 
@@ -566,13 +493,69 @@ class Trainer:
 
 def train(config: TrainConfig) -> list[dict[str, Any]]:
     """Run (or continue) training on this rank; every rank of the world calls it. Returns this rank's records."""
+    return run_training(config).records
+
+
+def run_training(config: TrainConfig) -> RunSummary:
+    """:func:`train`, returning what the invocation did: its records, the step it ended at, and whether a SIGTERM
+    stopped it (every rank of the world calls it)."""
     device = setup_world(config)
     trainer = Trainer(config, device=device)
     preempted = PreemptionFlag()  # SIGTERM: save at the next step boundary, then exit 0
     # Its own CPU group: the checkpoint group is busy with background saves, and the training group may be NCCL.
     control = dist.new_group(backend="gloo") if dist.is_initialized() else None
     try:
-        return trainer.run(should_stop=lambda: preempted.agreed(control))
+        records = trainer.run(should_stop=lambda: preempted.agreed(control))
+        if trainer.stopped_early and trainer.rank == 0:
+            log.info("stopped on SIGTERM at step %d%s", trainer.step,
+                     ", its checkpoint committed" if records else " before training a step: nothing new to save")
+        return RunSummary(records=records, step=trainer.step, preempted=trainer.stopped_early)
     finally:
         preempted.restore()
         trainer.close()
+
+
+class _Progress:
+    """The live progress lines of rank 0: every ``log_every`` steps, step/total, loss, lr, gradient norm,
+    throughput, time blocked by saves and the time left at the recent pace."""
+
+    def __init__(self, trainer: Trainer, stop: int) -> None:
+        self.every = trainer.config.log_every if trainer.rank == 0 else 0
+        self.total = trainer.config.steps
+        self.stop = stop
+        self.first_step = trainer.step
+        self.t0 = time.perf_counter()
+        self.blocked = 0.0
+
+    def step(self, record: dict[str, Any]) -> None:
+        if not self.every:
+            return
+        self.blocked += record["save_blocked_s"]
+        step = record["step"]
+        if step % self.every:
+            return
+        elapsed = time.perf_counter() - self.t0
+        done = step - self.first_step
+        eta = elapsed / done * (self.stop - step) if done > 0 else 0.0
+        progress().info(
+            "step %d/%d  loss %.4f  lr %.2e  grad norm %.3f  %s tok/s  save blocked %.2f s  ETA %s",
+            step, self.total, record["loss"], record["lr"], record["grad_norm"], _si(record["tokens_per_s"]),
+            self.blocked, _duration(eta),
+        )
+        self.blocked = 0.0
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"

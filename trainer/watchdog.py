@@ -2,13 +2,15 @@
 
 A hung collective (a peer died without closing its sockets, a deadlocked data loader) blocks forever; the
 elastic agent only restarts workers that exit. The training loop calls :meth:`Watchdog.beat` after every step; a
-daemon thread checks the time since the last beat and, past the timeout, writes every thread's stack to stderr
-(and to a report file in the run directory) and exits the process with code 124, so torchrun restarts the world.
+daemon thread checks the time since the last beat and, past the timeout, writes every thread's stack to a report
+file (in the run directory), logs one line naming it, and exits the process with code 124, so torchrun restarts
+the world.
 """
 
 from __future__ import annotations
 
 import faulthandler
+import logging
 import os
 import sys
 import threading
@@ -16,6 +18,8 @@ import time
 
 #: exit code of a worker the watchdog ended (the convention of timeout(1)).
 HANG_EXIT_CODE = 124
+
+log = logging.getLogger(__name__)
 
 
 class Watchdog:
@@ -51,18 +55,25 @@ class Watchdog:
                 self._fire(idle)
 
     def _fire(self, idle: float) -> None:
-        message = (
-            f"moeckpt watchdog: no progress for {idle:.0f}s (timeout {self.timeout_s:.0f}s) after {self._where}; "
-            f"the {self.what} hung. Stacks of every thread follow; exiting {HANG_EXIT_CODE} so the agent restarts."
-        )
-        print(message, file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        what = (f"no progress for {idle:.0f}s (timeout {self.timeout_s:.0f}s) after {self._where}; the {self.what} "
+                "hung")
+        where = None
         if self.report_path:
             try:
                 os.makedirs(os.path.dirname(self.report_path) or ".", exist_ok=True)
                 with open(self.report_path, "w") as f:
-                    f.write(message + "\n")
+                    f.write(f"moeckpt watchdog: {what}. Stacks of every thread:\n")
+                    f.flush()
                     faulthandler.dump_traceback(file=f, all_threads=True)
+                where = self.report_path
             except OSError as e:
-                print(f"moeckpt watchdog: could not write {self.report_path}: {e}", file=sys.stderr, flush=True)
+                log.error("watchdog: could not write %s: %s", self.report_path, e)
+        if where is None:  # nowhere to keep them: the stacks go to stderr after all
+            log.error("watchdog: %s; stacks of every thread follow", what)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        else:
+            log.error("watchdog: %s; every thread's stack is in %s; exiting %d so the agent restarts the workers",
+                      what, where, HANG_EXIT_CODE)
+        for h in logging.getLogger("moeckpt").handlers:
+            h.flush()
         os._exit(HANG_EXIT_CODE)

@@ -155,6 +155,9 @@ def _storage_options() -> dict[str, Any]:
     opts: dict[str, Any] = {"use_listings_cache": False}
     if endpoint:
         opts["client_kwargs"] = {"endpoint_url": endpoint}
+    # Storage retries transient errors itself (RetryPolicy): botocore's own retries on top multiplied an unreachable
+    # endpoint into a minute of silence, and its 60 s connect timeout made each try that long.
+    opts["config_kwargs"] = {"connect_timeout": 5, "retries": {"max_attempts": 1, "mode": "standard"}}
     return opts
 
 

@@ -2,7 +2,38 @@
 
 from __future__ import annotations
 
+import math
+import typing
+from dataclasses import fields
+
 from moeckpt.formats.errors import LayoutError
+
+#: the largest size a config field may give one dimension: torch indexes with int64, but a dimension past this
+#: is a typo (or a hostile file), never a model; refusing it here keeps it from reaching an allocation.
+MAX_DIM = 2**31 - 1
+
+
+def check_fields(cfg, bounds: dict[str, tuple[float, float]], *, open_low: frozenset[str] = frozenset()) -> None:
+    """Check every field of a model config dataclass by its declared type, before anything is built from it:
+    integers (never bools) within ``bounds`` (default ``1..MAX_DIM``), finite floats within ``bounds`` (exclusive
+    at the low end for the names in ``open_low``), bools as bools. Raises ``ValueError`` naming the field."""
+    hints = typing.get_type_hints(type(cfg))
+    for f in fields(cfg):
+        value, kind = getattr(cfg, f.name), hints[f.name]
+        if kind is bool:
+            if type(value) is not bool:
+                raise ValueError(f"{f.name}={value!r} must be true or false")
+            continue
+        lo, hi = bounds.get(f.name, (1, MAX_DIM))
+        if kind is int:
+            if type(value) is not int or not lo <= value <= hi:
+                raise ValueError(f"{f.name}={value!r} must be an integer in {lo}..{hi}")
+        elif kind is float:
+            ok = type(value) in (int, float) and math.isfinite(value) and value <= hi and (
+                value > lo if f.name in open_low else value >= lo)
+            if not ok:
+                low = f"> {lo:g}" if f.name in open_low else f">= {lo:g}"
+                raise ValueError(f"{f.name}={value!r} must be a finite number {low} and <= {hi:g}")
 
 
 def check_moe_layout(cfg, tp: int, ep: int) -> None:

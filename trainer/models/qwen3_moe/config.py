@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..base import check_moe_layout, config_from_json
+from ..base import check_fields, check_moe_layout, config_from_json
+
+#: ranges of the fields that are not plain sizes (1..MAX_DIM); checked before anything is built.
+_BOUNDS = {
+    "num_hidden_layers": (1, 100_000),
+    "rms_norm_eps": (0.0, 1.0),
+    "rope_theta": (0.0, 1e11),
+    "initializer_range": (0.0, 10.0),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -28,6 +36,7 @@ class Qwen3MoeConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
+        check_fields(self, _BOUNDS, open_low=frozenset({"rms_norm_eps", "rope_theta"}))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -35,6 +44,8 @@ class Qwen3MoeConfig:
             )
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (rotary embedding rotates channel pairs)")
 
     def check_layout(self, tp: int, ep: int) -> None:
         """Refuse a layout this model cannot take, naming the conflicting fields."""

@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..base import check_moe_layout, config_from_json
+from ..base import check_fields, check_moe_layout, config_from_json
+
+#: ranges of the fields that are not plain sizes (1..MAX_DIM); checked before anything is built.
+_BOUNDS = {
+    "cca_time0": (1, 1024),
+    "cca_time1": (1, 1024),
+    "num_hidden_layers": (1, 100_000),
+    "rms_norm_eps": (0.0, 1.0),
+    "rope_theta": (0.0, 1e11),
+    "partial_rotary_factor": (0.0, 1.0),
+    "initializer_range": (0.0, 10.0),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,15 +42,17 @@ class ZayaConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
+        check_fields(self, _BOUNDS, open_low=frozenset({"rms_norm_eps", "rope_theta", "partial_rotary_factor"}))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.num_experts_per_tok != 1:
-            raise ValueError("ZAYA routes each token to one expert: num_experts_per_tok must be 1")
         if (self.num_key_value_heads * self.head_dim) % 2:
             raise ValueError("num_key_value_heads * head_dim must be even (the value path is split in halves)")
+        if self.num_experts_per_tok != 1:
+            raise ValueError("ZAYA routes each token to one expert: num_experts_per_tok must be 1")
+
 
     def check_layout(self, tp: int, ep: int) -> None:
         """Refuse a layout this model cannot take, naming the conflicting fields."""

@@ -23,12 +23,20 @@ from dataclasses import dataclass
 
 from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.formats.errors import MoeckptError
+from moeckpt.trainer.metrics import read_metrics
 
-from .metrics import read_metrics
-from .parallel import free_port
+from .local_world import free_port
 
-__all__ = ["DrillError", "DrillResult", "LocalNode", "cpu_drill_args", "kill_node", "plot_drill", "run_shrink_grow_drill",
-           "start_node"]
+__all__ = [
+    "DrillError",
+    "DrillResult",
+    "LocalNode",
+    "cpu_drill_args",
+    "kill_node",
+    "plot_drill",
+    "run_shrink_grow_drill",
+    "start_node",
+]
 
 #: rendezvous timing for a drill on one machine: a dead node's heartbeat expires after 3 s, and a round closes
 #: 3 s after the minimum number of nodes joined (torch's defaults, 15 s and 30 s, suit real clusters).
@@ -41,12 +49,32 @@ CPU_DRILL_STEPS = 80
 CPU_DRILL_KILL_AT = 17
 
 
-def cpu_drill_args(run_dir: str, *, steps: int = CPU_DRILL_STEPS, model: str = "zaya-tiny", slow: float = 0.15) -> list[str]:
+def cpu_drill_args(
+    run_dir: str, *, steps: int = CPU_DRILL_STEPS, model: str = "zaya-tiny", slow: float = 0.15
+) -> list[str]:
     """``moeckpt train`` arguments of the CPU drill: zaya-tiny, ep 2, a checkpoint every 5 steps, and a straggler
     delay of ``slow`` seconds per step that keeps this tiny run going while nodes come and go."""
-    return ["--model", model, "--run-dir", run_dir, "--steps", str(steps), "--save-every", "5", "--ep", "2",
-            "--seed", "1", "--warmup-steps", "3", "--cpu", "--hang-timeout", "60",
-            "--inject", f"slow:step=1,seconds={slow}"]
+    return [
+        "--model",
+        model,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        str(steps),
+        "--save-every",
+        "5",
+        "--ep",
+        "2",
+        "--seed",
+        "1",
+        "--warmup-steps",
+        "3",
+        "--cpu",
+        "--hang-timeout",
+        "60",
+        "--inject",
+        f"slow:step=1,seconds={slow}",
+    ]
 
 
 class DrillError(MoeckptError, RuntimeError):
@@ -68,16 +96,41 @@ class LocalNode:
             return f.read()
 
 
-def start_node(name: str, train_args: Sequence[str], *, nproc: int, nnodes: str, endpoint: str, log_dir: str,
-               env: dict[str, str] | None = None) -> LocalNode:
+def start_node(
+    name: str,
+    train_args: Sequence[str],
+    *,
+    nproc: int,
+    nnodes: str,
+    endpoint: str,
+    log_dir: str,
+    env: dict[str, str] | None = None,
+    host: bool | None = None,
+) -> LocalNode:
     """Start one node: ``moeckpt train TRAIN_ARGS --nproc N --nnodes MIN:MAX --rdzv-endpoint ...`` in the
     background, its output in ``log_dir/node-NAME.log``; ``env`` adds to the environment (e.g. the node's GPUs
-    as ``CUDA_VISIBLE_DEVICES``, so two nodes on one machine do not share a GPU)."""
+    as ``CUDA_VISIBLE_DEVICES``, so two nodes on one machine do not share a GPU). ``host`` says whether this node
+    hosts the rendezvous store (torch's ``is_host``; ``None``: whichever binds the endpoint first)."""
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"node-{name}.log")
-    cmd = [sys.executable, "-m", "moeckpt.cli.main", "train", *train_args, "--nproc", str(nproc),
-           "--nnodes", nnodes, "--rdzv-endpoint", endpoint, "--rdzv-conf", DRILL_RDZV_CONF,
-           "--max-restarts", str(DRILL_MAX_RESTARTS)]
+    conf = DRILL_RDZV_CONF + ("" if host is None else f",is_host={str(host).lower()}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeckpt.cli.main",
+        "train",
+        *train_args,
+        "--nproc",
+        str(nproc),
+        "--nnodes",
+        nnodes,
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-conf",
+        conf,
+        "--max-restarts",
+        str(DRILL_MAX_RESTARTS),
+    ]
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     with open(log_path, "w") as log:
         # Its own session, so that killing the node can never reach the drill's process group.
@@ -120,12 +173,35 @@ def kill_node(node: LocalNode) -> None:
     node.proc.wait(timeout=30)
 
 
+def _wait_for_agent(node: LocalNode, timeout_s: float) -> None:
+    """Until the node's launcher has started torchrun's agent (its own start-up, torch's import, is over)."""
+    from moeckpt.trainer.supervise import descendants
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if node.proc.poll() is not None:
+            raise DrillError(
+                f"node {node.name} exited with {node.proc.returncode} before starting its agent:\n{node.log()[-3000:]}"
+            )
+        for pid in descendants(node.proc.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if b"moeckpt.trainer.agent" in f.read():
+                        return
+            except OSError:
+                continue
+        time.sleep(0.1)
+    raise DrillError(f"node {node.name} did not start its agent within {timeout_s:.0f} s")
+
+
 def _wait_for_port(host: str, port: int, node: LocalNode, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if node.proc.poll() is not None:
-            raise DrillError(f"node {node.name} exited with {node.proc.returncode} before hosting the rendezvous:\n"
-                             f"{node.log()[-3000:]}")
+            raise DrillError(
+                f"node {node.name} exited with {node.proc.returncode} before hosting the rendezvous:\n"
+                f"{node.log()[-3000:]}"
+            )
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             if s.connect_ex((host, port)) == 0:
                 return
@@ -157,11 +233,19 @@ class DrillResult:
                 return int(what.split(" at step ")[1].split(",")[0])
         return None
 
+    def to_json(self) -> dict:
+        """Records, timeline and exit codes (the logs are files beside the run: ``drill-logs/node-*.log``)."""
+        return {"records": self.records, "timeline": [list(t) for t in self.timeline], "exit_codes": self.exit_codes}
+
     @classmethod
-    def from_json(cls, doc: dict) -> DrillResult:
-        """From what ``benchmarks/elastic_agents.py`` wrote (records, timeline, exit codes; no logs)."""
-        return cls(records=doc["records"], timeline=[tuple(t) for t in doc["timeline"]],
-                   exit_codes=doc["exit_codes"], logs={})
+    def from_json(cls, doc: dict, logs: dict[str, str] | None = None) -> DrillResult:
+        """From :meth:`to_json` or what ``benchmarks/elastic_agents.py`` wrote (records, timeline, exit codes)."""
+        return cls(
+            records=doc["records"],
+            timeline=[tuple(t) for t in doc["timeline"]],
+            exit_codes=doc["exit_codes"],
+            logs=dict(logs or {}),
+        )
 
     def worlds(self) -> list[tuple[int, int]]:
         """``(first step, world size)`` of each stretch of training at one world size."""
@@ -172,9 +256,16 @@ class DrillResult:
         return out
 
 
-def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int = 2, kill_at_step: int = 15,
-                          timeout_s: float = 300.0, node_env: Callable[[str], dict[str, str]] | None = None,
-                          progress: Callable[[str], None] | None = None) -> DrillResult:
+def run_shrink_grow_drill(
+    run_dir: str,
+    train_args: Sequence[str],
+    *,
+    nproc: int = 2,
+    kill_at_step: int = 15,
+    timeout_s: float = 300.0,
+    node_env: Callable[[str], dict[str, str]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> DrillResult:
     """Two nodes of ``nproc`` workers train ``train_args`` (which must include ``--run-dir run_dir``); node B is
     killed once the 2-node world reached ``kill_at_step`` and a checkpoint is committed; node C is started once the
     survivor trains alone; the drill returns when the run ends (raises :class:`DrillError` if it does not within
@@ -191,19 +282,36 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
     port = free_port()
     endpoint = f"127.0.0.1:{port}"
     logs = os.path.join(run_dir, "drill-logs")
-    def start(name: str) -> LocalNode:
-        return start_node(name, train_args, nproc=nproc, nnodes="1:2", endpoint=endpoint, log_dir=logs,
-                          env=node_env(name) if node_env is not None else None)
 
-    a = start("A")
-    note(f"started node A ({nproc} workers), host of the rendezvous {endpoint}")
-    try:
-        _wait_for_port("127.0.0.1", port, a, timeout_s=60)
-    except DrillError:
-        a.proc.kill()
-        raise
+    def start(name: str) -> LocalNode:
+        return start_node(
+            name,
+            train_args,
+            nproc=nproc,
+            nnodes="1:2",
+            endpoint=endpoint,
+            log_dir=logs,
+            env=node_env(name) if node_env is not None else None,
+            host=name == "A",
+        )
+
+    # B first: its agent waits for A's store (a client retries its connection), so that it is ready to join
+    # the first round the moment A opens it. Started the other way round, a loaded machine could close A's
+    # first round (3 s of last call) before B's agent got there, and A would train alone first.
     b = start("B")
     note(f"started node B ({nproc} workers)")
+    started = [b]
+    try:
+        _wait_for_agent(b, timeout_s=120)
+        a = start("A")
+        started.append(a)
+        note(f"started node A ({nproc} workers), host of the rendezvous {endpoint}")
+        _wait_for_port("127.0.0.1", port, a, timeout_s=120)
+    except BaseException:
+        for node in started:
+            if node.proc.poll() is None:
+                kill_node(node)
+        raise
     nodes = {"A": a, "B": b}
     phase, deadline = "kill", time.monotonic() + timeout_s
     try:
@@ -214,13 +322,22 @@ def run_shrink_grow_drill(run_dir: str, train_args: Sequence[str], *, nproc: int
             last = steps[-1] if steps else None
             # A node is killed only once a checkpoint is committed: a big GPU state may still be persisting at
             # kill_at_step, and then the survivors would rightly start from scratch.
-            if (phase == "kill" and last and last["world"] == 2 * nproc and last["step"] >= kill_at_step
-                    and committed_steps(run_dir)):
+            if (
+                phase == "kill"
+                and last
+                and last["world"] == 2 * nproc
+                and last["step"] >= kill_at_step
+                and committed_steps(run_dir)
+            ):
                 kill_node(b)
                 note(f"killed node B (agent and {nproc} workers) at step {last['step']}, world {last['world']}")
                 phase = "see the survivors train alone"
                 seen = len(steps)
-            elif phase == "see the survivors train alone" and any(r["world"] == nproc for r in steps[seen:]):
+            elif (
+                phase == "see the survivors train alone"
+                and last is not None
+                and any(r["world"] == nproc for r in steps[seen:])
+            ):
                 note(f"the survivors train alone at step {last['step']}, world {last['world']}")
                 nodes["C"] = start("C")
                 note(f"started node C ({nproc} workers) to grow the job back")
@@ -258,16 +375,28 @@ def plot_drill(result: DrillResult, path: str, title: str | None = None) -> None
     for r in steps + [None]:
         if stretch and (r is None or r["world"] != stretch[-1]["world"] or r["step"] <= stretch[-1]["step"]):
             w = stretch[0]["world"]
-            ax.plot([s["step"] for s in stretch], [s["loss"] for s in stretch], color=colors[w],
-                    marker=".", ms=3, lw=1.2, label=f"{w} workers")
+            ax.plot(
+                [s["step"] for s in stretch],
+                [s["loss"] for s in stretch],
+                color=colors[w],
+                marker=".",
+                ms=3,
+                lw=1.2,
+                label=f"{w} workers",
+            )
             stretch = []
         if r is not None:
             stretch.append(r)
     for e in result.events():
         if e.get("event") == "resume":
             ax.axvline(e["step"] + 0.5, color="gray", ls=":", lw=1)
-            ax.annotate(f"resume step {e['step']}\ndp {e['from_layout']['dp']} -> {e['to_layout']['dp']}",
-                        (e["step"] + 0.5, ax.get_ylim()[1]), fontsize=8, va="top", ha="left")
+            ax.annotate(
+                f"resume step {e['step']}\ndp {e['from_layout']['dp']} -> {e['to_layout']['dp']}",
+                (e["step"] + 0.5, ax.get_ylim()[1]),
+                fontsize=8,
+                va="top",
+                ha="left",
+            )
     handles, labels = ax.get_legend_handles_labels()
     seen = dict(zip(labels, handles))
     ax.legend(seen.values(), seen.keys())

@@ -1,0 +1,133 @@
+"""A world of local CPU processes joined by gloo, for tests and benchmarks of collective code.
+
+Training runs use torchrun (``moeckpt train --nproc N``); tests of one collective function want something
+lighter: :func:`run_local_world` spawns ``world`` fresh processes on 127.0.0.1, runs ``fn(rank, *args)`` in each
+and reports the first failure (the root cause, not its echo on the other ranks).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from moeckpt.trainer.parallel import LaunchError
+
+__all__ = ["free_port", "run_local_world"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a local rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_worker(
+    rank: int, fn: Callable, world: int, port: int, timeout_s: float, error_dir: str, args: tuple
+) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    failed = False
+    try:
+        fn(rank, *args)
+    except BaseException as e:  # noqa: BLE001 - recorded for the parent, then re-raised
+        # When one rank fails, its peers fail a moment later in a collective ("connection closed by peer"). Which
+        # of them the parent notices first is a race, so each rank records when it failed and the parent reports
+        # the earliest failure: the root cause, not its echo.
+        record = {
+            "rank": rank,
+            "time": time.time(),
+            "error": f"{type(e).__name__}: {e}",
+            "traceback": traceback.format_exc(),
+        }
+        with open(os.path.join(error_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(record, f)
+        failed = True
+    finally:
+        dist.destroy_process_group()
+    if failed:
+        # An exit code instead of a raise: torch.multiprocessing would pickle the traceback into a
+        # pytorch-errorfile-*.pickle in the temporary directory that nobody removes; the JSON record above says it.
+        sys.exit(1)
+
+
+def _first_failure(error_dir: str, world: int, wait_s: float = 5.0) -> dict | None:
+    """The earliest failure any rank recorded in ``error_dir`` (waits briefly for ranks still writing theirs)."""
+    deadline = time.monotonic() + wait_s
+    records: list[dict] = []
+    while True:
+        records = []
+        for rank in range(world):
+            try:
+                with open(os.path.join(error_dir, f"rank{rank}.json")) as f:
+                    records.append(json.load(f))
+            except (OSError, ValueError):
+                continue
+        if records or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return min(records, key=lambda r: r["time"]) if records else None
+
+
+def run_local_world(fn: Callable, world: int, *args: Any, timeout_s: float = 120.0) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` fresh CPU processes joined by gloo on 127.0.0.1 (tests, benchmarks).
+
+    ``fn`` must be importable (a module-level function). A failure in any rank is raised here; a rank still running
+    after ``timeout_s`` seconds is killed and reported as :class:`~moeckpt.trainer.parallel.LaunchError`, so a
+    broken collective cannot hang the caller. Nothing is left in the temporary directory.
+    """
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="moeckpt-local-world-") as error_dir:
+        ctx = mp.start_processes(
+            _local_worker,
+            args=(fn, world, port, min(timeout_s, 60.0), error_dir, args),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    for p in ctx.processes:
+                        if p.is_alive():
+                            p.kill()
+                    for p in ctx.processes:
+                        p.join(5)
+                    raise LaunchError(
+                        f"{world} local processes running {fn.__name__} did not finish within {timeout_s:.0f} s"
+                    )
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+            for p in ctx.processes:  # the peers of a failed rank may still sit in a collective
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+            first = _first_failure(error_dir, world)
+            if first is None:
+                raise
+            raise LaunchError(
+                f"rank {first['rank']} of {world} running {fn.__name__} failed first: {first['error']}\n"
+                f"{first['traceback']}"
+            ) from e
+        finally:
+            for path in ctx.error_files:  # a rank killed from outside may still have written one
+                if path and os.path.exists(path):
+                    os.remove(path)
