@@ -39,7 +39,7 @@ from .slabs import fill
 from .state_dict import Leaf, StateDictError, flatten, leaf_of, set_flat
 from .state_save import group_rank_of
 
-__all__ = ["load_state_dict"]
+__all__ = ["load_boxes", "load_state_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,8 @@ def load_state_dict(
         if reader is None:  # unreachable: _agree raised the open's error on every rank
             raise StateDictError(f"{location}: the checkpoint could not be opened")
         try:
-            _read_into(reader, wanted, rank, stats, options or LoadOptions())
+            _read_into(reader, [(leaf.key, box, view) for leaf, box, view in wanted], rank, stats,
+                       options or LoadOptions())
         except (MoeckptError, OSError) as e:
             error = e
         _agree(error, group, where)
@@ -157,8 +158,50 @@ def needs_listing(reader: CheckpointReader, name: str) -> bool:
     return not reader.backend.stores_placements or is_stored(reader.index.tensors[name])
 
 
+def load_boxes(
+    location: str | CheckpointReader,
+    wanted: list[tuple[str, Box, torch.Tensor]],
+    *,
+    group=None,
+    stats: LoadStats | None = None,
+    options: LoadOptions | None = None,
+) -> CheckpointReader:
+    """Fill each ``(tensor name, box, view)`` of ``wanted`` from the checkpoint: ``view`` holds ``box`` (global
+    coordinates) of the tensor, on any device and in any floating dtype (converted on copy). What a trainer whose
+    live tensors are boxes (the bundled one's parameters and ZeRO parts) loads a state-dict checkpoint with.
+    Collective over ``group``: names and boxes are checked first, and the ranks agree on the outcome."""
+    started = time.perf_counter()
+    stats = stats if stats is not None else LoadStats()
+    error: BaseException | None = None
+    reader = location if isinstance(location, CheckpointReader) else None
+    with single_threaded_torch(), paused_gc():
+        try:
+            reader = reader or CheckpointReader(str(location))
+            for name, box, view in wanted:
+                entry = reader.index.tensors.get(name)
+                if entry is None:
+                    raise StateDictError(f"{reader.location}: the checkpoint has no tensor {name!r}")
+                if not box.within(entry.shape) or tuple(view.shape) != box.shape:
+                    raise StateDictError(f"{reader.location}: tensor {name!r} {list(entry.shape)} has no box "
+                                         f"{box.to_json()} of shape {list(view.shape)}")
+        except (MoeckptError, OSError) as e:
+            error = e
+        where = reader.location if reader is not None else str(location)
+        _agree(error, group, where)
+        if reader is None:  # unreachable: _agree raised the open's error on every rank
+            raise StateDictError(f"{location}: the checkpoint could not be opened")
+        try:
+            _read_into(reader, wanted, collectives.rank(group), stats, options or LoadOptions())
+        except (MoeckptError, OSError) as e:
+            error = e
+        _agree(error, group, where)
+    stats.bytes_needed = sum(box.numel * view.element_size() for _, box, view in wanted)
+    stats.seconds = time.perf_counter() - started
+    return reader
+
+
 def _read_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats, options: LoadOptions) -> None:
-    names = {leaf.key for leaf, _, _ in wanted}
+    names = {name for name, _, _ in wanted}
     listed = {n for n in names if needs_listing(reader, n)}
     stored = {(r.tensor, r.box): r for r in reader.pieces(tensors=listed)} if listed else None
     sources: dict[str, list[SourcePiece]] | None = None
@@ -167,7 +210,7 @@ def _read_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats, op
         for ref in stored.values():
             found[ref.tensor].append(SourcePiece(ref.tensor, ref.box, 0))
         sources = found
-    plan = plan_boxes(reader.index, {rank: [(leaf.key, box) for leaf, box, _ in wanted]}, sources=sources)
+    plan = plan_boxes(reader.index, {rank: [(name, box) for name, box, _ in wanted]}, sources=sources)
     (rank_plan,) = plan.ranks
     refs = {}
     by_rule = {r.source for p in rank_plan.pieces for r in p.reads if stored is None or r.tensor not in listed}

@@ -25,8 +25,12 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import DestinationNotEmptyError, MoeckptError
 from moeckpt.formats.pieces import tensor_bytes
+from moeckpt.formats.roles import PARAM
 from moeckpt.formats.storage import Storage
+from moeckpt.reshard.generic import is_state_dict
 
+from .interop.bundled import match_model_names
+from .interop.common import MappingError
 from .models import ARCHITECTURES, ModelSpec, UnknownModelError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -72,9 +76,20 @@ class ExportResult:
     dtype: str
 
 
-def spec_of(reader: CheckpointReader) -> ModelSpec:
-    """The checkpoint's model, refusing architectures without a Hugging Face mapping or configs missing a field."""
-    model = reader.index.model
+def spec_of(reader: CheckpointReader, model_override: ModelSpec | None = None) -> ModelSpec:
+    """The checkpoint's model (or, for a state-dict checkpoint, ``model_override``: the bundled model its names
+    are), refusing architectures without a Hugging Face mapping or configs missing a field."""
+    if is_state_dict(reader.index):
+        if model_override is None:
+            raise HfExportError(
+                f"{reader.location}: a state-dict checkpoint (moeckpt.save, moeckpt.dcp, import-dcp --mapping none) "
+                "records no model; pass --model PRESET|config.json naming the bundled model its tensors are"
+            )
+        model = model_override.to_json()
+    elif model_override is not None:
+        raise HfExportError(f"{reader.location}: the checkpoint records its model; --model is for state-dict checkpoints")
+    else:
+        model = reader.index.model
     arch = model.get("arch")
     if arch not in ARCHITECTURES:
         raise HfExportError(
@@ -98,6 +113,14 @@ def plan_tensors(spec: ModelSpec, reader: CheckpointReader) -> list[HfTensor]:
     """The HF tensors in write order, after checking the checkpoint holds every parameter of the plan."""
     hf = hf_module(spec)
     out = []
+    if is_state_dict(reader.index):  # a trainer's state dict under the model's names (maybe below a prefix)
+        try:
+            names = match_model_names(reader.index, spec, reader.location)
+        except MappingError as e:
+            raise HfExportError(str(e)) from None
+        for p in spec.param_specs():
+            out += [HfTensor(n, s, p.name) for n, s in hf.export_tensors(p.name, p.shape, spec.config)]
+        return out
     for p in spec.param_specs():
         entry = reader.index.tensors.get(p.name)
         if entry is None or entry.role != "param":
@@ -230,8 +253,12 @@ def export_hf(
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
+    model: ModelSpec | None = None,
 ) -> ExportResult:
     """Write the parameters of checkpoint ``ckpt`` as a Hugging Face model directory at ``out``.
+
+    ``model`` names the bundled model a state-dict checkpoint's tensors are (see
+    :mod:`moeckpt.trainer.interop.bundled`); a checkpoint of the bundled trainer records its own.
 
     ``dtype`` is ``"bfloat16"`` or ``"float32"`` (default: the checkpoint's parameter dtype; a float32 export of
     bf16 parameters takes the fp32 master weights when the checkpoint has them). ``on_bytes`` is
@@ -240,11 +267,14 @@ def export_hf(
     source is raised as that error (naming the source file), not as a failure to write the output.
     """
     reader = CheckpointReader(ckpt)
-    spec = spec_of(reader)
+    spec = spec_of(reader, model)
     if max_shard_size < 1:
         raise HfExportError(f"max shard size must be positive, got {max_shard_size}")
     tensors = plan_tensors(spec, reader)
-    param_dtype = reader.index.tensors[tensors[0].source].dtype
+    # where each parameter is stored: under its own name, or (a state dict) where match_model_names found it
+    stored = ({p: n for (role, p), n in match_model_names(reader.index, spec, reader.location).tensors.items()
+               if role == PARAM} if is_state_dict(reader.index) else {})
+    param_dtype = reader.index.tensors[stored.get(tensors[0].source, tensors[0].source)].dtype
     dtype = dtype or param_dtype
     if dtype not in ("bfloat16", "float32", "float16"):
         raise HfExportError(f"cannot export as {dtype!r}; choose bfloat16 or float32")
@@ -253,7 +283,7 @@ def export_hf(
     names = [shard_name(k + 1, len(shards)) for k in range(len(shards))]
     dest = _Destination(out, overwrite)
     try:
-        _write(reader, spec, dest.storage, names, shards, tensors, dtype, torch_dtype, on_bytes)
+        _write(reader, spec, dest.storage, names, shards, tensors, dtype, torch_dtype, on_bytes, stored)
         dest.commit()
     except _SourceFailed as e:
         dest.abort()
@@ -265,7 +295,7 @@ def export_hf(
     return ExportResult(files=tuple(names), total_size=total, num_tensors=len(tensors), dtype=dtype)
 
 
-def _write(reader, spec, storage: Storage, names, shards, tensors, dtype, torch_dtype, on_bytes) -> None:
+def _write(reader, spec, storage: Storage, names, shards, tensors, dtype, torch_dtype, on_bytes, stored) -> None:
     """Every shard, then ``generation_config.json``, ``config.json`` and the index, last."""
     hf = hf_module(spec)
     values: dict[str, torch.Tensor] = {}  # HF tensors of the logical tensor being written (one at a time)
@@ -277,7 +307,8 @@ def _write(reader, spec, storage: Storage, names, shards, tensors, dtype, torch_
             for t in shard:
                 if t.source != current:
                     try:
-                        full = reader.read_tensor(_value_source(reader, t.source, dtype)).to(torch_dtype)
+                        where = stored.get(t.source) or _value_source(reader, t.source, dtype)
+                        full = reader.read_tensor(where).to(torch_dtype)
                     except MoeckptError as e:
                         raise _SourceFailed(e) from None
                     values = hf.export_values(t.source, full, spec.config)

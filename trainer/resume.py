@@ -17,14 +17,15 @@ import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError
-from moeckpt.formats.roles import MASTER, TRAINING_ROLES, WEIGHT_ROLES
+from moeckpt.formats.roles import MASTER, PARAM, TRAINING_ROLES, WEIGHT_ROLES
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, exchange_pays, load_rank_state
 
 from .optimizers import check_resume_optimizer
 from .zero import StatePiece, ZeroOptimizer
 
-__all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "exchanges", "load_pieces", "restore"]
+__all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "exchanges", "load_pieces", "restore",
+           "restore_from_state_dict"]
 
 #: what a damaged checkpoint raises on load (on every rank of a collective load alike): the trainer then falls
 #: back to the previous checkpoint. Other errors (another model, a permission problem) stop the run instead.
@@ -144,3 +145,25 @@ def restore(location: str, optimizer: ZeroOptimizer, *, model_json: dict, group=
         exchanged=exchange,
         optimizer_reset=not load_state,
     )
+
+
+@torch.no_grad()
+def restore_from_state_dict(location: str, optimizer: ZeroOptimizer, spec, *, group=None) -> Restored:
+    """Start from a state-dict checkpoint (``moeckpt.save`` of another trainer's model, ``moeckpt.dcp``) whose
+    tensors carry ``spec``'s Hugging Face names (:mod:`moeckpt.trainer.interop.bundled`): the parameters, and the
+    AdamW moments where the checkpoint has a full set of them, each rank reading its own boxes; the masters are
+    taken from the loaded parameters. Collective over ``group`` and the optimizer's groups."""
+    from moeckpt.reshard.state_load import load_boxes
+
+    from .interop.bundled import match_model_names
+
+    reader = CheckpointReader(location)
+    names = match_model_names(reader.index, spec, reader.location)
+    wanted = [(names.tensors[(PARAM, p.param)], p.box, p.tensor) for p in optimizer.param_pieces()]
+    wanted += [(names.tensors[(p.role, p.param)], p.box, p.tensor) for p in optimizer.pieces()
+               if (p.role, p.param) in names.tensors]
+    stats = LoadStats()
+    load_boxes(reader, wanted, group=group, stats=stats)
+    optimizer.load_master_from_params()
+    return Restored(location=reader.location, step=int(reader.index.step), train_state={},
+                    source_layout=Layout(), stats=stats)

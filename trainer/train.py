@@ -31,6 +31,7 @@ from moeckpt.formats.index import INDEX_NAME, TensorEntry
 from moeckpt.formats.retention import RetentionPolicy
 from moeckpt.formats.storage import Storage, is_url
 from moeckpt.reshard import collectives
+from moeckpt.reshard.generic import is_state_dict
 from moeckpt.reshard.local import join_local
 from moeckpt.reshard.tensors import logical_tensors
 
@@ -49,7 +50,7 @@ from .optim import AdamWConfig
 from .optimizers import build_optimizer, check_run_optimizer
 from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
 from .preemption import PreemptionFlag
-from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore
+from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore, restore_from_state_dict
 from .schedule import LRSchedule, ScheduleConfig
 from .watchdog import Watchdog
 
@@ -84,7 +85,11 @@ def run_model(config: TrainConfig) -> ModelSpec:
     """The run's model: ``config.model``, or the model of the ``init_from`` checkpoint when that is empty."""
     if config.model:
         return resolve_model(config.model)
-    return ModelSpec.from_json(CheckpointReader(config.init_from).index.model)
+    index = CheckpointReader(config.init_from).index
+    if is_state_dict(index):
+        raise ResumeError(f"--init-from {config.init_from}: a state-dict checkpoint records no model; pass --model "
+                          "naming the bundled model its tensors are (Hugging Face names)")
+    return ModelSpec.from_json(index.model)
 
 
 def check_run_dir(config: TrainConfig) -> None:
@@ -275,8 +280,11 @@ class Trainer:
 
     def _start_from(self, location: str) -> None:
         """Load ``init_from``'s parameters and optimizer state (resharded, collective); the run starts at step 0."""
-        restored = restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
-                reads=self.config.resume_reads, reset_optimizer=self.config.reset_optimizer)
+        if is_state_dict(CheckpointReader(location).index):  # another trainer's state dict under our model's names
+            restored = restore_from_state_dict(location, self.optimizer, self.spec, group=self.checkpoints.group)
+        else:
+            restored = restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
+                               reads=self.config.resume_reads, reset_optimizer=self.config.reset_optimizer)
         self.metrics.write({
             "event": "init_from", "location": restored.location, "checkpoint_step": restored.step,
             "from_layout": restored.source_layout.to_json(), "to_layout": self.groups.layout.to_json(),
