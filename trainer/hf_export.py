@@ -115,7 +115,7 @@ def plan_tensors(spec: ModelSpec, reader: CheckpointReader) -> list[HfTensor]:
     out = []
     if is_state_dict(reader.index):  # a trainer's state dict under the model's names (maybe below a prefix)
         try:
-            names = match_model_names(reader.index, spec, reader.location)
+            match_model_names(reader.index, spec, reader.location)  # every parameter is there, in its shape
         except MappingError as e:
             raise HfExportError(str(e)) from None
         for p in spec.param_specs():
