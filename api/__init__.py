@@ -10,29 +10,39 @@ The library API, in the conventions of ``torch.distributed.checkpoint``:
   write the moeckpt format;
 * :class:`CheckpointReader` and :func:`verify` for reading and checking any checkpoint, and the typed errors.
 
-See ``docs/library.md``.
+See ``docs/library.md``. The names are imported on first use, so ``import moeckpt`` (and the command line, which
+imports this package first) does not load torch before it needs to.
 """
 
-from moeckpt.formats.checkpoint import CheckpointReader
-from moeckpt.formats.errors import (
-    CheckpointIndexError,
-    ChecksumMismatchError,
-    DataFileError,
-    DestinationNotEmptyError,
-    LayoutError,
-    MoeckptError,
-    NotCommittedError,
-    StorageError,
-    UnsafePathError,
-    UnsupportedVersionError,
-)
-from moeckpt.reshard.checkpointer import Checkpointer
-from moeckpt.reshard.commit import SaveFailedError
-from moeckpt.reshard.library import AsyncSave, SaveStats, async_save, load, save
-from moeckpt.reshard.load import LoadStats
-from moeckpt.reshard.state_dict import StateDictError
+from __future__ import annotations
 
-from .verification import verify
+import importlib
+from typing import TYPE_CHECKING, Any
+
+#: every public name and the module that defines it.
+_EXPORTS = {
+    "AsyncSave": "moeckpt.reshard.library",
+    "SaveStats": "moeckpt.reshard.library",
+    "async_save": "moeckpt.reshard.library",
+    "load": "moeckpt.reshard.library",
+    "save": "moeckpt.reshard.library",
+    "Checkpointer": "moeckpt.reshard.checkpointer",
+    "SaveFailedError": "moeckpt.reshard.commit",
+    "LoadStats": "moeckpt.reshard.load",
+    "StateDictError": "moeckpt.reshard.state_dict",
+    "CheckpointReader": "moeckpt.formats.checkpoint",
+    "verify": "moeckpt.verification",
+    "ChecksumMismatchError": "moeckpt.formats.errors",
+    "CheckpointIndexError": "moeckpt.formats.errors",
+    "DataFileError": "moeckpt.formats.errors",
+    "DestinationNotEmptyError": "moeckpt.formats.errors",
+    "LayoutError": "moeckpt.formats.errors",
+    "MoeckptError": "moeckpt.formats.errors",
+    "NotCommittedError": "moeckpt.formats.errors",
+    "StorageError": "moeckpt.formats.errors",
+    "UnsafePathError": "moeckpt.formats.errors",
+    "UnsupportedVersionError": "moeckpt.formats.errors",
+}
 
 __all__ = [
     "AsyncSave",
@@ -57,3 +67,38 @@ __all__ = [
     "save",
     "verify",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moeckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # the next access is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eagerly
+    from moeckpt.formats.checkpoint import CheckpointReader
+    from moeckpt.formats.errors import (
+        CheckpointIndexError,
+        ChecksumMismatchError,
+        DataFileError,
+        DestinationNotEmptyError,
+        LayoutError,
+        MoeckptError,
+        NotCommittedError,
+        StorageError,
+        UnsafePathError,
+        UnsupportedVersionError,
+    )
+    from moeckpt.reshard.checkpointer import Checkpointer
+    from moeckpt.reshard.commit import SaveFailedError
+    from moeckpt.reshard.library import AsyncSave, SaveStats, async_save, load, save
+    from moeckpt.reshard.load import LoadStats
+    from moeckpt.reshard.state_dict import StateDictError
+    from moeckpt.verification import verify

@@ -16,9 +16,11 @@ from .params import Text, count, number
 
 def check_run_dir(run_dir: str) -> None:
     """Refuse what is not a run directory: nothing there, a file, a checkpoint, or a directory with no trace of a
-    run (no ``step-*`` entry, no staging leftover, no metrics)."""
+    run (no ``step-*`` entry, no staging leftover, no metrics, and on an object store no incomplete upload)."""
     storage = Storage(run_dir)
     storage.refuse_file()
+    if not storage.is_local and storage.stale_uploads(0):
+        return  # an object-store prefix whose only trace of a run is a killed save's upload: gc aborts it
     if not storage.exists():
         raise NotCommittedError(f"RUN_DIR {run_dir}: no such run directory")
     names = storage.listdir()

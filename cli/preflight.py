@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from urllib.parse import urlsplit
 
 from moeckpt.formats.errors import StorageError
 
-__all__ = ["CONNECT_TIMEOUT_S", "check_s3_reachable"]
+__all__ = ["CONNECT_TIMEOUT_S", "CONNECT_TRIES", "check_s3_reachable"]
 
 #: how long the one connect may take.
 CONNECT_TIMEOUT_S = 3.0
@@ -32,18 +33,35 @@ def _endpoint() -> tuple[str, str, int]:
     return host, host, 443
 
 
+#: connects tried within :data:`CONNECT_TIMEOUT_S` before the endpoint counts as unreachable (a reset is often
+#: transient).
+CONNECT_TRIES = 3
+
+
 def check_s3_reachable(args: list[str]) -> None:
     """Raise a one-line :class:`StorageError` when ``args`` name an ``s3://`` location whose endpoint does not
-    accept a TCP connection within :data:`CONNECT_TIMEOUT_S`."""
-    if not any(isinstance(a, str) and a.startswith(("s3://", "s3a://")) for a in args):
+    accept a TCP connection in :data:`CONNECT_TRIES` tries within :data:`CONNECT_TIMEOUT_S`."""
+    urls = [a for a in args if isinstance(a, str) and a.startswith(("s3://", "s3a://"))]
+    if not urls:
         return
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY")):
         return
     name, host, port = _endpoint()
-    try:
-        socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as e:
-        why = f"no answer within {CONNECT_TIMEOUT_S:.0f} s" if isinstance(e, TimeoutError) else (
-            e.strerror or type(e).__name__)
-        raise StorageError(f"the S3 endpoint {name} is unreachable ({why}); check the address, the network and "
-                           "that the service runs") from None
+    deadline = time.monotonic() + CONNECT_TIMEOUT_S
+    error: OSError | None = None
+    tries = 0
+    while tries < CONNECT_TRIES:
+        tries += 1
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            socket.create_connection((host, port), timeout=left).close()
+            return
+        except OSError as e:
+            error = e
+            time.sleep(min(0.1 * tries, max(0.0, deadline - time.monotonic())))
+    why = f"no answer within {CONNECT_TIMEOUT_S:.0f} s" if isinstance(error, TimeoutError) or error is None else (
+        error.strerror or type(error).__name__)
+    raise StorageError(f"{urls[0]}: the S3 endpoint {name} is unreachable after {tries} tries ({why}); check the "
+                       "address, the network and that the service runs")

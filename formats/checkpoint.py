@@ -95,7 +95,7 @@ def discard(location: str) -> None:
     has in flight (object stores, whose written objects ``gc`` removes)."""
     final = open_storage(location)
     final.commit_strategy.discard(final)
-    log.info("discarded the failed save to %s", final.location)
+    log.debug("discarded the failed save to %s", final.location)
 
 
 def quarantine(location: str) -> str:

@@ -184,9 +184,11 @@ def test_cli_trains_muon_and_the_tools_work_on_its_checkpoints(tmp_path, moeckpt
     code, out, err = moeckpt_cli("train", *args, "--steps", "6", "--keep-last", "1")
     assert code == 0 and "step 6/6" in out, err
     assert [s for s, _ in committed_steps(str(run))] == [6]
-    for bad, field in (("nan", "muon_momentum"), ("1", "muon_momentum"), ("-0.5", "muon_momentum")):
+    for bad in ("nan", "1", "-0.5"):
         code, _, err = moeckpt_cli("train", *args[:-4], "--muon-momentum", bad, "--steps", "7")
-        assert code == 2 and f"Error: {field}=" in err and "Traceback" not in err, err
+        # one line naming the option (the CLI's rule for every hostile value), no traceback
+        assert code == 2 and "'--muon-momentum'" in err and len(err.strip().splitlines()) == 1, err
+        assert "Traceback" not in err, err
     for opt, value in (
         ("--muon-ns-steps", "0"),
         ("--muon-ns-steps", "x"),
