@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -145,6 +146,37 @@ def _placement_of(p: Any, key: str) -> MeshPlacement:
     )
 
 
+#: a mesh's ranks (and a placements tuple's parsed form) are asked for once per tensor of a state dict, thousands
+#: of times for the same few meshes: kept by the mesh object (weakly, so a mesh that goes is forgotten).
+_MESH_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PLACEMENTS: dict[tuple, tuple[MeshPlacement, ...]] = {}
+
+
+def _mesh_ranks(mesh: Any, to_group_rank) -> tuple[int, ...]:
+    by_map = _MESH_RANKS.get(mesh)
+    if by_map is None:
+        by_map = _MESH_RANKS[mesh] = {}
+    key = id(to_group_rank) if to_group_rank is not None else None
+    found = by_map.get(key)
+    if found is None:
+        if len(by_map) > 4:  # one rank-mapping function per save: keep only the recent ones
+            by_map.clear()
+        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+        if to_group_rank is not None:
+            ranks = [to_group_rank(r) for r in ranks]
+        found = by_map[key] = tuple(ranks)
+    return found
+
+
+def _placements_of(placements: tuple, key: str) -> tuple[MeshPlacement, ...]:
+    found = _PLACEMENTS.get(placements)
+    if found is None:
+        found = tuple(_placement_of(p, key) for p in placements)
+        if len(_PLACEMENTS) < 10_000:
+            _PLACEMENTS[placements] = found
+    return found
+
+
 def _is_dtensor(value: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -166,10 +198,8 @@ def leaf_of(key: str, value: Any, *, to_group_rank=None) -> Leaf:
 
             value = cast(DTensor, value)
             mesh = value.device_mesh
-            ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
-            if to_group_rank is not None:
-                ranks = [to_group_rank(r) for r in ranks]
-            placements = tuple(_placement_of(p, key) for p in value.placements)
+            ranks = _mesh_ranks(mesh, to_group_rank)
+            placements = _placements_of(tuple(value.placements), key)
             return Leaf(
                 key,
                 "dtensor",

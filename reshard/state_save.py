@@ -26,7 +26,7 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index, MeshEntry, TensorEntry
 
 from . import collectives
-from .mesh import MeshPlacement, local_boxes, mesh_geometry, name_seed
+from .mesh import MeshGeometry, MeshPlacement, local_boxes, mesh_geometry, name_seed
 from .state_dict import Leaf, StateDictError, flatten, leaf_of
 
 __all__ = ["SavePlan", "plan_state_save", "rank_pieces"]
@@ -134,12 +134,18 @@ def _merge(everyone: list[list], *, backend: str, step: int, model) -> tuple[Ind
     tensors: dict[str, TensorEntry] = {}
     values: dict[str, Any] = {}
     boxes: dict[str, list[Box]] = {}
+    made: dict[tuple, tuple[MeshEntry, list[str]]] = {}  # the same mesh for thousands of tensors: built once
     for key in sorted(seen):
         item, by_mesh = seen[key]
         if item[1] == "value":
             values[key] = item[2]
             continue
-        mesh, placements = _mesh_of(key, item, by_mesh)
+        sig = (item[1], tuple(item[4]) if item[1] == "dtensor" else (), tuple(item[5]) if item[1] == "dtensor" else (),
+               tuple((r, tuple(h)) for r, h in by_mesh.items()))
+        found = made.get(sig)
+        if found is None:
+            found = made[sig] = _mesh_of(key, item, by_mesh)
+        mesh, placements = found
         pos = mesh_pos.setdefault(mesh, len(meshes))
         if pos == len(meshes):
             meshes.append(mesh)
@@ -153,7 +159,7 @@ def _merge(everyone: list[list], *, backend: str, step: int, model) -> tuple[Ind
             sharding={"mesh": pos, "placements": list(placements)},
             mesh=mesh,
         )
-        geo = mesh_geometry(tuple(shape), mesh.shape, [MeshPlacement.from_json(p) for p in placements])
+        geo = mesh_geometry(tuple(shape), mesh.shape, _parsed(tuple(placements)))
         boxes[key] = list(geo.boxes)
     index = Index(
         backend=backend,
@@ -166,6 +172,16 @@ def _merge(everyone: list[list], *, backend: str, step: int, model) -> tuple[Ind
         meshes=tuple(meshes),
     )
     return index, boxes
+
+
+_PARSED: dict[tuple[str, ...], tuple[MeshPlacement, ...]] = {}
+
+
+def _parsed(placements: tuple[str, ...]) -> tuple[MeshPlacement, ...]:
+    found = _PARSED.get(placements)
+    if found is None:
+        found = _PARSED[placements] = tuple(MeshPlacement.from_json(p) for p in placements)
+    return found
 
 
 def _mesh_of(key: str, item: list, by_mesh: dict[tuple[int, ...], list[int]]) -> tuple[MeshEntry, list[str]]:
@@ -199,25 +215,30 @@ def _mesh_of(key: str, item: list, by_mesh: dict[tuple[int, ...], list[int]]) ->
 def rank_pieces(plan: SavePlan) -> list[tuple[str, Box, torch.Tensor]]:
     """``(key, box, view of the local tensor)`` of every box this rank writes."""
     out = []
+    # Tensors of one structure (shape, mesh, placements) share their geometry and this rank's boxes: computed once.
+    local: dict[tuple, tuple[MeshGeometry, dict[Box, tuple[int, ...]]]] = {}
     for key in sorted(plan.leaves):  # in key order whatever the state dict's order: a file's bytes are determined
         leaf = plan.leaves[key]
         entry = plan.index.tensors[key]
         mesh = entry.mesh
         if mesh is None:  # unreachable: _merge gives every tensor of a state-dict checkpoint a mesh
             raise StateDictError(f"tensor {key!r} has no mesh sharding")
-        placements = [MeshPlacement.from_json(p) for p in entry.sharding["placements"]]
-        geo = mesh_geometry(entry.shape, mesh.shape, placements)
+        placements = _parsed(tuple(entry.sharding["placements"]))
+        sig = (entry.shape, mesh, placements)
+        found = local.get(sig)
+        if found is None:
+            geo = mesh_geometry(entry.shape, mesh.shape, placements)
+            coord = _coord(mesh.ranks.index(plan.rank), mesh.shape)
+            found = local[sig] = (geo, dict(local_boxes(entry.shape, mesh.shape, coord, placements)))
+        geo, offsets_of = found
         seed = name_seed(key)
-        flat = mesh.ranks.index(plan.rank)
-        mine = {geo.boxes[i] for i in range(len(geo.boxes)) if geo.writer(i, mesh.ranks, seed) == plan.rank}
-        if not mine:
-            continue
-        coord = _coord(flat, mesh.shape)
-        local = leaf.local.detach()
-        for box, offsets in sorted(local_boxes(entry.shape, mesh.shape, coord, placements)):
-            if box in mine:
-                view = local[tuple(slice(o, o + s) for o, s in zip(offsets, box.shape))] if box.ndim else local
-                out.append((key, box, view))
+        view_of = leaf.local.detach()
+        for i, box in enumerate(geo.boxes):
+            if geo.writer(i, mesh.ranks, seed) != plan.rank or box not in offsets_of:
+                continue
+            offsets = offsets_of[box]
+            view = view_of[tuple(slice(o, o + s) for o, s in zip(offsets, box.shape))] if box.ndim else view_of
+            out.append((key, box, view))
     return out
 
 
