@@ -142,10 +142,10 @@ def _merge(everyone: list[list], *, backend: str, step: int, model) -> tuple[Ind
             continue
         sig = (item[1], tuple(item[4]) if item[1] == "dtensor" else (), tuple(item[5]) if item[1] == "dtensor" else (),
                tuple((r, tuple(h)) for r, h in by_mesh.items()))
-        found = made.get(sig)
-        if found is None:
-            found = made[sig] = _mesh_of(key, item, by_mesh)
-        mesh, placements = found
+        made_mesh = made.get(sig)
+        if made_mesh is None:
+            made_mesh = made[sig] = _mesh_of(key, item, by_mesh)
+        mesh, placements = made_mesh
         pos = mesh_pos.setdefault(mesh, len(meshes))
         if pos == len(meshes):
             meshes.append(mesh)
