@@ -133,8 +133,9 @@ def load_state_dict(
         if reader is None:  # unreachable: _agree raised the open's error on every rank
             raise StateDictError(f"{location}: the checkpoint could not be opened")
         try:
-            _read_into(reader, [(leaf.key, box, view) for leaf, box, view in wanted], rank, stats,
-                       options or LoadOptions())
+            _read_into(
+                reader, [(leaf.key, box, view) for leaf, box, view in wanted], rank, stats, options or LoadOptions()
+            )
         except (MoeckptError, OSError) as e:
             error = e
         _agree(error, group, where)
@@ -182,8 +183,10 @@ def load_boxes(
                 if entry is None:
                     raise StateDictError(f"{reader.location}: the checkpoint has no tensor {name!r}")
                 if not box.within(entry.shape) or tuple(view.shape) != box.shape:
-                    raise StateDictError(f"{reader.location}: tensor {name!r} {list(entry.shape)} has no box "
-                                         f"{box.to_json()} of shape {list(view.shape)}")
+                    raise StateDictError(
+                        f"{reader.location}: tensor {name!r} {list(entry.shape)} has no box "
+                        f"{box.to_json()} of shape {list(view.shape)}"
+                    )
         except (MoeckptError, OSError) as e:
             error = e
         where = reader.location if reader is not None else str(location)

@@ -140,8 +140,12 @@ def _merge(everyone: list[list], *, backend: str, step: int, model) -> tuple[Ind
         if item[1] == "value":
             values[key] = item[2]
             continue
-        sig = (item[1], tuple(item[4]) if item[1] == "dtensor" else (), tuple(item[5]) if item[1] == "dtensor" else (),
-               tuple((r, tuple(h)) for r, h in by_mesh.items()))
+        sig = (
+            item[1],
+            tuple(item[4]) if item[1] == "dtensor" else (),
+            tuple(item[5]) if item[1] == "dtensor" else (),
+            tuple((r, tuple(h)) for r, h in by_mesh.items()),
+        )
         made_mesh = made.get(sig)
         if made_mesh is None:
             made_mesh = made[sig] = _mesh_of(key, item, by_mesh)
