@@ -49,9 +49,14 @@ def run(optimizer: str, args, device: torch.device, root: str) -> dict:
         for _ in range(args.steps):
             _sync(device)
             t0 = time.perf_counter()
-            inputs, targets = trainer.loader.next()
-            loss = trainer.loss(inputs, targets)
-            loss.backward()
+            # --accum micro-batches of --global-batch sequences per optimizer step (gradient accumulation):
+            # the optimizer's share depends on the tokens per step, and real runs step on millions of tokens.
+            loss_sum = 0.0
+            for _ in range(args.accum):
+                inputs, targets = trainer.loader.next()
+                loss = trainer.loss(inputs, targets) / args.accum
+                loss.backward()
+                loss_sum += float(loss.detach())
             _sync(device)
             t1 = time.perf_counter()
             trainer.optimizer.step(trainer.schedule.next())
@@ -60,14 +65,14 @@ def run(optimizer: str, args, device: torch.device, root: str) -> dict:
             t2 = time.perf_counter()
             fwd_bwd.append(t1 - t0)
             opt_s.append(t2 - t1)
-            losses.append(float(loss.detach()))
+            losses.append(loss_sum)
         memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     finally:
         trainer.close()
     timed = slice(min(args.warmup, args.steps - 1), None)
     step = [a + b for a, b in zip(fwd_bwd, opt_s)][timed]
     med_step, med_opt = statistics.median(step), statistics.median(opt_s[timed])
-    tokens = args.global_batch * args.seq_len
+    tokens = args.global_batch * args.seq_len * args.accum
     return {
         "optimizer": optimizer,
         "median_step_s": med_step,
@@ -110,7 +115,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing medians")
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=8, help="sequences per forward/backward pass")
+    p.add_argument("--accum", type=int, default=1, help="forward/backward passes (micro-batches) per optimizer step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate, the same for both optimizers")
     p.add_argument("--warmup-lr", type=int, default=20, help="learning-rate warmup steps")
     p.add_argument("--seed", type=int, default=0)
@@ -130,7 +136,8 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     result = {
         "model": args.model, "dtype": args.dtype, "steps": args.steps, "seq_len": args.seq_len,
-        "global_batch": args.global_batch, "tokens_per_step": args.seq_len * args.global_batch, "lr": args.lr,
+        "global_batch": args.global_batch, "accum": args.accum,
+        "tokens_per_step": args.seq_len * args.global_batch * args.accum, "lr": args.lr,
         "warmup_lr": args.warmup_lr, "tail": args.tail, "seed": args.seed,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "python": platform.python_version(),
