@@ -8,6 +8,7 @@ from collections import Counter
 import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.index import STORED_SHARDING
 
 from .params import Text
 
@@ -36,6 +37,8 @@ def summary(reader: CheckpointReader) -> dict:
         "backend": idx.backend,
         "step": idx.step,
         "layout": idx.layout,
+        "meshes": [m.to_json() for m in idx.meshes],
+        "shardings": shardings(idx),
         "model": idx.model,
         "train_state": idx.train_state,
         "num_tensors": len(idx.tensors),
@@ -49,6 +52,31 @@ def summary(reader: CheckpointReader) -> dict:
         },
         "files": {p: {"size": f.size, "checksum": f.checksum} for p, f in sorted(idx.files.items())},
     }
+
+
+def shardings(idx) -> dict[str, int]:
+    """How many tensors are sharded each way: by the layout's rules, over mesh ``i``, as stored, or replicated."""
+    counts: Counter = Counter()
+    for t in idx.tensors.values():
+        if t.sharding == STORED_SHARDING:
+            counts["stored pieces"] += 1
+        elif "mesh" in t.sharding:
+            counts[f"mesh {t.sharding['mesh']}"] += 1
+        elif t.sharding:
+            counts["layout rules"] += 1
+        else:
+            counts["replicated"] += 1
+    return dict(sorted(counts.items()))
+
+
+def _layout_line(info: dict) -> str:
+    """The layout (tp, ep, dp) of a trainer's checkpoint; for a state-dict checkpoint, its meshes and shardings."""
+    if info["layout"]:
+        return " ".join(f"{k}={v}" for k, v in info["layout"].items())
+    parts = [f"mesh {i} {'x'.join(map(str, m['shape']))} over {len(m['ranks'])} ranks" for i, m in
+             enumerate(info["meshes"])]
+    counts = ", ".join(f"{what}: {n}" for what, n in info["shardings"].items())
+    return "none (a state-dict checkpoint)" + (f"; {'; '.join(parts)}" if parts else "") + f"; tensors by sharding: {counts}"
 
 
 #: data files listed by name before the rest is summarised.
@@ -69,7 +97,7 @@ def command(ckpt: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(info, indent=1))
         return
-    layout = " ".join(f"{k}={v}" for k, v in info["layout"].items())
+    layout = _layout_line(info)
     click.echo(f"checkpoint  {info['location']}")
     click.echo(f"format      moeckpt v{info['format_version']} ({info['backend']})")
     click.echo(f"model       {info['model'].get('arch')}")

@@ -7,6 +7,7 @@ update docs/format.md and regenerate with ``python -m tests.test_golden_v2`` onl
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -104,3 +105,16 @@ if __name__ == "__main__":  # regenerate: python -m tests.test_golden_v2
     for name in FILES:
         shutil.copy(os.path.join(tmp, "c", name), os.path.join(GOLDEN, name))
     print(f"wrote {len(FILES)} golden files to {GOLDEN}", file=sys.stderr)
+
+
+def test_inspect_names_the_meshes_of_a_state_dict_checkpoint(moeckpt_cli):
+    """A checkpoint without a trainer layout says so, and lists its meshes and how its tensors are sharded."""
+    code, out, _ = moeckpt_cli("inspect", GOLDEN)
+    assert code == 0
+    line = next(ln for ln in out.splitlines() if ln.startswith("layout"))
+    assert "none (a state-dict checkpoint)" in line
+    assert "mesh 0 2x2 over 4 ranks" in line and "mesh 1 4 over 4 ranks" in line
+    assert "mesh 0: 2" in line and "mesh 1: 1" in line
+    code, out, _ = moeckpt_cli("inspect", GOLDEN, "--json")
+    info = json.loads(out)
+    assert info["meshes"][0]["shape"] == [2, 2] and info["shardings"] == {"mesh 0": 2, "mesh 1": 1}
