@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -47,17 +47,6 @@ class SavePlan:
     rank: int
 
 
-def _agree_on_error(error: MoeckptError | None, group) -> None:
-    """Collective: raise the first rank's error on every rank (the failing rank keeps its own message)."""
-    note = None if error is None else [type(error).__name__, str(error)]
-    notes = collectives.all_gather_json(note, group)
-    if error is not None:
-        raise error
-    for g, other in enumerate(notes):
-        if other is not None:
-            raise StateDictError(f"rank {g} of the group refused the save: {other[1]}")
-
-
 def group_rank_of(group):
     """A function mapping a global rank to its rank in ``group`` (identity without torch.distributed)."""
     if not collectives.is_distributed():
@@ -69,15 +58,19 @@ def group_rank_of(group):
     return lambda r: dist.get_group_rank(group, r)
 
 
-def _gather_descriptions(mine: list, group) -> list[list]:
+def _gather_descriptions(mine: list, digest: str, digests: list[str], group) -> list[list]:
     """Every rank's description, each distinct one sent once (by the lowest rank that has it)."""
-    digest = xxhash.xxh3_64_hexdigest(json.dumps(mine, separators=(",", ":"), allow_nan=True).encode())
-    digests = collectives.all_gather_json(digest, group)
     me = collectives.rank(group)
     first = digests.index(digest) == me
     sent = collectives.all_gather_json(mine if first else None, group)
     by_digest = {digests[g]: d for g, d in enumerate(sent) if d is not None}
     return [by_digest[d] for d in digests]
+
+
+#: merged tensor plans by (backend, model, every rank's tensor-description digest): a trainer saves the same
+#: structure every time, so after the first save only the JSON values travel and nothing is merged again.
+_PLANS: dict[tuple, tuple[Index, dict[str, list[Box]]]] = {}
+_PLANS_KEPT = 4
 
 
 def plan_state_save(
@@ -92,21 +85,69 @@ def plan_state_save(
     me = collectives.rank(group)
     error: MoeckptError | None = None
     leaves: list[Leaf] = []
+    tensors_mine: list = []
+    values_mine: list = []
     try:
         to_group = group_rank_of(group)
         leaves = [leaf_of(k, v, to_group_rank=to_group) for k, (_, v) in flatten(state_dict).items()]
-        mine = [leaf.describe() + ([leaf.local] if leaf.kind == "value" else []) for leaf in leaves]
+        for leaf in leaves:
+            if leaf.kind == "value":
+                values_mine.append(leaf.describe() + [leaf.local])
+            else:
+                tensors_mine.append(leaf.describe())
     except MoeckptError as e:
-        error, mine = e, []
+        error, tensors_mine, values_mine = e, [], []
     except ValueError as e:  # get_group_rank of a rank outside the group, say
-        error, mine = StateDictError(str(e)), []
-    _agree_on_error(error, group)
-    everyone = _gather_descriptions(mine, group)
-    try:
-        index, boxes = _merge(everyone, backend=backend, step=step, model=model)
-    except MoeckptError as e:  # the same on every rank: each merged the same descriptions
-        raise e from None
+        error, tensors_mine, values_mine = StateDictError(str(e)), [], []
+    digest = xxhash.xxh3_128_hexdigest(json.dumps(tensors_mine, separators=(",", ":"), allow_nan=True).encode())
+    note = None if error is None else [type(error).__name__, str(error)]
+    # One exchange carries every rank's error, its tensor digest and its (small) JSON values.
+    gathered = collectives.all_gather_json([note, digest, values_mine], group)
+    if error is not None:
+        raise error
+    for g, (other, _, _) in enumerate(gathered):
+        if other is not None:
+            raise StateDictError(f"rank {g} of the group refused the save: {other[1]}")
+    digests = [d for _, d, _ in gathered]
+    key = (backend, json.dumps(model, sort_keys=True), tuple(digests))
+    cached = _PLANS.get(key)
+    if cached is None:
+        everyone = _gather_descriptions(tensors_mine, digest, digests, group)
+        try:
+            cached = _merge(everyone, backend=backend, step=0, model=model)
+        except MoeckptError as e:  # the same on every rank: each merged the same descriptions
+            raise e from None
+        if len(_PLANS) >= _PLANS_KEPT:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = cached
+    tensor_index, boxes = cached
+    values = _merge_values([v for _, _, v in gathered], tensor_index.tensors)
+    index = replace(tensor_index, step=step, train_state=values)
     return SavePlan(index, boxes, {leaf.key: leaf for leaf in leaves if leaf.kind != "value"}, me)
+
+
+def _merge_values(everyone: list[list], tensors: Mapping[str, TensorEntry]) -> dict[str, Any]:
+    """The JSON values of every rank: a key held by several ranks must hold the same value, and no key may be a
+    value on one rank and a tensor on another."""
+    values: dict[str, Any] = {}
+    first: dict[str, int] = {}
+    for g, desc in enumerate(everyone):
+        for item in desc:
+            key, value = item[0], item[2]
+            if key in tensors:
+                raise StateDictError(
+                    f"key {key!r} differs between ranks (a tensor on some, a value on rank {g}): a key held by "
+                    "several ranks must agree; key per-rank values by rank, e.g. f'loader.rank{rank}'"
+                )
+            if key in values:
+                if values[key] != value:
+                    raise StateDictError(
+                        f"key {key!r} differs between ranks {first[key]} and {g} (values): a key held by several "
+                        "ranks must agree; key per-rank values by rank, e.g. f'loader.rank{rank}'"
+                    )
+                continue
+            values[key], first[key] = value, g
+    return dict(sorted(values.items()))
 
 
 def _merge(everyone: list[list], *, backend: str, step: int, model) -> tuple[Index, dict[str, list[Box]]]:

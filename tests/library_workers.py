@@ -242,3 +242,28 @@ def save_golden_state(rank: int, path: str) -> None:
         "step": 3,
     }
     moeckpt.save(sd, path, step=3)
+
+
+def repeated_saves(rank: int, root: str, out: str) -> None:
+    """Saves of one structure with changing values, then of another structure, then disagreeing ranks: each
+    checkpoint must hold exactly what was saved, and a disagreement must fail every rank naming the key."""
+    import moeckpt
+    from moeckpt.formats.errors import MoeckptError
+
+    w = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    results: dict = {}
+    for step in (1, 2):
+        moeckpt.save({"w": w * step, "step": step, "opt": {"lr": 0.1 * step}}, os.path.join(root, f"a{step}"), step=step)
+    # the same structure once more, and then a new tensor: the plan must follow the state dict, not a cache
+    moeckpt.save({"w": w, "b": torch.ones(3), "step": 3}, os.path.join(root, "b"), step=3)
+    for name, sd in {
+        "value": {"w": w, "step": rank},  # a value that differs between ranks
+        "kind": {"w": w, "x": (torch.zeros(2) if rank == 0 else 5)},  # a tensor on one rank, a value on another
+    }.items():
+        try:
+            moeckpt.save(sd, os.path.join(root, f"bad-{name}"))
+            results[name] = None
+        except MoeckptError as e:
+            results[name] = [type(e).__name__, str(e)]
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)

@@ -185,3 +185,29 @@ def test_fsdp2_tp_training_resumes_on_another_mesh(tmp_path):
     run_local_world(w.fsdp_train, 2, 2, 1, out, path, "resume")
     other = json.load(open(tmp_path / "resume-2x1.json"))
     assert other == pytest.approx(straight[3:], rel=1e-5)
+
+
+def test_repeated_saves_hold_what_each_saved_and_disagreeing_ranks_fail_together(tmp_path):
+    """Saves of one structure reuse its plan (only the values change) and the checkpoint still holds each save's
+    values and tensors; a new structure gets a new plan; ranks disagreeing on a key fail the save on every rank."""
+    from moeckpt.formats.checkpoint import CheckpointReader
+
+    root, out = tmp_path / "ck", tmp_path / "out"
+    root.mkdir()
+    out.mkdir()
+    run_local_world(w.repeated_saves, 2, str(root), str(out))
+    for step in (1, 2):
+        index = CheckpointReader(str(root / f"a{step}")).index
+        assert index.step == step
+        assert index.train_state == {"opt.lr": 0.1 * step, "step": step}
+        sd = {"w": torch.zeros(4, 2)}
+        moeckpt.load(sd, str(root / f"a{step}"))
+        assert torch.equal(sd["w"], torch.arange(8, dtype=torch.float32).reshape(4, 2) * step)
+    index = CheckpointReader(str(root / "b")).index
+    assert sorted(index.tensors) == ["b", "w"] and index.train_state == {"step": 3}
+    for rank in (0, 1):
+        results = json.loads((out / f"rank{rank}.json").read_text())
+        for name, key in (("value", "step"), ("kind", "x")):
+            assert results[name] is not None and results[name][0] == "StateDictError", results
+            assert repr(key) in results[name][1] and "differs between ranks" in results[name][1], results
+            assert not (root / f"bad-{name}" / "moeckpt.json").exists()
