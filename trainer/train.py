@@ -43,6 +43,7 @@ from .faults import FaultInjector, parse_fault
 from .init_values import initial_value
 from .logs import progress
 from .memory import check_fits, training_bytes
+from .memory_tier import MemoryTier, choose_step, run_id, run_root
 from .metrics import MetricsLog
 from .models import ModelSpec, resolve_model
 from .muon import MuonConfig
@@ -213,9 +214,13 @@ class Trainer:
             faults=self._faults(config),
         )
         self.metrics = MetricsLog(config.run_dir, enabled=self.rank == 0)
+        self.memory: MemoryTier | None = self._memory_tier(config) if config.memory_tier else None
+        self.checkpoints.memory = self.memory
         self.nan_rollbacks = 0
         self.step = 0
         self.resumed_from: str | None = None
+        #: the tier the resume read from: ``memory`` or ``storage`` (the run directory); ``None`` for a fresh run.
+        self.resume_tier: str | None = None
         self._resume()
 
     # ------------------------------------------------------------------------------------------- set-up
@@ -238,6 +243,15 @@ class Trainer:
             piece.tensor.copy_(current[1][piece.box.slices()])
         self.optimizer.load_master_from_params()
 
+    def _memory_tier(self, config: TrainConfig) -> MemoryTier:
+        """Join the memory tier (collective): the run's id from its run directory, the budget checked."""
+        rid = collectives.broadcast_json(run_id(config.run_dir, create=True) if self.rank == 0 else None, 0,
+                                         self.checkpoints.group)
+        tier = MemoryTier(run_root(config.memory_dir, rid), group=self.checkpoints.group, keep=config.memory_keep,
+                          replicas=config.memory_replicas, state_bytes=sum(e.nbytes for e in self.tensors.values()))
+        tier.check_budget()
+        return tier
+
     def _resume(self) -> None:
         restored = self._restore_newest_intact()
         if restored is None:
@@ -256,8 +270,12 @@ class Trainer:
         everyone = collectives.all_gather_json(
             [restored.stats.bytes_read, restored.stats.bytes_needed, restored.stats.seconds], self.checkpoints.group
         )
+        read = sum(r[0] for r in everyone)
         self.metrics.write({
-            "event": "resume", "step": self.step, "from_layout": restored.source_layout.to_json(),
+            "event": "resume", "step": self.step, "tier": self.resume_tier,
+            "memory_bytes_read": read if self.resume_tier == "memory" else 0,
+            "storage_bytes_read": read if self.resume_tier == "storage" else 0,
+            "from_layout": restored.source_layout.to_json(),
             "to_layout": self.groups.layout.to_json(),
             # storage reads of all ranks against the bytes the new layout holds (replicas counted once per rank)
             "bytes_read": sum(r[0] for r in everyone), "bytes_needed": sum(r[1] for r in everyone),
@@ -271,8 +289,9 @@ class Trainer:
             why = f" after restart {restart} of the workers" if restart else ""
             fresh = f"; its optimizer state is not {self.optimizer.name}'s: started fresh" if restored.optimizer_reset else ""
             log.info(
-                "resumed %s (step %d, written in layout %s) into layout %s%s: rank 0 read %.2f MB for %.2f MB of "
-                "state in %.2f s%s", restored.location, self.step, restored.source_layout, self.groups.layout, why,
+                "resumed from %s %s (step %d, written in layout %s) into layout %s%s: rank 0 read %.2f MB for %.2f "
+                "MB of state in %.2f s%s", "host memory" if self.resume_tier == "memory" else "storage",
+                restored.location, self.step, restored.source_layout, self.groups.layout, why,
                 st.bytes_read / 1e6, st.bytes_needed / 1e6, st.seconds, fresh,
             )
             if restored.source_layout != self.groups.layout:
@@ -307,6 +326,12 @@ class Trainer:
             [[step, st.location] for step, st in reversed(committed_steps(self.config.run_dir))]
             if self.rank == 0 else None, 0, self.checkpoints.group,
         )
+        if self.memory is not None:
+            restored = self._restore_from_memory(not_before=candidates[0][0] if candidates else None)
+            if restored is not None:
+                self.resume_tier = "memory"
+                return restored
+        self.resume_tier = "storage"
         for step, location in candidates:
             try:
                 return restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
@@ -320,6 +345,43 @@ class Trainer:
                 "'damaged_checkpoint' events in metrics.jsonl); restore one from a copy or start a new --run-dir"
             )
         return None
+
+    def _restore_from_memory(self, *, not_before: int | None) -> Restored | None:
+        """Load the newest memory checkpoint the nodes of this world hold between them, if it is not older than
+        the newest persisted step (collective); ``None`` when there is none (or it reads back damaged).
+
+        Each writer's file is read by a rank whose node holds it and exchanged over the checkpoint group, so a
+        node that holds none of it (a new node) still loads; it gets the step's index to plan with."""
+        tier = self.memory
+        if tier is None:
+            return None
+        held = tier.gather()
+        choice = choose_step(held, not_before=not_before)
+        if choice is None:
+            return None
+        step = choice.step
+        having = [key for key in tier.nodes if str(step) in held.get(key, {})]
+        if len(having) < len(tier.nodes):
+            src = tier.ranks_of[having[0]][0]
+            text = None
+            if self.rank == src:
+                with open(os.path.join(tier.location(step), INDEX_NAME), encoding="utf-8") as f:
+                    text = f.read()
+            text = collectives.broadcast_json(text, src, self.checkpoints.group)
+            if tier.is_leader:
+                tier.ensure_index(step, text.encode())
+            collectives.barrier(self.checkpoints.group)
+        readable = [choice.writers.get(key, set()) for key in tier.keys]
+        try:
+            return restore(tier.location(step), self.optimizer, model_json=self.spec.to_json(),
+                           group=self.checkpoints.group, reset_optimizer=self.config.reset_optimizer,
+                           readable=readable)
+        except DAMAGED_CHECKPOINT_ERRORS as e:
+            if self.rank == 0:
+                log.warning("memory checkpoint of step %d is damaged (%s); resuming from storage", step, e)
+                self.metrics.write({"event": "damaged_checkpoint", "tier": "memory", "step": step, "error": str(e),
+                                    "time": time.time()})
+            return None
 
     def _set_aside_damaged(self, step: int, location: str, error: Exception) -> None:
         """Resume found ``location`` damaged: record it, move it out of the way (rank 0) and let the caller try the
@@ -406,9 +468,13 @@ class Trainer:
             "layout": self.groups.layout.to_json(),
         }
 
-    def save(self) -> float:
-        """Start a checkpoint of the current step; returns the seconds training was blocked."""
-        stats = self.checkpoints.save(self.step, self.local_state(), self.train_state())
+    def save(self, *, persist: bool = True, memory: bool | None = None) -> float:
+        """Start a checkpoint of the current step, into the run directory (``persist``) and/or the memory tier
+        (``memory``, default: with every persistent save when the tier is on); returns the seconds training was
+        blocked (one snapshot for both)."""
+        memory = self.memory is not None and (persist if memory is None else memory)
+        stats = self.checkpoints.save(self.step, self.local_state(), self.train_state(), persist=persist,
+                                      to_memory=memory)
         return stats.blocked_s
 
     def run(self, *, should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
@@ -438,9 +504,13 @@ class Trainer:
                 if not math.isfinite(record["loss"]):
                     self.roll_back(record["loss"])
                     continue
-                if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == stop:
-                    record["save_blocked_s"] = self.save()
-                    last_saved = self.step
+                persist = bool(cfg.save_every and self.step % cfg.save_every == 0) or self.step == stop
+                memory = self.memory is not None and (self.step % cfg.memory_every == 0 if cfg.memory_every
+                                                      else persist)
+                if persist or memory:
+                    record["save_blocked_s"] = self.save(persist=persist, memory=memory)
+                    if persist:
+                        last_saved = self.step
                 self.metrics.write(record)
                 records.append(record)
                 meter.step(record)
@@ -514,6 +584,9 @@ def run_training(config: TrainConfig) -> RunSummary:
     control = dist.new_group(backend="gloo") if dist.is_initialized() else None
     try:
         records = trainer.run(should_stop=lambda: preempted.agreed(control))
+        if trainer.memory is not None:
+            # the invocation ended normally, its last step persisted: the memory tier has nothing more to give
+            trainer.memory.remove_all()
         if trainer.stopped_early and trainer.rank == 0:
             log.info("stopped on SIGTERM at step %d%s", trainer.step,
                      ", its checkpoint committed" if records else " before training a step: nothing new to save")

@@ -1,0 +1,140 @@
+"""The in-memory checkpoint tier (--memory-tier): its commit rule, budget, cleanup, and the resume from it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from moeckpt.formats.checkpoint import CheckpointReader, committed_steps, verify
+from moeckpt.testing import run_local_world
+from moeckpt.trainer import memory_tier
+from moeckpt.trainer.metrics import read_metrics
+from moeckpt.trainer.train import TrainConfig, train
+from tests.train_workers import memory_run
+
+BASE = {"model": "zaya-tiny", "steps": 6, "seq_len": 32, "global_batch": 4, "warmup_steps": 2, "cpu": True}
+
+
+def _config(tmp_path, **kw) -> TrainConfig:
+    return TrainConfig(run_dir=str(tmp_path / "run"), memory_tier=True, memory_dir=str(tmp_path / "shm"),
+                       **{**BASE, **kw})
+
+
+def _root(tmp_path) -> str:
+    rid = memory_tier.run_id(str(tmp_path / "run"), create=False)
+    assert rid is not None
+    return memory_tier.run_root(str(tmp_path / "shm"), rid)
+
+
+def _node_dir(tmp_path, node: str | None = None) -> str:
+    return os.path.join(_root(tmp_path), node or memory_tier.node_name())
+
+
+def _resume_event(run_dir) -> dict:
+    return [r for r in read_metrics(str(run_dir), events=True) if r.get("event") == "resume"][-1]
+
+
+def test_two_workers_commit_memory_checkpoints_keep_the_newest_and_resume_resharded_on_one(tmp_path):
+    cfg = _config(tmp_path, memory_keep=2)
+    run_local_world(memory_run, 2, cfg.to_json(), 4, (2,), (2, 3, 4), timeout_s=180)
+    node = _node_dir(tmp_path)
+    assert sorted(os.listdir(node)) == ["step-00000003", "step-00000004"]  # keep 2, nothing staged left
+    reader = CheckpointReader(os.path.join(node, "step-00000004"))
+    assert sorted(reader.index.files) == ["rank-00000.safetensors", "rank-00001.safetensors"]
+    assert reader.index.layout["dp"] == 2 and reader.index.train_state["step"] == 4
+    assert verify(reader) == []
+    assert [s for s, _ in committed_steps(str(tmp_path / "run"))] == [2]  # memory checkpoints are not persisted ones
+
+    records = train(cfg)  # one worker: dp 2 -> 1, from memory (step 4), not from disk (step 2)
+    assert [r["step"] for r in records] == [5, 6]
+    event = _resume_event(tmp_path / "run")
+    assert (event["tier"], event["step"], event["storage_bytes_read"]) == ("memory", 4, 0)
+    assert event["memory_bytes_read"] > 0 and event["from_layout"]["dp"] == 2 and event["to_layout"]["dp"] == 1
+    assert not os.path.exists(_root(tmp_path))  # a normal end removes the run's memory checkpoints
+
+
+def test_memory_resume_in_the_same_layout_is_bit_exact(tmp_path):
+    cfg = _config(tmp_path)
+    memory_run(0, cfg.to_json(), 3, (1,), (3,))  # "crashes" after step 3: disk has step 1, memory step 3
+    straight = train(TrainConfig(run_dir=str(tmp_path / "straight"), **BASE))  # after: memory_run sets 1 thread
+    resumed = train(cfg)
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight[3:]]
+    assert _resume_event(tmp_path / "run")["tier"] == "memory"
+
+
+def test_a_newer_persisted_step_wins_over_an_older_memory_one(tmp_path):
+    cfg = _config(tmp_path)
+    memory_run(0, cfg.to_json(), 3, (3,), (2,))
+    train(cfg)
+    event = _resume_event(tmp_path / "run")
+    assert (event["tier"], event["step"], event["memory_bytes_read"]) == ("storage", 3, 0)
+
+
+def test_torn_incomplete_and_other_runs_memory_checkpoints_are_ignored(tmp_path):
+    cfg = _config(tmp_path)
+    memory_run(0, cfg.to_json(), 4, (1,), (2, 3))
+    node = _node_dir(tmp_path)
+    # torn: a save killed before its commit leaves a staging directory, never a committed step
+    shutil.copytree(os.path.join(node, "step-00000003"), os.path.join(node, ".step-00000004.partial"))
+    os.remove(os.path.join(node, ".step-00000004.partial", "moeckpt.json"))
+    # incomplete: step 3's file is gone (its node lost it): not a complete set, so step 2 is taken
+    os.remove(os.path.join(node, "step-00000003", "rank-00000.safetensors"))
+    # another run's (or a stale) memory directory with a newer complete step
+    other = os.path.join(str(tmp_path / "shm"), "moeckpt-0123456789abcdef", memory_tier.node_name())
+    shutil.copytree(os.path.join(node, "step-00000002"), os.path.join(other, "step-00000009"))
+    records = train(cfg)
+    assert [r["step"] for r in records] == [3, 4, 5, 6]
+    event = _resume_event(tmp_path / "run")
+    assert (event["tier"], event["step"]) == ("memory", 2)
+    assert os.path.isdir(other)  # not ours to remove
+
+
+def test_a_recreated_run_directory_ignores_the_old_runs_memory(tmp_path):
+    cfg = _config(tmp_path)
+    memory_run(0, cfg.to_json(), 2, (), (2,))
+    old = _root(tmp_path)
+    shutil.rmtree(tmp_path / "run")  # a new run under the same name gets a new run id
+    records = train(cfg)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    assert os.path.isdir(old) and _root(tmp_path) != old
+
+
+def test_memory_every_k_steps_between_persistent_saves(tmp_path):
+    cfg = _config(tmp_path, save_every=4, memory_every=1, memory_keep=3)
+    memory_run(0, cfg.to_json(), 0, (), ())  # creates the run id
+    from moeckpt.trainer.train import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        trainer.config = TrainConfig.from_json({**cfg.to_json(), "stop_at": 5})
+        trainer.run()
+        kinds = [(s.step, s.persisted, s.memory is not None and s.memory.committed) for s in trainer.checkpoints.history]
+    finally:
+        trainer.close()
+    assert kinds == [(1, False, True), (2, False, True), (3, False, True), (4, True, True), (5, True, True)]
+    assert sorted(os.listdir(_node_dir(tmp_path))) == ["step-00000003", "step-00000004", "step-00000005"]
+
+
+def test_a_budget_the_filesystem_cannot_hold_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory_tier, "_free_bytes", lambda path: 1000)
+    with pytest.raises(memory_tier.MemoryBudgetError, match="--memory-keep 2: 2 memory checkpoint"):
+        train(_config(tmp_path))
+
+
+def test_gc_removes_the_runs_memory_checkpoints_and_keeps_counting_only_persisted_ones(tmp_path, moeckpt_cli):
+    cfg = _config(tmp_path)
+    memory_run(0, cfg.to_json(), 3, (1,), (2, 3))
+    root = _root(tmp_path)
+    code, out, err = moeckpt_cli("gc", str(tmp_path / "run"), "--memory-dir", str(tmp_path / "shm"))
+    assert code == 0, err
+    assert f"removed {root} (this host's memory-tier checkpoints of the run)" in out
+    assert "kept 1 checkpoint(s): step-00000001" in out
+    assert not os.path.exists(root)
+
+
+def test_memory_options_need_the_tier():
+    with pytest.raises(ValueError, match="memory_every=2 needs memory_tier"):
+        TrainConfig(run_dir="x", memory_every=2, **BASE)
