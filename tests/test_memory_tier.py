@@ -12,7 +12,7 @@ from moeckpt.testing import run_local_world
 from moeckpt.trainer import memory_tier
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig, train
-from tests.train_workers import memory_run
+from tests.train_workers import memory_run, train_on_nodes
 
 BASE = {"model": "zaya-tiny", "steps": 6, "seq_len": 32, "global_batch": 4, "warmup_steps": 2, "cpu": True}
 
@@ -138,3 +138,26 @@ def test_gc_removes_the_runs_memory_checkpoints_and_keeps_counting_only_persiste
 def test_memory_options_need_the_tier():
     with pytest.raises(ValueError, match="memory_every=2 needs memory_tier"):
         TrainConfig(run_dir="x", memory_every=2, **BASE)
+
+
+def test_each_node_holds_its_buddys_part_and_a_lost_node_costs_no_step(tmp_path):
+    """Two simulated nodes of one rank each: every node's directory holds both files (its own and its buddy's);
+    node n1 lost with its memory, n0 resumes alone from memory; then a new node n2 with nothing joins n0 and reads
+    n0's files through the exchange (it gets the step's index only)."""
+    cfg = _config(tmp_path)
+    run_local_world(memory_run, 2, cfg.to_json(), 3, (1,), (2, 3), "n{rank}", timeout_s=180)
+    for node in ("n0", "n1"):
+        step = os.path.join(_node_dir(tmp_path, node), "step-00000003")
+        assert sorted(n for n in os.listdir(step) if n.endswith(".safetensors")) == [
+            "rank-00000.safetensors", "rank-00001.safetensors"]
+    shutil.rmtree(_node_dir(tmp_path, "n1"))  # the node is lost, and its RAM with it
+    run_local_world(memory_run, 1, cfg.to_json(), 1, (), (4,), "n0", timeout_s=180)
+    event = _resume_event(tmp_path / "run")
+    assert (event["tier"], event["step"], event["storage_bytes_read"]) == ("memory", 3, 0)
+    assert (event["from_layout"]["dp"], event["to_layout"]["dp"]) == (2, 1)
+    # n0 committed step 4 alone; n2 joins with nothing: both resume step 4, n2's part read on n0
+    run_local_world(train_on_nodes, 2, cfg.to_json(), ("n0", "n2"), timeout_s=180)
+    event = _resume_event(tmp_path / "run")
+    assert (event["tier"], event["step"], event["storage_bytes_read"]) == ("memory", 4, 0)
+    assert (event["from_layout"]["dp"], event["to_layout"]["dp"]) == (1, 2)
+    assert [r["step"] for r in read_metrics(str(tmp_path / "run"))][-2:] == [5, 6]

@@ -101,3 +101,14 @@ def memory_run(rank: int, config: dict, steps: int, persist_at: tuple[int, ...],
             trainer.save(persist=trainer.step in persist_at, memory=trainer.step in memory_at)
     trainer.checkpoints.wait()
     trainer.metrics.flush()
+
+
+def train_on_nodes(rank: int, config: dict, nodes: tuple[str, ...]) -> None:
+    """``train(config)`` with rank ``r`` on simulated node ``nodes[r]`` (``$MOECKPT_NODE``)."""
+    import os
+
+    from moeckpt.trainer.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    os.environ["MOECKPT_NODE"] = nodes[rank]
+    train(TrainConfig.from_json(config))
