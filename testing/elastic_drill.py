@@ -13,6 +13,7 @@ losing the store's host ends the job (use a store outside the training nodes for
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -233,6 +234,22 @@ class DrillResult:
                 return int(what.split(" at step ")[1].split(",")[0])
         return None
 
+    def shrink_resume(self) -> dict | None:
+        """The first resume event after node B was lost (which tier, which step), if any."""
+        resumes = [e for e in self.events() if e.get("event") == "resume"]
+        return resumes[0] if resumes else None
+
+    def steps_lost(self) -> int | None:
+        """Steps trained before node B was lost that the survivors had to train again."""
+        kill, resume = self.kill_step(), self.shrink_resume()
+        if kill is None or resume is None:
+            return None
+        before = resume["from_layout"].get("tp", 1) * resume["from_layout"]["dp"]  # the world that was lost
+        trained = max(
+            (r["step"] for r in self.steps() if r["world"] == before and r["time"] <= resume["time"]), default=kill
+        )
+        return max(0, trained - resume["step"])
+
     def to_json(self) -> dict:
         """Records, timeline and exit codes (the logs are files beside the run: ``drill-logs/node-*.log``)."""
         return {"records": self.records, "timeline": [list(t) for t in self.timeline], "exit_codes": self.exit_codes}
@@ -265,12 +282,17 @@ def run_shrink_grow_drill(
     timeout_s: float = 300.0,
     node_env: Callable[[str], dict[str, str]] | None = None,
     progress: Callable[[str], None] | None = None,
+    memory_root: str | None = None,
+    memory_every: int = 1,
 ) -> DrillResult:
     """Two nodes of ``nproc`` workers train ``train_args`` (which must include ``--run-dir run_dir``); node B is
     killed once the 2-node world reached ``kill_at_step`` and a checkpoint is committed; node C is started once the
     survivor trains alone; the drill returns when the run ends (raises :class:`DrillError` if it does not within
     ``timeout_s``).
-    ``node_env(name)`` gives each node's extra environment (node C replaces B, so give it B's GPUs)."""
+    ``node_env(name)`` gives each node's extra environment (node C replaces B, so give it B's GPUs).
+    With ``memory_root`` the memory tier is on (``--memory-tier --memory-every memory_every``), each node with its
+    own memory directory ``memory_root/<name>`` (and ``$MOECKPT_NODE``), and killing node B deletes B's, as a real
+    node loss loses its RAM."""
     t0 = time.monotonic()
     timeline: list[tuple[float, str]] = []
 
@@ -284,14 +306,24 @@ def run_shrink_grow_drill(
     logs = os.path.join(run_dir, "drill-logs")
 
     def start(name: str) -> LocalNode:
+        args, env = list(train_args), node_env(name) if node_env is not None else None
+        if memory_root is not None:
+            args += [
+                "--memory-tier",
+                "--memory-every",
+                str(memory_every),
+                "--memory-dir",
+                os.path.join(memory_root, name),
+            ]
+            env = {**(env or {}), "MOECKPT_NODE": name}
         return start_node(
             name,
-            train_args,
+            args,
             nproc=nproc,
             nnodes="1:2",
             endpoint=endpoint,
             log_dir=logs,
-            env=node_env(name) if node_env is not None else None,
+            env=env,
             host=name == "A",
         )
 
@@ -330,6 +362,8 @@ def run_shrink_grow_drill(
                 and committed_steps(run_dir)
             ):
                 kill_node(b)
+                if memory_root is not None:
+                    shutil.rmtree(os.path.join(memory_root, "B"), ignore_errors=True)  # its RAM is gone with it
                 note(f"killed node B (agent and {nproc} workers) at step {last['step']}, world {last['world']}")
                 phase = "see the survivors train alone"
                 seen = len(steps)

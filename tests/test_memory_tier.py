@@ -161,3 +161,26 @@ def test_each_node_holds_its_buddys_part_and_a_lost_node_costs_no_step(tmp_path)
     assert (event["tier"], event["step"], event["storage_bytes_read"]) == ("memory", 4, 0)
     assert (event["from_layout"]["dp"], event["to_layout"]["dp"]) == (1, 2)
     assert [r["step"] for r in read_metrics(str(tmp_path / "run"))][-2:] == [5, 6]
+
+
+@pytest.mark.slow
+def test_the_elastic_drill_with_the_memory_tier_resumes_from_memory_losing_at_most_one_step(tmp_path):
+    """2 nodes x 2 workers with a memory checkpoint every step; node B killed (its memory directory deleted)
+    between two persistent saves: the survivors resume from node A's memory, resharded dp 4 -> 2, reading nothing
+    from storage, then grow back to 4 with node C, which holds nothing and reads through the exchange."""
+    from moeckpt.testing.elastic_drill import cpu_drill_args, run_shrink_grow_drill
+
+    run, memory = str(tmp_path / "run"), str(tmp_path / "memory")
+    result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=17, timeout_s=600,
+                                   memory_root=memory)
+    logs = "\n".join(f"--- node {n}\n{text[-4000:]}" for n, text in result.logs.items())
+    assert result.exit_codes == {"A": 0, "C": 0}, logs
+    assert [w for _, w in result.worlds()] == [4, 2, 4], (result.worlds(), logs)
+    resumes = [e for e in result.events() if e.get("event") == "resume"]
+    assert [(r["tier"], r["from_layout"]["dp"], r["to_layout"]["dp"]) for r in resumes] == [
+        ("memory", 4, 2), ("memory", 2, 4)], resumes
+    shrink = resumes[0]
+    assert shrink["storage_bytes_read"] == 0 and shrink["step"] >= 17
+    assert result.steps_lost() is not None and result.steps_lost() <= 1, (result.steps_lost(), result.timeline)
+    assert committed_steps(run)[-1][0] == 80
+    assert not any(os.listdir(os.path.join(memory, n)) for n in os.listdir(memory))  # removed at the normal end

@@ -50,6 +50,7 @@ from .muon import MuonConfig
 from .optim import AdamWConfig
 from .optimizers import build_optimizer, check_run_optimizer
 from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
+from .phases import phase_durations, process_start_time
 from .preemption import PreemptionFlag
 from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore, restore_from_state_dict
 from .schedule import LRSchedule, ScheduleConfig
@@ -164,8 +165,11 @@ def setup_world(config: TrainConfig) -> torch.device:
 class Trainer:
     """One rank's training state: model shard, optimizer, data, schedule, checkpoints and metrics."""
 
-    def __init__(self, config: TrainConfig, *, device: torch.device | None = None) -> None:
+    def __init__(self, config: TrainConfig, *, device: torch.device | None = None,
+                 marks: dict[str, float | None] | None = None) -> None:
         self.config = config
+        #: wall-clock marks of this start (:mod:`.phases`), logged as a ``restart_phases`` event after the first step.
+        self.marks: dict[str, float | None] = dict(marks or {})
         check_run_dir(config)
         self.spec: ModelSpec = run_model(config)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -221,7 +225,9 @@ class Trainer:
         self.resumed_from: str | None = None
         #: the tier the resume read from: ``memory`` or ``storage`` (the run directory); ``None`` for a fresh run.
         self.resume_tier: str | None = None
+        self.marks["model_built"] = time.time()
         self._resume()
+        self.marks["loaded"] = time.time()
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -512,6 +518,8 @@ class Trainer:
                     if persist:
                         last_saved = self.step
                 self.metrics.write(record)
+                if not records:
+                    self._log_phases()
                 records.append(record)
                 meter.step(record)
                 if record["save_blocked_s"]:
@@ -529,6 +537,17 @@ class Trainer:
                 watchdog.stop()
             self.metrics.flush()
         return records
+
+    def _log_phases(self) -> None:
+        """After this start's first step: when each phase of the start ended (``restart_phases`` event)."""
+        self.marks["first_step"] = time.time()
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        durations = phase_durations(self.marks)
+        self.metrics.write({"event": "restart_phases", "step": self.step, "restart": restart,
+                            "tier": self.resume_tier, "world": self.groups.layout.world, "marks": self.marks,
+                            "seconds": durations, "time": time.time()})
+        if self.rank == 0 and self.resume_tier is not None:
+            log.info("start to first step: %s", ", ".join(f"{k} {v:.2f} s" for k, v in durations.items()))
 
     def _hang_report_path(self) -> str:
         """Where the watchdog writes its stacks: the run directory, or a local file for a run on object storage."""
@@ -577,8 +596,10 @@ def train(config: TrainConfig) -> list[dict[str, Any]]:
 def run_training(config: TrainConfig) -> RunSummary:
     """:func:`train`, returning what the invocation did: its records, the step it ended at, and whether a SIGTERM
     stopped it (every rank of the world calls it)."""
+    marks = {"process_start": process_start_time(), "entered": time.time()}
     device = setup_world(config)
-    trainer = Trainer(config, device=device)
+    marks["world_joined"] = time.time()
+    trainer = Trainer(config, device=device, marks=marks)
     preempted = PreemptionFlag()  # SIGTERM: save at the next step boundary, then exit 0
     # Its own CPU group: the checkpoint group is busy with background saves, and the training group may be NCCL.
     control = dist.new_group(backend="gloo") if dist.is_initialized() else None
