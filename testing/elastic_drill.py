@@ -220,6 +220,8 @@ class DrillResult:
     #: exit codes of the nodes that were not killed, by name.
     exit_codes: dict[str, int]
     logs: dict[str, str]
+    #: wall-clock time (``time.time()``) of the timeline's zero, to line it up with metrics records.
+    started_at: float = 0.0
 
     def steps(self) -> list[dict]:
         return [r for r in self.records if "loss" in r]
@@ -252,7 +254,12 @@ class DrillResult:
 
     def to_json(self) -> dict:
         """Records, timeline and exit codes (the logs are files beside the run: ``drill-logs/node-*.log``)."""
-        return {"records": self.records, "timeline": [list(t) for t in self.timeline], "exit_codes": self.exit_codes}
+        return {
+            "records": self.records,
+            "timeline": [list(t) for t in self.timeline],
+            "exit_codes": self.exit_codes,
+            "started_at": self.started_at,
+        }
 
     @classmethod
     def from_json(cls, doc: dict, logs: dict[str, str] | None = None) -> DrillResult:
@@ -262,6 +269,7 @@ class DrillResult:
             timeline=[tuple(t) for t in doc["timeline"]],
             exit_codes=doc["exit_codes"],
             logs=dict(logs or {}),
+            started_at=doc.get("started_at", 0.0),
         )
 
     def worlds(self) -> list[tuple[int, int]]:
@@ -293,7 +301,7 @@ def run_shrink_grow_drill(
     With ``memory_root`` the memory tier is on (``--memory-tier --memory-every memory_every``), each node with its
     own memory directory ``memory_root/<name>`` (and ``$MOECKPT_NODE``), and killing node B deletes B's, as a real
     node loss loses its RAM."""
-    t0 = time.monotonic()
+    t0, started_at = time.monotonic(), time.time()
     timeline: list[tuple[float, str]] = []
 
     def note(what: str) -> None:
@@ -390,6 +398,7 @@ def run_shrink_grow_drill(
         timeline=timeline,
         exit_codes={n: node.proc.returncode for n, node in nodes.items() if n != "B"},
         logs={n: node.log() for n, node in nodes.items()},
+        started_at=started_at,
     )
 
 

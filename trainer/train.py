@@ -605,8 +605,9 @@ def run_training(config: TrainConfig) -> RunSummary:
     control = dist.new_group(backend="gloo") if dist.is_initialized() else None
     try:
         records = trainer.run(should_stop=lambda: preempted.agreed(control))
-        if trainer.memory is not None:
-            # the invocation ended normally, its last step persisted: the memory tier has nothing more to give
+        if trainer.memory is not None and not trainer.stopped_early:
+            # the invocation ended normally, its last step persisted: the memory tier has nothing more to give.
+            # Stopped by SIGTERM (the agent re-forming the world, a preemption) it stays for the next world.
             trainer.memory.remove_all()
         if trainer.stopped_early and trainer.rank == 0:
             log.info("stopped on SIGTERM at step %d%s", trainer.step,
