@@ -184,3 +184,30 @@ def test_the_elastic_drill_with_the_memory_tier_resumes_from_memory_losing_at_mo
     assert result.steps_lost() is not None and result.steps_lost() <= 1, (result.steps_lost(), result.timeline)
     assert committed_steps(run)[-1][0] == 80
     assert not any(os.listdir(os.path.join(memory, n)) for n in os.listdir(memory))  # removed at the normal end
+
+
+def test_a_start_logs_its_phases_after_the_first_step(tmp_path):
+    from moeckpt.trainer.phases import PHASES
+
+    cfg = _config(tmp_path)
+    memory_run(0, cfg.to_json(), 2, (), (2,))
+    train(cfg)
+    (event,) = [r for r in read_metrics(str(tmp_path / "run"), events=True) if r.get("event") == "restart_phases"]
+    assert (event["tier"], event["step"]) == ("memory", 3)
+    marks = [event["marks"][name] for name in PHASES]
+    assert all(m is not None for m in marks) and marks == sorted(marks), event
+    assert set(event["seconds"]) == set(PHASES[1:]) and all(v >= 0 for v in event["seconds"].values())
+
+
+def test_the_agent_records_failures_and_restarts_where_asked(tmp_path, monkeypatch):
+    import json
+    import logging
+
+    from moeckpt.trainer.agent import _FAILED, _AgentLines
+
+    path = tmp_path / "agent.jsonl"
+    monkeypatch.setenv("MOECKPT_AGENT_EVENTS", str(path))
+    record = logging.LogRecord("torch.distributed", logging.INFO, "", 0, _FAILED, (-9, 0, 1234, "python"), None)
+    _AgentLines(verbose=False).emit(record)
+    (line,) = path.read_text().splitlines()
+    assert json.loads(line)["what"] == "worker_failed" and json.loads(line)["time"] == record.created
