@@ -4,8 +4,9 @@
    from local disk with a warm page cache, from local disk with the page cache dropped, and from S3 (a moto server
    in its own process), the tiers interleaved in every repetition; each repetition reported.
 2. The elastic drill (2 local nodes x 2 workers, zaya-tiny, a persistent save every 5 steps), node B killed at
-   step 17: once with the memory tier (a memory checkpoint every step, each node its own memory directory, B's
-   deleted with it) and once without; for each, the steps lost, the time from the kill to the first resumed step
+   step 17: with the memory tier (a memory checkpoint every step, each node its own memory directory, B's
+   deleted with it), without, and with the memory tier and a 1 s rendezvous last call (the drill's is 3 s);
+   for each, the steps lost, the time from the kill to the first resumed step
    with its phases (the agent's failure record, process start, process-group init, model build, load, first step)
    and the bytes the resume read from storage (0 from memory).
 
@@ -121,10 +122,20 @@ def resume_side_by_side(work: str, reps: int) -> dict:
     return {"state_mb": round(out["memory"][0]["bytes_read"] / 1e6, 1), "reps": out}
 
 
-def drill(work: str, memory: bool) -> dict:
-    from moeckpt.testing.elastic_drill import CPU_DRILL_KILL_AT, cpu_drill_args, run_shrink_grow_drill
+#: the drill's rendezvous with a 1 s last call instead of 3 s: a round closes 1 s after its minimum of nodes joined.
+FAST_RDZV = "join_timeout=300,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
 
-    root = os.path.join(work, "drill-memory" if memory else "drill-storage")
+
+def drill(work: str, memory: bool, rdzv_conf: str | None = None) -> dict:
+    from moeckpt.testing.elastic_drill import (
+        CPU_DRILL_KILL_AT,
+        DRILL_RDZV_CONF,
+        cpu_drill_args,
+        run_shrink_grow_drill,
+    )
+
+    conf = rdzv_conf or DRILL_RDZV_CONF
+    root = os.path.join(work, f"drill-{'memory' if memory else 'storage'}-{'fast' if rdzv_conf else 'default'}")
     shutil.rmtree(root, ignore_errors=True)
     run, mem = os.path.join(root, "run"), os.path.join(root, "memory")
     os.makedirs(root)
@@ -132,7 +143,7 @@ def drill(work: str, memory: bool) -> dict:
     result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=CPU_DRILL_KILL_AT, timeout_s=600,
                                    memory_root=mem if memory else None,
                                    node_env=lambda n: {"MOECKPT_AGENT_EVENTS": events[n]},
-                                   progress=lambda line: print(line, flush=True))
+                                   progress=lambda line: print(line, flush=True), rdzv_conf=conf)
     kill_rel = next(t for t, what in result.timeline if what.startswith("killed node B"))
     kill = result.started_at + kill_rel
     shrink = result.shrink_resume() or {}
@@ -147,6 +158,7 @@ def drill(work: str, memory: bool) -> dict:
     timeline = [("failure detected by the agent", detected)] + [(k, v) for k, v in marks.items() if v]
     return {
         "memory_tier": memory,
+        "rdzv_conf": conf,
         "exit_codes": result.exit_codes,
         "worlds": result.worlds(),
         "kill_step": result.kill_step(),
@@ -162,13 +174,30 @@ def drill(work: str, memory: bool) -> dict:
     }
 
 
+def _label(d: dict) -> str:
+    tier = "memory tier" if d["memory_tier"] else "storage only"
+    return f"{tier}, last call {d['rdzv_conf'].split('last_call_timeout=')[1].split(',')[0]} s"
+
+
+#: each mark of a restart's timeline, and the phase that ends at it.
+PHASE_NAMES = {
+    "failure detected by the agent": "failure detection",
+    "process_start": "agent teardown, rendezvous, spawn",
+    "entered": "interpreter and imports",
+    "world_joined": "device and process-group init",
+    "model_built": "model build",
+    "loaded": "load",
+    "first_step": "first step",
+}
+
+
 def plot(doc: dict, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 4.2), gridspec_kw={"width_ratios": [1, 1.4]})
     reps = doc["resume"]["reps"]
     for i, rows in enumerate(reps.values()):
         ys = [r["load_s"] for r in rows]
@@ -178,18 +207,20 @@ def plot(doc: dict, path: str) -> None:
     a.set_ylabel("load at resume (s)")
     a.set_title(f"resume of {doc['resume']['state_mb']} MB, every repetition")
     for row, d in enumerate(doc["drills"]):
-        label = "memory tier" if d["memory_tier"] else "storage only"
         prev = 0.0
-        for j, (name, t) in enumerate(sorted(d["phases_since_kill_s"].items(), key=lambda kv: kv[1])):
-            b.barh(row, t - prev, left=prev, color=f"C{j}", edgecolor="white")
-            b.text(t, row + 0.28 - 0.14 * (j % 3), name, fontsize=6.5, ha="right")
+        for name, t in sorted(d["phases_since_kill_s"].items(), key=lambda kv: kv[1]):
+            j = list(PHASE_NAMES).index(name)
+            b.barh(row, t - prev, left=prev, color=f"C{j}", edgecolor="white", label=PHASE_NAMES[name])
             prev = t
-        b.text(prev + 0.05, row, f"{label}: {d['failure_to_first_step_s']} s, {d['steps_lost']} step(s) lost",
-               va="center", fontsize=8)
-    b.set_yticks(range(len(doc["drills"])), ["memory" if d["memory_tier"] else "storage" for d in doc["drills"]])
+        b.text(prev + 0.05, row, f"{d['failure_to_first_step_s']} s, {d['steps_lost']} step(s) lost", va="center",
+               fontsize=8)
+    b.set_yticks(range(len(doc["drills"])), [_label(d).replace(", ", "\n") for d in doc["drills"]], fontsize=7)
     b.set_xlabel("seconds since node B was killed")
     b.set_title("drill: kill to first resumed step, by phase")
-    b.set_xlim(0, max((max(d["phases_since_kill_s"].values(), default=1) for d in doc["drills"]), default=1) * 1.6)
+    b.set_xlim(0, max((max(d["phases_since_kill_s"].values(), default=1) for d in doc["drills"]), default=1) * 1.35)
+    handles, labels = b.get_legend_handles_labels()
+    b.legend(dict(zip(labels, handles)).values(), dict(zip(labels, handles)).keys(), fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -200,14 +231,19 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "moeckpt-memory-tier"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-drill", action="store_true", help="only the side-by-side resume")
+    ap.add_argument("--replot", action="store_true", help="only redraw OUT/memory_tier.png from its JSON")
     args = ap.parse_args()
+    if args.replot:
+        with open(os.path.join(args.out, "memory_tier.json")) as f:
+            plot(json.load(f), os.path.join(args.out, "memory_tier.png"))
+        return
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     doc = {"command": "python benchmarks/memory_tier.py " + " ".join(sys.argv[1:]), "cores": os.cpu_count(),
            "resume": resume_side_by_side(args.dir, args.reps), "drills": []}
     if not args.no_drill:
-        for memory in (True, False):
-            doc["drills"].append(drill(args.dir, memory))
+        for memory, conf in ((True, None), (False, None), (True, FAST_RDZV)):
+            doc["drills"].append(drill(args.dir, memory, conf))
             print(json.dumps({k: v for k, v in doc["drills"][-1].items() if k != "agent_events"}), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "memory_tier.json"), "w") as f:

@@ -107,6 +107,18 @@ def d2h_copy_seconds(nbytes: int, device: str, reps: int = 5) -> list[float]:
     return out
 
 
+#: each mark of a restart's timeline, and the phase that ends at it.
+PHASE_NAMES = {
+    "failure detected by the agent": "failure detection",
+    "process_start": "agent teardown, rendezvous, spawn",
+    "entered": "interpreter and imports",
+    "world_joined": "device and process-group init",
+    "model_built": "model build",
+    "loaded": "load",
+    "first_step": "first step",
+}
+
+
 def plot(doc: dict, path: str) -> None:
     import matplotlib
 
@@ -116,16 +128,19 @@ def plot(doc: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(11, 3.2))
     for row, r in enumerate(doc["runs"]):
         prev = 0.0
-        for j, (name, t) in enumerate(sorted(r["phases_since_kill_s"].items(), key=lambda kv: kv[1])):
-            ax.barh(row, t - prev, left=prev, color=f"C{j}", edgecolor="white")
-            ax.text(t, row + 0.3 - 0.15 * (j % 3), name, fontsize=6.5, ha="right")
+        for name, t in sorted(r["phases_since_kill_s"].items(), key=lambda kv: kv[1]):
+            j = list(PHASE_NAMES).index(name)
+            ax.barh(row, t - prev, left=prev, color=f"C{j}", edgecolor="white", label=PHASE_NAMES[name])
             prev = t
-        ax.text(prev + 0.1, row, f"{r['tier']}: {r['failure_to_first_step_s']} s, {r['steps_lost']} step(s) lost",
-                va="center", fontsize=8)
+        ax.text(prev + 0.1, row, f"{r['failure_to_first_step_s']} s, {r['steps_lost']} step(s) lost", va="center",
+                fontsize=8)
     ax.set_yticks(range(len(doc["runs"])), [r["tier"] for r in doc["runs"]])
     ax.set_xlabel("seconds since the worker was killed")
     ax.set_title(f"{doc['model']}: a killed worker restarted by its agent, kill to first new step by phase")
-    ax.set_xlim(0, max(max(r["phases_since_kill_s"].values(), default=1) for r in doc["runs"]) * 1.5)
+    ax.set_xlim(0, max(max(r["phases_since_kill_s"].values(), default=1) for r in doc["runs"]) * 1.35)
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(dict(zip(labels, handles)).values(), dict(zip(labels, handles)).keys(), fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -107,6 +107,7 @@ def start_node(
     log_dir: str,
     env: dict[str, str] | None = None,
     host: bool | None = None,
+    rdzv_conf: str = DRILL_RDZV_CONF,
 ) -> LocalNode:
     """Start one node: ``moeckpt train TRAIN_ARGS --nproc N --nnodes MIN:MAX --rdzv-endpoint ...`` in the
     background, its output in ``log_dir/node-NAME.log``; ``env`` adds to the environment (e.g. the node's GPUs
@@ -114,7 +115,7 @@ def start_node(
     hosts the rendezvous store (torch's ``is_host``; ``None``: whichever binds the endpoint first)."""
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"node-{name}.log")
-    conf = DRILL_RDZV_CONF + ("" if host is None else f",is_host={str(host).lower()}")
+    conf = rdzv_conf + ("" if host is None else f",is_host={str(host).lower()}")
     cmd = [
         sys.executable,
         "-m",
@@ -292,6 +293,7 @@ def run_shrink_grow_drill(
     progress: Callable[[str], None] | None = None,
     memory_root: str | None = None,
     memory_every: int = 1,
+    rdzv_conf: str = DRILL_RDZV_CONF,
 ) -> DrillResult:
     """Two nodes of ``nproc`` workers train ``train_args`` (which must include ``--run-dir run_dir``); node B is
     killed once the 2-node world reached ``kill_at_step`` and a checkpoint is committed; node C is started once the
@@ -300,7 +302,7 @@ def run_shrink_grow_drill(
     ``node_env(name)`` gives each node's extra environment (node C replaces B, so give it B's GPUs).
     With ``memory_root`` the memory tier is on (``--memory-tier --memory-every memory_every``), each node with its
     own memory directory ``memory_root/<name>`` (and ``$MOECKPT_NODE``), and killing node B deletes B's, as a real
-    node loss loses its RAM."""
+    node loss loses its RAM. ``rdzv_conf`` replaces the drill's rendezvous settings (:data:`DRILL_RDZV_CONF`)."""
     t0, started_at = time.monotonic(), time.time()
     timeline: list[tuple[float, str]] = []
 
@@ -333,6 +335,7 @@ def run_shrink_grow_drill(
             log_dir=logs,
             env=env,
             host=name == "A",
+            rdzv_conf=rdzv_conf,
         )
 
     # B first: its agent waits for A's store (a client retries its connection), so that it is ready to join
