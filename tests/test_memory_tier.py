@@ -211,3 +211,12 @@ def test_the_agent_records_failures_and_restarts_where_asked(tmp_path, monkeypat
     _AgentLines(verbose=False).emit(record)
     (line,) = path.read_text().splitlines()
     assert json.loads(line)["what"] == "worker_failed" and json.loads(line)["time"] == record.created
+
+
+def test_the_cli_refuses_a_budget_before_any_worker_starts(tmp_path, moeckpt_cli, monkeypatch):
+    monkeypatch.setattr(memory_tier, "_free_bytes", lambda path: 1000)
+    code, out, err = moeckpt_cli("train", "--model", "zaya-tiny", "--run-dir", str(tmp_path / "run"), "--cpu",
+                                 "--steps", "2", "--memory-tier", "--memory-dir", str(tmp_path), "--memory-keep", "4")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "--memory-keep 4: 4 memory checkpoint(s) need" in lines[0], err
+    assert not (tmp_path / "run").exists()

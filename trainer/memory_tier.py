@@ -145,6 +145,26 @@ def remove_run_memory(run_dir: str, parent: str | None = None) -> str | None:
     return root
 
 
+def check_host_budget(run_dir: str, parent: str | None, *, keep: int, replicas: int, state_bytes: int,
+                      ranks_here: int, world: int) -> int:
+    """Before any worker starts: refuse (:class:`MemoryBudgetError`) a host whose memory directory cannot hold
+    ``keep`` memory checkpoints of its ``ranks_here`` ranks' share of a ``world``-rank job (and of its buddies'
+    shares); the run's own memory checkpoints there count as free. Returns the bytes needed."""
+    nodes = max(1, world // max(1, ranks_here))
+    need = int(keep * state_bytes * ranks_here / max(1, world) * (1 + min(replicas, nodes - 1)))
+    where = parent or DEFAULT_PARENT
+    rid = run_id(run_dir, create=False)
+    held = _tree_bytes(run_root(parent, rid)) if rid is not None and os.path.isdir(run_root(parent, rid)) else 0
+    free = _free_bytes(where) + held
+    if free < need:
+        raise MemoryBudgetError(
+            f"--memory-keep {keep}: {keep} memory checkpoint(s) need {need / 1e6:.1f} MB on this node in a world of "
+            f"{world}, {where} has {free / 1e6:.1f} MB free; lower --memory-keep or --memory-replicas, or point "
+            "--memory-dir at a larger node-local filesystem"
+        )
+    return need
+
+
 def _free_bytes(path: str) -> int:
     probe = path
     while not os.path.exists(probe):

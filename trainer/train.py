@@ -43,7 +43,7 @@ from .faults import FaultInjector, parse_fault
 from .init_values import initial_value
 from .logs import progress
 from .memory import check_fits, training_bytes
-from .memory_tier import MemoryTier, choose_step, run_id, run_root
+from .memory_tier import MemoryTier, check_host_budget, choose_step, run_id, run_root
 from .metrics import MetricsLog
 from .models import ModelSpec, resolve_model
 from .muon import MuonConfig
@@ -117,6 +117,12 @@ def check_launch(config: TrainConfig, nproc: int, *, worlds: Sequence[int] | Non
         layout = choose_layout(world, tp=config.tp, ep=config.ep, check=spec.check_layout)
         check_shape(config, spec, layout, dataset, ranks_here=nproc, params=params,
                     device_type=device_type or _device_type(config))
+        if config.memory_tier:
+            # weights, an fp32 master for lower-precision weights, and at most two fp32 moments per parameter
+            per_param = DTYPES[config.dtype].itemsize + (4 if config.dtype != "fp32" else 0) + 8
+            check_host_budget(config.run_dir, config.memory_dir, keep=config.memory_keep,
+                              replicas=config.memory_replicas, state_bytes=params * per_param, ranks_here=nproc,
+                              world=world)
 
 
 def _device_type(config: TrainConfig) -> str:
