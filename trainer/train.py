@@ -525,7 +525,7 @@ class Trainer:
                         last_saved = self.step
                 self.metrics.write(record)
                 if not records:
-                    self._log_phases()
+                    self._log_phases(record["time"])
                 records.append(record)
                 meter.step(record)
                 if record["save_blocked_s"]:
@@ -544,9 +544,10 @@ class Trainer:
             self.metrics.flush()
         return records
 
-    def _log_phases(self) -> None:
-        """After this start's first step: when each phase of the start ended (``restart_phases`` event)."""
-        self.marks["first_step"] = time.time()
+    def _log_phases(self, first_step: float) -> None:
+        """After this start's first step (done at ``first_step``, before its save): when each phase of the start
+        ended (``restart_phases`` event)."""
+        self.marks["first_step"] = first_step
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         durations = phase_durations(self.marks)
         self.metrics.write({"event": "restart_phases", "step": self.step, "restart": restart,
