@@ -220,3 +220,14 @@ def test_the_cli_refuses_a_budget_before_any_worker_starts(tmp_path, moeckpt_cli
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "--memory-keep 4: 4 memory checkpoint(s) need" in lines[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_on_s3_in_zarr_resumes_from_memory_without_reading_the_bucket(tmp_path, s3_url):
+    """The run directory on S3 (moto) and in zarr; the memory tier is node-local safetensors all the same."""
+    cfg = TrainConfig(run_dir=s3_url, memory_tier=True, memory_dir=str(tmp_path / "shm"), format="zarr", **BASE)
+    memory_run(0, cfg.to_json(), 3, (1,), (3,))
+    records = train(cfg)
+    assert [r["step"] for r in records] == [4, 5, 6]
+    event = _resume_event(s3_url)
+    assert (event["tier"], event["step"], event["storage_bytes_read"]) == ("memory", 3, 0)
+    assert [s for s, _ in committed_steps(s3_url)] == [1, 6]
