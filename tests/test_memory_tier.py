@@ -103,7 +103,7 @@ def test_a_recreated_run_directory_ignores_the_old_runs_memory(tmp_path):
 
 
 def test_memory_every_k_steps_between_persistent_saves(tmp_path):
-    cfg = _config(tmp_path, save_every=4, memory_every=1, memory_keep=3)
+    cfg = _config(tmp_path, save_every=4, memory_every=1, memory_keep=3, async_save=False)  # none in flight
     memory_run(0, cfg.to_json(), 0, (), ())  # creates the run id
     from moeckpt.trainer.train import Trainer
 
@@ -231,3 +231,38 @@ def test_a_run_on_s3_in_zarr_resumes_from_memory_without_reading_the_bucket(tmp_
     event = _resume_event(s3_url)
     assert (event["tier"], event["step"], event["storage_bytes_read"]) == ("memory", 3, 0)
     assert [s for s, _ in committed_steps(s3_url)] == [1, 6]
+
+
+def test_a_memory_only_save_due_while_a_save_is_in_flight_is_left_out_not_waited_for(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from moeckpt.trainer.train import Trainer
+
+    cfg = _config(tmp_path, memory_every=1)
+    trainer = Trainer(cfg)
+    release = threading.Event()
+    original = memory_tier.MemoryTier.save
+
+    def slow_save(self, *args, **kwargs):
+        release.wait(30)  # a large state still being written
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(memory_tier.MemoryTier, "save", slow_save)
+    try:
+        trainer.train_step()
+        trainer.save(persist=False, memory=True)
+        trainer.train_step()
+        t0 = time.perf_counter()
+        blocked = trainer.save(persist=False, memory=True)
+        assert trainer.last_save.skipped and blocked == 0.0 and time.perf_counter() - t0 < 1.0
+        release.set()
+        trainer.checkpoints.wait()
+        trainer.train_step()
+        trainer.save(persist=False, memory=True)  # nothing in flight now: written
+        trainer.checkpoints.wait()
+    finally:
+        release.set()
+        trainer.close()
+    done = [(s.step, s.skipped, s.memory is not None and s.memory.committed) for s in trainer.checkpoints.history]
+    assert done == [(1, False, True), (2, True, False), (3, False, True)]

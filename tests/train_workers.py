@@ -98,6 +98,7 @@ def memory_run(rank: int, config: dict, steps: int, persist_at: tuple[int, ...],
     for _ in range(steps):
         trainer.train_step()
         if trainer.step in persist_at or trainer.step in memory_at:
+            trainer.checkpoints.wait()  # else a memory-only save due while one is in flight would be left out
             trainer.save(persist=trainer.step in persist_at, memory=trainer.step in memory_at)
     trainer.checkpoints.wait()
     trainer.metrics.flush()

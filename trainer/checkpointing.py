@@ -55,6 +55,8 @@ class SaveStats:
     persisted: bool = True
     #: the memory tier's save of the same snapshot, if any (written before the persistent one).
     memory: MemoryStats | None = None
+    #: a memory-only save left out because the previous save was still in flight on some rank.
+    skipped: bool = False
 
 
 @dataclass
@@ -106,6 +108,9 @@ class CheckpointManager:
         self.history: list[SaveStats] = []
         #: the in-memory tier (:mod:`.memory_tier`), set by the trainer with ``--memory-tier``.
         self.memory: MemoryTier | None = None
+        #: a gloo group of the whole world for the training thread's one question before a memory-only save
+        #: (is a save still in flight anywhere?), set with :attr:`memory`.
+        self.decide_group = None
 
     # -- saving ---------------------------------------------------------------------------------------------
     def save(self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any], *,
@@ -117,6 +122,13 @@ class CheckpointManager:
         saving asynchronously, after the commit(s) otherwise.
         """
         to_memory = to_memory and self.memory is not None
+        if to_memory and not persist and self._busy_anywhere():
+            # A memory checkpoint is worth having only if it costs no training time: while the previous save is
+            # still being written (a large state, a slow persistent save), this one is left out on every rank.
+            stats = SaveStats(step=step, persisted=False, skipped=True)
+            self.history.append(stats)
+            log.debug("memory checkpoint of step %d left out: the previous save is still in flight", step)
+            return stats
         self.wait()
         t0 = time.perf_counter()
         pieces = self._snapshot(local_state)
@@ -150,6 +162,15 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+
+    def _busy_anywhere(self) -> bool:
+        """Whether a save is still in flight on any rank (collective over :attr:`decide_group`)."""
+        busy = self._inflight is not None and self._inflight.thread.is_alive()
+        if self.decide_group is None:
+            return busy
+        flag = torch.tensor([int(busy)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.decide_group)
+        return bool(flag.item())
 
     def _snapshot(self, local_state: dict[str, torch.Tensor]) -> list[Piece]:
         missing = set(self.tensors) - set(local_state)

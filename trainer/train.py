@@ -226,6 +226,8 @@ class Trainer:
         self.metrics = MetricsLog(config.run_dir, enabled=self.rank == 0)
         self.memory: MemoryTier | None = self._memory_tier(config) if config.memory_tier else None
         self.checkpoints.memory = self.memory
+        if self.memory is not None and dist.is_initialized():
+            self.checkpoints.decide_group = dist.new_group(backend="gloo")
         self.nan_rollbacks = 0
         self.step = 0
         self.resumed_from: str | None = None
@@ -487,6 +489,7 @@ class Trainer:
         memory = self.memory is not None and (persist if memory is None else memory)
         stats = self.checkpoints.save(self.step, self.local_state(), self.train_state(), persist=persist,
                                       to_memory=memory)
+        self.last_save = stats
         return stats.blocked_s
 
     def run(self, *, should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
@@ -521,6 +524,8 @@ class Trainer:
                                                       else persist)
                 if persist or memory:
                     record["save_blocked_s"] = self.save(persist=persist, memory=memory)
+                    if self.last_save.skipped:
+                        record["memory_skipped"] = True
                     if persist:
                         last_saved = self.step
                 self.metrics.write(record)
