@@ -1,7 +1,8 @@
 """Issue 16 on one GPU: a worker killed mid-run and restarted by its torchrun agent resumes from the memory tier.
 
 Two runs side by side, the same model and fault (``--inject kill:rank=0,step=K``, between two persistent saves):
-with ``--memory-tier --memory-every 1`` and without. For each: the tier and step the restarted worker resumed
+with ``--memory-tier --memory-every 1`` (a memory checkpoint whenever the previous save is done: the ones due
+while a save is in flight are left out) and without. For each: the tier and step the restarted worker resumed
 from, the steps lost, the time from the kill to its first new step, with the phases (the agent's failure record,
 process start, imports, device and process-group init, model build, load, first step); and, for the memory run,
 the time each save blocked training against a bare device-to-host copy of the same bytes into pinned memory.
@@ -10,7 +11,8 @@ Writes ``OUT/memory_tier_gpu.json`` and ``OUT/memory_tier_gpu.png``.
 
 Usage (one H200): ``python benchmarks/memory_tier_gpu.py --out docs/benchmarks/gpu`` (zaya-small, bf16; a few
 minutes). Without a GPU it exits 0 saying so, unless ``--cpu`` (a small CPU run for testing:
-``python benchmarks/memory_tier_gpu.py --cpu --model zaya-tiny --steps 12 --kill-at 7 --out /tmp/mt-gpu``).
+``python benchmarks/memory_tier_gpu.py --cpu --model zaya-tiny --steps 12 --kill-at 7 --save-every 5 --batch 4
+--seq 32 --dtype fp32 --out /tmp/mt-gpu``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def one_run(args, work: str, memory: bool) -> dict:
            "--steps", str(args.steps), "--save-every", str(args.save_every), "--global-batch", str(args.batch),
            "--seq-len", str(args.seq), "--dtype", args.dtype, "--warmup-steps", "3", "--seed", "7",
            "--log-every", "5", "--inject", f"kill:rank=0,step={args.kill_at}", "--max-restarts", "1",
+           *(["--inject", f"slow:step=1,seconds={args.slow}"] if args.slow else []),
            # one node of an elastic job of one node: torchrun's agent restarts the killed worker
            "--nproc", "1", "--nnodes", "1:1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
            "--rdzv-conf", "last_call_timeout=1,join_timeout=60"]
@@ -78,6 +81,7 @@ def one_run(args, work: str, memory: bool) -> dict:
     detected = min((e["time"] for e in agent if e["time"] >= kill), default=None)
     timeline = {"failure detected by the agent": detected, **(phases.get("marks") or {})}
     blocked = [r["save_blocked_s"] for r in steps if r.get("save_blocked_s")]
+    skipped = [r["step"] for r in steps if r.get("memory_skipped")]
     return {
         "tier": name, "exit": code, "wall_s": round(wall, 2), "kill_step": args.kill_at,
         "resume_tier": resume.get("tier"), "resume_step": resume.get("step"),
@@ -88,6 +92,7 @@ def one_run(args, work: str, memory: bool) -> dict:
         "phases_since_kill_s": {k: round(v - kill, 3) for k, v in timeline.items() if v},
         "phase_seconds": phases.get("seconds", {}),
         "save_blocked_s": blocked,
+        "memory_skipped_steps": skipped,
     }
 
 
@@ -153,9 +158,11 @@ def main() -> None:
     ap.add_argument("--out", default="docs/benchmarks/gpu")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "moeckpt-memory-tier-gpu"))
     ap.add_argument("--model", default="zaya-small")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--kill-at", type=int, default=17)
-    ap.add_argument("--save-every", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--kill-at", type=int, default=47)
+    ap.add_argument("--save-every", type=int, default=30)
+    ap.add_argument("--slow", type=float, default=0.15,
+                    help="seconds of straggler delay per step (the GPU drill's), so a step is not all GPU time")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--dtype", default="bf16")
