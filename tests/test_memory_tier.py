@@ -180,8 +180,10 @@ def test_the_elastic_drill_with_the_memory_tier_resumes_from_memory_losing_at_mo
     assert [(r["tier"], r["from_layout"]["dp"], r["to_layout"]["dp"]) for r in resumes] == [
         ("memory", 4, 2), ("memory", 2, 4)], resumes
     shrink = resumes[0]
-    assert shrink["storage_bytes_read"] == 0 and shrink["step"] >= 17
-    assert result.steps_lost() is not None and result.steps_lost() <= 1, (result.steps_lost(), result.timeline)
+    # B is killed as soon as step 17 shows in the metrics: step 17's memory checkpoint may still be in flight, so
+    # the newest complete one is 17 or 16, past the persisted 15
+    assert shrink["storage_bytes_read"] == 0 and shrink["step"] >= 16, shrink
+    assert result.steps_lost() is not None and result.steps_lost() <= 2, (result.steps_lost(), result.timeline)
     assert committed_steps(run)[-1][0] == 80
     assert not any(os.listdir(os.path.join(memory, n)) for n in os.listdir(memory))  # removed at the normal end
 
