@@ -307,7 +307,7 @@ class MemoryTier:
                     dst = self.leaders[(self.node_index + d) % n]
                     src_node = self.nodes[(self.node_index - d) % n]
                     src = self.leaders[(self.node_index - d) % n]
-                    mine = [f["path"] for r in self.ranks_of[self.key] for f in everyone[r]["files"]]
+                    mine = [f for r in self.ranks_of[self.key] for f in everyone[r]["files"]]
                     theirs = [f for r in self.ranks_of[src_node] for f in everyone[r]["files"]]
                     payload = _pack(staging, mine)
                     incoming = torch.empty(sum(f["size"] for f in theirs), dtype=torch.uint8)
@@ -421,11 +421,19 @@ def _writers(files) -> set[int]:
     return out
 
 
-def _pack(staging: Storage, paths: list[str]) -> torch.Tensor:
-    parts = [staging.read_bytes(p) for p in paths]
-    if not parts:
-        return torch.empty(0, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+def _pack(staging: Storage, files: list[dict]) -> torch.Tensor:
+    """This node's files, end to end in one buffer to send; read one file at a time, so the node holds one
+    file's bytes more than the buffer at most."""
+    out = torch.empty(sum(f["size"] for f in files), dtype=torch.uint8)
+    offset = 0
+    for f in files:
+        data = staging.read_bytes(f["path"])
+        if len(data) != f["size"]:
+            raise MemorySaveError(f"{staging.path(f['path'])}: {len(data)} bytes, {f['size']} were written")
+        if data:
+            out[offset:offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        offset += len(data)
+    return out
 
 
 def _listdir(path: str) -> list[str]:
