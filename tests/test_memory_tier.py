@@ -12,7 +12,7 @@ from moeckpt.testing import run_local_world
 from moeckpt.trainer import memory_tier
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig, train
-from tests.train_workers import memory_run, train_on_nodes
+from tests.train_workers import memory_run, train_on_nodes, train_runs
 
 BASE = {"model": "zaya-tiny", "steps": 6, "seq_len": 32, "global_batch": 4, "warmup_steps": 2, "cpu": True}
 
@@ -160,7 +160,14 @@ def test_each_node_holds_its_buddys_part_and_a_lost_node_costs_no_step(tmp_path)
     event = _resume_event(tmp_path / "run")
     assert (event["tier"], event["step"], event["storage_bytes_read"]) == ("memory", 4, 0)
     assert (event["from_layout"]["dp"], event["to_layout"]["dp"]) == (1, 2)
-    assert [r["step"] for r in read_metrics(str(tmp_path / "run"))][-2:] == [5, 6]
+    resumed = {r["step"]: r["loss"] for r in read_metrics(str(tmp_path / "run"))}
+    # the same run without a failure, on 2 workers throughout: the pieces read on n0 for n2 were the right ones
+    straight = TrainConfig(run_dir=str(tmp_path / "straight"), **BASE)
+    run_local_world(train_runs, 2, [straight.to_json()], timeout_s=180)
+    expected = {r["step"]: r["loss"] for r in read_metrics(str(tmp_path / "straight"))}
+    assert sorted(resumed)[-2:] == [5, 6]
+    for step in (5, 6):
+        assert resumed[step] == pytest.approx(expected[step], abs=1e-4), (step, resumed, expected)
 
 
 @pytest.mark.slow
