@@ -188,13 +188,14 @@ class TrainConfig:
     reset_optimizer: bool = setting(False, "resuming from another optimizer's state: keep the weights and start "
                                     "this run's optimizer fresh (else refused)", "checkpointing")
     memory_tier: bool = setting(False, "also commit checkpoints into host memory (a directory under /dev/shm per "
-                                "node and run) that outlives the workers; a restart resumes from it when it is the "
-                                "newest (docs/fault-tolerance.md)", "checkpointing")
-    memory_every: int = setting(0, "with --memory-tier: a memory checkpoint every K steps (0: at every save)",
-                                "checkpointing", min=0, max=_BIG)
-    memory_dir: str | None = setting(None, "with --memory-tier: the node-local directory of the memory checkpoints "
-                                     "[default: /dev/shm/moeckpt-<run id>]", "checkpointing", metavar="PATH",
-                                     nonempty=True)
+                                "node and run) that outlives the workers; a restart resumes from it when it is at "
+                                "least as new as the newest persisted one (docs/fault-tolerance.md)", "checkpointing")
+    memory_every: int = setting(0, "with --memory-tier: a memory checkpoint every K steps (0: at every save); one "
+                                "due while a save is in flight is left out", "checkpointing", min=0, max=_BIG,
+                                metavar="K")
+    memory_dir: str | None = setting(None, "with --memory-tier: the node-local parent directory of the memory "
+                                     "checkpoints (the run's are in moeckpt-<run id> below it)  [default: /dev/shm]",
+                                     "checkpointing", metavar="PATH", nonempty=True)
     memory_keep: int = setting(2, "with --memory-tier: memory checkpoints kept per node", "checkpointing", min=1,
                                max=1000)
     memory_replicas: int = setting(1, "with --memory-tier: copies of each node's part kept on other nodes (its "
