@@ -171,7 +171,7 @@ def test_each_node_holds_its_buddys_part_and_a_lost_node_costs_no_step(tmp_path)
 
 
 @pytest.mark.slow
-def test_the_elastic_drill_with_the_memory_tier_resumes_from_memory_losing_at_most_one_step(tmp_path):
+def test_the_elastic_drill_with_the_memory_tier_resumes_from_memory_past_the_persisted_step(tmp_path):
     """2 nodes x 2 workers with a memory checkpoint every step; node B killed (its memory directory deleted)
     between two persistent saves: the survivors resume from node A's memory, resharded dp 4 -> 2, reading nothing
     from storage, then grow back to 4 with node C, which holds nothing and reads through the exchange."""
