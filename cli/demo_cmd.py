@@ -69,7 +69,10 @@ def _moeckpt(args: list[str]) -> int:
 @click.option("--dir", "workdir", type=Text(), default=None, metavar="DIR",
               help="where the demo keeps its files (run directory, checkpoints, HF export, loss.png); kept "
                    "afterwards  [default: a new moeckpt-demo-* directory in the temporary directory]")
-def command(workdir: str | None) -> None:
+@click.option("--memory-tier", is_flag=True,
+              help="run the drill with the in-memory checkpoint tier (a memory checkpoint every step, each node its "
+                   "own memory directory, node B's deleted with it): the survivors resume from memory")
+def command(workdir: str | None, memory_tier: bool) -> None:
     """The whole story on this machine, about a minute on 2 CPU cores: zaya-tiny trains on two local nodes of 2
     workers each (two torchrun elastic agents, gloo); one node is lost at step 17 and the survivor resumes on 2
     workers (resharded dp 4 -> 2); a new node joins and the job grows back to 4 (resharded again). Then it
@@ -94,8 +97,11 @@ def command(workdir: str | None) -> None:
     drills: list[DrillResult] = []
 
     def elastic_run() -> tuple[str, bool]:
+        memory = os.path.join(root, "memory") if memory_tier else None
+        if memory is not None:
+            shutil.rmtree(memory, ignore_errors=True)
         result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=KILL_AT,
-                                       timeout_s=600, progress=click.echo)
+                                       timeout_s=600, progress=click.echo, memory_root=memory)
         drills.append(result)
         with open(os.path.join(root, DRILL_JSON), "w") as f:  # what the drill saw, for tests and plots
             json.dump(result.to_json(), f)
@@ -109,6 +115,12 @@ def command(workdir: str | None) -> None:
                                            f"{r['to_layout']['dp']})" if r else "")
             for (s, w), r in zip(worlds, [None, *resumes])
         )
+        shrink = result.shrink_resume()
+        if shrink is not None:
+            click.echo(f"node B lost at step {result.kill_step()}: the survivors resumed from the "
+                       f"{shrink.get('tier') or 'storage'} tier at step {shrink['step']}, {result.steps_lost()} "
+                       f"step(s) lost, {shrink.get('storage_bytes_read', shrink['bytes_read']) / 1e6:.2f} MB read "
+                       "from storage")
         return f"{story}; step {last.get('step')}, loss {last.get('loss', float('nan')):.3f}", ok
 
     step(f"2 nodes x 2 workers (elastic agents); node B dies at step {KILL_AT}; node C joins later", elastic_run)

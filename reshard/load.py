@@ -17,7 +17,7 @@ import logging
 import socket
 import time
 import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +72,7 @@ def load_rank_state(
     exchange: bool = True,
     stats: LoadStats | None = None,
     options: LoadOptions | None = None,
+    readable: Sequence[Collection[int] | None] | None = None,
 ) -> RankState:
     """Every box ``rank`` holds in ``layout``, per tensor, in the order its local tensor concatenates them.
 
@@ -82,6 +83,9 @@ def load_rank_state(
     (a failed read raises the same error class on every member): for members that share one host's page cache,
     where the exchange costs more than the storage reads it saves (see :func:`exchange_pays`).
     ``stats``, if given, is filled with the bytes read and needed; ``options`` tunes chunks, cache and rounds.
+    ``readable`` (collective only; a backend storing one file per writer) lists, per group member, the writer
+    ranks whose files that member can read (``None``: all), e.g. node-local memory checkpoints that each node
+    holds part of: every piece is then read by a member that can read it and exchanged (implies ``exchange``).
     """
     started = time.perf_counter()
     stats = stats if stats is not None else LoadStats()
@@ -92,8 +96,10 @@ def load_rank_state(
         names = _select(index.tensors, roles, tensors)
         stored = _stored_refs(reader, names)
         sources = None if stored is None else _sources_of(stored.values(), names)
-        if group is not None and exchange:
-            state = _load_collective(reader, layout, rank, names, group, peers, stats, options, sources, stored)
+        if group is not None and (exchange or readable is not None):
+            state = _load_collective(
+                reader, layout, rank, names, group, peers, stats, options, sources, stored, readable=readable
+            )
         else:
             failure = None
             try:
@@ -204,7 +210,7 @@ def _load_alone(
 
 
 def _load_collective(
-    reader, layout, rank, names, group, peers, stats, options: LoadOptions, sources, stored
+    reader, layout, rank, names, group, peers, stats, options: LoadOptions, sources, stored, *, readable=None
 ) -> RankState:
     import torch.distributed as dist
 
@@ -250,6 +256,8 @@ def _load_collective(
     owner: dict[tuple, int] = {}
     for key in order:
         needers = sorted({g for g, _, _ in units[key]})
+        if readable is not None:
+            needers = _readers_of(key[3], needers, readable, reader.location)
         pick = min(needers, key=lambda g: (load[g], (g - _unit_seed(key)) % size))
         owner[key] = pick
         load[pick] += unit_bytes[key]
@@ -287,6 +295,18 @@ def _load_collective(
     for piece, t in zip(mine.pieces, state_list):
         state.setdefault(piece.tensor, []).append((piece.box, t))
     return state
+
+
+def _readers_of(writer: int, needers: list[int], readable, location: str) -> list[int]:
+    """The members that may read ``writer``'s file: those of ``needers`` that can, else any member that can."""
+
+    def can(g: int) -> bool:
+        return readable[g] is None or writer in readable[g]
+
+    able = [g for g in needers if can(g)] or [g for g in range(len(readable)) if can(g)]
+    if not able:
+        raise LayoutError(f"{location}: no member of the collective load can read the file of writer {writer}")
+    return able
 
 
 class LoadFailedError(MoeckptError, RuntimeError):

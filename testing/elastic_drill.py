@@ -13,6 +13,7 @@ losing the store's host ends the job (use a store outside the training nodes for
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -106,6 +107,7 @@ def start_node(
     log_dir: str,
     env: dict[str, str] | None = None,
     host: bool | None = None,
+    rdzv_conf: str = DRILL_RDZV_CONF,
 ) -> LocalNode:
     """Start one node: ``moeckpt train TRAIN_ARGS --nproc N --nnodes MIN:MAX --rdzv-endpoint ...`` in the
     background, its output in ``log_dir/node-NAME.log``; ``env`` adds to the environment (e.g. the node's GPUs
@@ -113,7 +115,7 @@ def start_node(
     hosts the rendezvous store (torch's ``is_host``; ``None``: whichever binds the endpoint first)."""
     os.makedirs(log_dir, exist_ok=True)
     log_path = os.path.join(log_dir, f"node-{name}.log")
-    conf = DRILL_RDZV_CONF + ("" if host is None else f",is_host={str(host).lower()}")
+    conf = rdzv_conf + ("" if host is None else f",is_host={str(host).lower()}")
     cmd = [
         sys.executable,
         "-m",
@@ -219,6 +221,8 @@ class DrillResult:
     #: exit codes of the nodes that were not killed, by name.
     exit_codes: dict[str, int]
     logs: dict[str, str]
+    #: wall-clock time (``time.time()``) of the timeline's zero, to line it up with metrics records.
+    started_at: float = 0.0
 
     def steps(self) -> list[dict]:
         return [r for r in self.records if "loss" in r]
@@ -233,9 +237,30 @@ class DrillResult:
                 return int(what.split(" at step ")[1].split(",")[0])
         return None
 
+    def shrink_resume(self) -> dict | None:
+        """The first resume event after node B was lost (which tier, which step), if any."""
+        resumes = [e for e in self.events() if e.get("event") == "resume"]
+        return resumes[0] if resumes else None
+
+    def steps_lost(self) -> int | None:
+        """Steps trained before node B was lost that the survivors had to train again."""
+        kill, resume = self.kill_step(), self.shrink_resume()
+        if kill is None or resume is None:
+            return None
+        before = resume["from_layout"].get("tp", 1) * resume["from_layout"]["dp"]  # the world that was lost
+        trained = max(
+            (r["step"] for r in self.steps() if r["world"] == before and r["time"] <= resume["time"]), default=kill
+        )
+        return max(0, trained - resume["step"])
+
     def to_json(self) -> dict:
         """Records, timeline and exit codes (the logs are files beside the run: ``drill-logs/node-*.log``)."""
-        return {"records": self.records, "timeline": [list(t) for t in self.timeline], "exit_codes": self.exit_codes}
+        return {
+            "records": self.records,
+            "timeline": [list(t) for t in self.timeline],
+            "exit_codes": self.exit_codes,
+            "started_at": self.started_at,
+        }
 
     @classmethod
     def from_json(cls, doc: dict, logs: dict[str, str] | None = None) -> DrillResult:
@@ -245,6 +270,7 @@ class DrillResult:
             timeline=[tuple(t) for t in doc["timeline"]],
             exit_codes=doc["exit_codes"],
             logs=dict(logs or {}),
+            started_at=doc.get("started_at", 0.0),
         )
 
     def worlds(self) -> list[tuple[int, int]]:
@@ -265,13 +291,19 @@ def run_shrink_grow_drill(
     timeout_s: float = 300.0,
     node_env: Callable[[str], dict[str, str]] | None = None,
     progress: Callable[[str], None] | None = None,
+    memory_root: str | None = None,
+    memory_every: int = 1,
+    rdzv_conf: str = DRILL_RDZV_CONF,
 ) -> DrillResult:
     """Two nodes of ``nproc`` workers train ``train_args`` (which must include ``--run-dir run_dir``); node B is
     killed once the 2-node world reached ``kill_at_step`` and a checkpoint is committed; node C is started once the
     survivor trains alone; the drill returns when the run ends (raises :class:`DrillError` if it does not within
     ``timeout_s``).
-    ``node_env(name)`` gives each node's extra environment (node C replaces B, so give it B's GPUs)."""
-    t0 = time.monotonic()
+    ``node_env(name)`` gives each node's extra environment (node C replaces B, so give it B's GPUs).
+    With ``memory_root`` the memory tier is on (``--memory-tier --memory-every memory_every``), each node with its
+    own memory directory ``memory_root/<name>`` (and ``$MOECKPT_NODE``), and killing node B deletes B's, as a real
+    node loss loses its RAM. ``rdzv_conf`` replaces the drill's rendezvous settings (:data:`DRILL_RDZV_CONF`)."""
+    t0, started_at = time.monotonic(), time.time()
     timeline: list[tuple[float, str]] = []
 
     def note(what: str) -> None:
@@ -284,15 +316,26 @@ def run_shrink_grow_drill(
     logs = os.path.join(run_dir, "drill-logs")
 
     def start(name: str) -> LocalNode:
+        args, env = list(train_args), node_env(name) if node_env is not None else None
+        if memory_root is not None:
+            args += [
+                "--memory-tier",
+                "--memory-every",
+                str(memory_every),
+                "--memory-dir",
+                os.path.join(memory_root, name),
+            ]
+            env = {**(env or {}), "MOECKPT_NODE": name}
         return start_node(
             name,
-            train_args,
+            args,
             nproc=nproc,
             nnodes="1:2",
             endpoint=endpoint,
             log_dir=logs,
-            env=node_env(name) if node_env is not None else None,
+            env=env,
             host=name == "A",
+            rdzv_conf=rdzv_conf,
         )
 
     # B first: its agent waits for A's store (a client retries its connection), so that it is ready to join
@@ -330,6 +373,8 @@ def run_shrink_grow_drill(
                 and committed_steps(run_dir)
             ):
                 kill_node(b)
+                if memory_root is not None:
+                    shutil.rmtree(os.path.join(memory_root, "B"), ignore_errors=True)  # its RAM is gone with it
                 note(f"killed node B (agent and {nproc} workers) at step {last['step']}, world {last['world']}")
                 phase = "see the survivors train alone"
                 seen = len(steps)
@@ -356,6 +401,7 @@ def run_shrink_grow_drill(
         timeline=timeline,
         exit_codes={n: node.proc.returncode for n, node in nodes.items() if n != "B"},
         logs={n: node.log() for n, node in nodes.items()},
+        started_at=started_at,
     )
 
 

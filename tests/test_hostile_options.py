@@ -35,6 +35,8 @@ ACCEPTED: dict[tuple[str, str], set[str]] = {
     ("train", "--hang-timeout"): {"0"},
     ("train", "--max-nan-rollbacks"): {"0"},
     ("train", "--max-restarts"): {"0"},
+    ("train", "--memory-every"): {"0"},
+    ("train", "--memory-replicas"): {"0"},
     ("eval", "--start-sample"): {"0"},
     ("eval", "--seed"): {"0"},
 }

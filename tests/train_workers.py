@@ -80,3 +80,36 @@ def _expert_dispatch_check(rank: int, route: str) -> None:
     for mine, ref in ((local.gate_up_proj, full.gate_up_proj), (local.down_proj, full.down_proj)):
         got = mine.grad if mine.grad is not None else torch.zeros_like(mine)
         torch.testing.assert_close(got, ref.grad[lo:hi], rtol=1e-5, atol=1e-5)
+
+
+def memory_run(rank: int, config: dict, steps: int, persist_at: tuple[int, ...], memory_at: tuple[int, ...],
+               node: str | None = None) -> None:
+    """Train ``steps`` steps of ``config`` and stop as a crash would (no final save, memory tier left in place),
+    saving persistently after the steps in ``persist_at`` and into the memory tier after those in ``memory_at``;
+    ``node`` (``{rank}`` formatted) names this rank's simulated node."""
+    import os
+
+    from moeckpt.trainer.train import TrainConfig, Trainer
+
+    torch.set_num_threads(1)
+    if node is not None:
+        os.environ["MOECKPT_NODE"] = node.format(rank=rank)
+    trainer = Trainer(TrainConfig.from_json(config))
+    for _ in range(steps):
+        trainer.train_step()
+        if trainer.step in persist_at or trainer.step in memory_at:
+            trainer.checkpoints.wait()  # else a memory-only save due while one is in flight would be left out
+            trainer.save(persist=trainer.step in persist_at, memory=trainer.step in memory_at)
+    trainer.checkpoints.wait()
+    trainer.metrics.flush()
+
+
+def train_on_nodes(rank: int, config: dict, nodes: tuple[str, ...]) -> None:
+    """``train(config)`` with rank ``r`` on simulated node ``nodes[r]`` (``$MOECKPT_NODE``)."""
+    import os
+
+    from moeckpt.trainer.train import TrainConfig, train
+
+    torch.set_num_threads(1)
+    os.environ["MOECKPT_NODE"] = nodes[rank]
+    train(TrainConfig.from_json(config))

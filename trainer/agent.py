@@ -11,11 +11,15 @@ terminal and what happens around the edges:
   the workers and waited for them (``--shutdown-timeout``), and with code 1 and one line when the workers
   failed more often than ``--max-restarts`` allows;
 * on Linux it dies with its parent (the ``moeckpt`` launcher), so a launcher killed outright leaves no agent
-  behind; the agent's own shutdown then stops the workers.
+  behind; the agent's own shutdown then stops the workers;
+* with ``MOECKPT_AGENT_EVENTS=PATH`` it appends one JSON line per such event to PATH (``{"what": "worker_failed"
+  | "restart" | "node_joined", "time": ...}``, wall clock): the failure detection and teardown phases of a
+  restart, which the workers cannot see (:mod:`moeckpt.trainer.phases`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -38,22 +42,38 @@ class _AgentLines(logging.Handler):
         self.verbose = verbose
 
     def emit(self, record: logging.LogRecord) -> None:
-        line = None
+        line = what = None
         msg = str(record.msg)
         if self.verbose:
             line = f"torchrun: {record.getMessage()}"
         elif msg == _FAILED and len(record.args or ()) >= 3:
             code, local_rank, pid = record.args[:3]  # type: ignore[index]
             line = f"moeckpt: worker local rank {local_rank} (pid {pid}) exited with {_describe_exit(code)}"
+            what = "worker_failed"
         elif _RESTART in msg and "attempts left" in msg and len(record.args or ()) >= 4:
             left, most = record.args[2], record.args[3]  # type: ignore[index]
             line = (f"moeckpt: restarting the workers (restart {int(most) - int(left) + 1} of {most}); they resume "
                     "from the newest committed checkpoint")
+            what = "restart"
         elif _RESTART in msg and "new nodes" in msg:
             line = "moeckpt: a node joined; restarting the workers in the larger world"
+            what = "node_joined"
+        if what is not None:
+            _record_event(what, record.created)
         if line is not None:
             sys.stderr.write(line + "\n")
             sys.stderr.flush()
+
+
+def _record_event(what: str, when: float) -> None:
+    path = os.environ.get("MOECKPT_AGENT_EVENTS")
+    if not path:
+        return
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps({"what": what, "time": when, "pid": os.getpid()}) + "\n")
+    except OSError:
+        pass  # a diagnostic only: never stop the agent for it
 
 
 def _describe_exit(code) -> str:

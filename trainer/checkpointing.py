@@ -32,6 +32,7 @@ from moeckpt.reshard.local import local_shape, local_views
 from moeckpt.reshard.placement import placements
 
 from .faults import FaultInjector
+from .memory_tier import MemoryStats, MemoryTier
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,12 @@ class SaveStats:
     bytes_written: int = 0
     committed: bool = False
     error: str | None = None
+    #: whether the save went to the persistent run directory (else only to the memory tier).
+    persisted: bool = True
+    #: the memory tier's save of the same snapshot, if any (written before the persistent one).
+    memory: MemoryStats | None = None
+    #: a memory-only save left out because the previous save was still in flight on some rank.
+    skipped: bool = False
 
 
 @dataclass
@@ -99,28 +106,46 @@ class CheckpointManager:
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
         self._inflight: _InFlight | None = None
         self.history: list[SaveStats] = []
+        #: the in-memory tier (:mod:`.memory_tier`), set by the trainer with ``--memory-tier``.
+        self.memory: MemoryTier | None = None
+        #: a gloo group of the whole world for the training thread's one question before a memory-only save
+        #: (is a save still in flight anywhere?), set with :attr:`memory`.
+        self.decide_group = None
 
     # -- saving ---------------------------------------------------------------------------------------------
-    def save(self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any]) -> SaveStats:
+    def save(self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any], *,
+             persist: bool = True, to_memory: bool = False) -> SaveStats:
         """Snapshot ``local_state`` (logical tensor name -> this rank's local tensor) and persist it.
 
-        Returns after the snapshot when saving asynchronously, after the commit otherwise.
+        With ``to_memory`` (and a memory tier) the same snapshot is first committed into the memory tier, then,
+        with ``persist``, into the run directory: one host copy, two writers. Returns after the snapshot when
+        saving asynchronously, after the commit(s) otherwise.
         """
+        to_memory = to_memory and self.memory is not None
+        if to_memory and not persist and self._busy_anywhere():
+            # A memory checkpoint is worth having only if it costs no training time: while the previous save is
+            # still being written (a large state, a slow persistent save), this one is left out on every rank.
+            stats = SaveStats(step=step, persisted=False, skipped=True)
+            self.history.append(stats)
+            log.debug("memory checkpoint of step %d left out: the previous save is still in flight", step)
+            return stats
         self.wait()
         t0 = time.perf_counter()
         pieces = self._snapshot(local_state)
-        stats = SaveStats(step=step, blocked_s=0.0, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces))
+        stats = SaveStats(step=step, blocked_s=0.0, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
+                          persisted=persist)
         if self.async_save:
             errors: list[BaseException] = []
             thread = threading.Thread(
-                target=self._persist_guarded, args=(step, pieces, dict(train_state), stats, errors), daemon=True,
+                target=self._persist_guarded, args=(step, pieces, dict(train_state), stats, errors, to_memory),
+                daemon=True,
                 name=f"moeckpt-save-{step}",
             )
             self._inflight = _InFlight(thread, stats, errors)
             stats.blocked_s = time.perf_counter() - t0
             thread.start()
         else:
-            self._persist(step, pieces, dict(train_state), stats)
+            self._write(step, pieces, dict(train_state), stats, to_memory)
             stats.blocked_s = time.perf_counter() - t0
         self.history.append(stats)
         return stats
@@ -137,6 +162,15 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+
+    def _busy_anywhere(self) -> bool:
+        """Whether a save is still in flight on any rank (collective over :attr:`decide_group`)."""
+        busy = self._inflight is not None and self._inflight.thread.is_alive()
+        if self.decide_group is None:
+            return busy
+        flag = torch.tensor([int(busy)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.decide_group)
+        return bool(flag.item())
 
     def _snapshot(self, local_state: dict[str, torch.Tensor]) -> list[Piece]:
         missing = set(self.tensors) - set(local_state)
@@ -165,12 +199,29 @@ class CheckpointManager:
             torch.cuda.synchronize()
         return pieces
 
-    def _persist_guarded(self, step, pieces, train_state, stats: SaveStats, errors: list[BaseException]) -> None:
+    def _persist_guarded(self, step, pieces, train_state, stats: SaveStats, errors: list[BaseException],
+                         to_memory: bool = False) -> None:
         try:
-            self._persist(step, pieces, train_state, stats)
+            self._write(step, pieces, train_state, stats, to_memory)
         except BaseException as e:  # noqa: BLE001 - reported to the training thread by wait()
             errors.append(e)
             stats.error = str(e)
+
+    def _write(self, step: int, pieces: list[Piece], train_state: dict[str, Any], stats: SaveStats,
+               to_memory: bool) -> None:
+        """The memory tier first (seconds of host memory, the likelier one to be resumed from), then the run
+        directory. A failed memory save is logged and costs only that memory checkpoint, never the run."""
+        if to_memory and self.memory is not None:
+            try:
+                stats.memory = self.memory.save(step, pieces, tensors=self.tensors, layout_json=self.layout.to_json(),
+                                                model=self.model, train_state=train_state)
+            except MoeckptError as e:  # every rank raises it alike (agreed inside), none is left in a collective
+                stats.memory = MemoryStats(step=step, error=str(e))
+                log.warning("memory checkpoint of step %d not committed: %s", step, e)
+        if stats.persisted:
+            self._persist(step, pieces, train_state, stats)
+        else:
+            stats.committed = stats.memory is not None and stats.memory.committed
 
     def _persist(self, step: int, pieces: list[Piece], train_state: dict[str, Any], stats: SaveStats) -> None:
         t0 = time.perf_counter()

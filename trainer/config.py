@@ -187,6 +187,19 @@ class TrainConfig:
         choices=RESUME_READS)
     reset_optimizer: bool = setting(False, "resuming from another optimizer's state: keep the weights and start "
                                     "this run's optimizer fresh (else refused)", "checkpointing")
+    memory_tier: bool = setting(False, "also commit checkpoints into host memory (a directory under /dev/shm per "
+                                "node and run) that outlives the workers; a restart resumes from it when it is at "
+                                "least as new as the newest persisted one (docs/fault-tolerance.md)", "checkpointing")
+    memory_every: int = setting(0, "with --memory-tier: a memory checkpoint every K steps (0: at every save); one "
+                                "due while a save is in flight is left out", "checkpointing", min=0, max=_BIG,
+                                metavar="K")
+    memory_dir: str | None = setting(None, "with --memory-tier: the node-local parent directory of the memory "
+                                     "checkpoints (the run's are in moeckpt-<run id> below it)  [default: /dev/shm]",
+                                     "checkpointing", metavar="PATH", nonempty=True)
+    memory_keep: int = setting(2, "with --memory-tier: memory checkpoints kept per node", "checkpointing", min=1,
+                               max=1000)
+    memory_replicas: int = setting(1, "with --memory-tier: copies of each node's part kept on other nodes (its "
+                                   "buddies)", "checkpointing", min=0, max=64)
 
     # -- faults -----------------------------------------------------------------------------------------------
     inject: tuple[str, ...] = setting(
@@ -230,6 +243,10 @@ class TrainConfig:
                     raise ValueError(f"{f.name}={v!r} {why}")
         if not self.model and not self.init_from:
             raise ValueError("model is empty: name a preset or config.json, or give init_from to take its model")
+        if not self.memory_tier:
+            for name in ("memory_every", "memory_dir"):
+                if getattr(self, name) not in (0, None):
+                    raise ValueError(f"{name}={getattr(self, name)!r} needs memory_tier (--memory-tier)")
         if self.stop_at is not None and self.stop_at > self.steps:
             raise ValueError(f"stop_at={self.stop_at!r} must lie in [0, steps={self.steps}]")
         from .faults import parse_fault

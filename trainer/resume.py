@@ -59,17 +59,19 @@ class Restored:
 
 
 def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layout, rank: int, *,
-                roles: Iterable[str], group=None, stats: LoadStats | None = None, exchange: bool = True) -> set[str]:
+                roles: Iterable[str], group=None, stats: LoadStats | None = None, exchange: bool = True,
+                readable=None) -> set[str]:
     """Copy the checkpoint's data into ``pieces`` (live views: a rank's boxes in ``layout``); returns the names
     of the checkpoint's logical tensors of ``roles`` (pieces of others are left untouched).
 
     With ``group`` the read is collective: every rank must pass the same ``roles`` (a rank may hold no box of a
     tensor, e.g. a TP window split that misses it, so the tensor list comes from the index, not from the pieces);
-    ``exchange`` as in :func:`~moeckpt.reshard.load.load_rank_state`.
+    ``exchange`` and ``readable`` as in :func:`~moeckpt.reshard.load.load_rank_state`.
     """
     keep = set(roles)
     present = sorted(n for n, e in reader.index.tensors.items() if e.role in keep)
-    state = load_rank_state(reader, layout, rank, tensors=present, group=group, stats=stats, exchange=exchange)
+    state = load_rank_state(reader, layout, rank, tensors=present, group=group, stats=stats, exchange=exchange,
+                            readable=readable)
     by_box = {name: dict(boxes) for name, boxes in state.items()}
     for piece in pieces:
         boxes = by_box.get(piece.name)
@@ -94,16 +96,17 @@ def exchanges(reads: str, location: str, group) -> bool:
 
 @torch.no_grad()
 def restore(location: str, optimizer: ZeroOptimizer, *, model_json: dict, group=None, reads: str = "auto",
-            reset_optimizer: bool = False) -> Restored:
+            reset_optimizer: bool = False, readable=None) -> Restored:
     """Load the checkpoint at ``location`` into ``optimizer``'s parameters and state (this rank's boxes).
 
     ``model_json`` (``ModelSpec.to_json()``) must match the checkpoint's model; ``group`` (a gloo group of the
     whole world, or ``None`` alone) makes the read collective: a failed read raises the same error on every rank.
     ``reads`` says whether the ranks exchange replicated pieces over it (``exchange``), each read their own
     (``own``), or ``auto`` (:func:`~moeckpt.reshard.load.exchange_pays`). Collective over the (expert-)data-parallel
-    groups afterwards too (the fp32 masters are gathered into lower-precision parameters).
+    groups afterwards too (the fp32 masters are gathered into lower-precision parameters). ``readable`` restricts
+    which member reads which writer's file (a memory checkpoint held in parts by nodes; implies the exchange).
     """
-    exchange = exchanges(reads, location, group)
+    exchange = readable is not None or exchanges(reads, location, group)
     reader = CheckpointReader(location)
     index = reader.index
     if index.model and index.model != model_json:
@@ -122,7 +125,7 @@ def restore(location: str, optimizer: ZeroOptimizer, *, model_json: dict, group=
     state_pieces = optimizer.pieces()
     loaded = load_pieces(reader, params + state_pieces, layout, rank,
                          roles=TRAINING_ROLES if load_state else WEIGHT_ROLES, group=group, stats=stats,
-                         exchange=exchange)
+                         exchange=exchange, readable=readable)
     masters = {p.name for p in state_pieces if p.role == MASTER}
     if masters and masters <= loaded:
         optimizer.load_params_from_master()

@@ -43,12 +43,14 @@ from .faults import FaultInjector, parse_fault
 from .init_values import initial_value
 from .logs import progress
 from .memory import check_fits, training_bytes
+from .memory_tier import MemoryTier, check_host_budget, choose_step, run_id, run_root
 from .metrics import MetricsLog
 from .models import ModelSpec, resolve_model
 from .muon import MuonConfig
 from .optim import AdamWConfig
 from .optimizers import build_optimizer, check_run_optimizer
 from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
+from .phases import phase_durations, process_start_time
 from .preemption import PreemptionFlag
 from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore, restore_from_state_dict
 from .schedule import LRSchedule, ScheduleConfig
@@ -115,6 +117,12 @@ def check_launch(config: TrainConfig, nproc: int, *, worlds: Sequence[int] | Non
         layout = choose_layout(world, tp=config.tp, ep=config.ep, check=spec.check_layout)
         check_shape(config, spec, layout, dataset, ranks_here=nproc, params=params,
                     device_type=device_type or _device_type(config))
+        if config.memory_tier:
+            # weights, an fp32 master for lower-precision weights, and at most two fp32 moments per parameter
+            per_param = DTYPES[config.dtype].itemsize + (4 if config.dtype != "fp32" else 0) + 8
+            check_host_budget(config.run_dir, config.memory_dir, keep=config.memory_keep,
+                              replicas=config.memory_replicas, state_bytes=params * per_param, ranks_here=nproc,
+                              world=world)
 
 
 def _device_type(config: TrainConfig) -> str:
@@ -163,8 +171,11 @@ def setup_world(config: TrainConfig) -> torch.device:
 class Trainer:
     """One rank's training state: model shard, optimizer, data, schedule, checkpoints and metrics."""
 
-    def __init__(self, config: TrainConfig, *, device: torch.device | None = None) -> None:
+    def __init__(self, config: TrainConfig, *, device: torch.device | None = None,
+                 marks: dict[str, float | None] | None = None) -> None:
         self.config = config
+        #: wall-clock marks of this start (:mod:`.phases`), logged as a ``restart_phases`` event after the first step.
+        self.marks: dict[str, float | None] = dict(marks or {})
         check_run_dir(config)
         self.spec: ModelSpec = run_model(config)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -213,10 +224,18 @@ class Trainer:
             faults=self._faults(config),
         )
         self.metrics = MetricsLog(config.run_dir, enabled=self.rank == 0)
+        self.memory: MemoryTier | None = self._memory_tier(config) if config.memory_tier else None
+        self.checkpoints.memory = self.memory
+        if self.memory is not None and dist.is_initialized():
+            self.checkpoints.decide_group = dist.new_group(backend="gloo")
         self.nan_rollbacks = 0
         self.step = 0
         self.resumed_from: str | None = None
+        #: the tier the resume read from: ``memory`` or ``storage`` (the run directory); ``None`` for a fresh run.
+        self.resume_tier: str | None = None
+        self.marks["model_built"] = time.time()
         self._resume()
+        self.marks["loaded"] = time.time()
 
     # ------------------------------------------------------------------------------------------- set-up
 
@@ -238,6 +257,15 @@ class Trainer:
             piece.tensor.copy_(current[1][piece.box.slices()])
         self.optimizer.load_master_from_params()
 
+    def _memory_tier(self, config: TrainConfig) -> MemoryTier:
+        """Join the memory tier (collective): the run's id from its run directory, the budget checked."""
+        rid = collectives.broadcast_json(run_id(config.run_dir, create=True) if self.rank == 0 else None, 0,
+                                         self.checkpoints.group)
+        tier = MemoryTier(run_root(config.memory_dir, rid), group=self.checkpoints.group, keep=config.memory_keep,
+                          replicas=config.memory_replicas, state_bytes=sum(e.nbytes for e in self.tensors.values()))
+        tier.check_budget()
+        return tier
+
     def _resume(self) -> None:
         restored = self._restore_newest_intact()
         if restored is None:
@@ -256,8 +284,12 @@ class Trainer:
         everyone = collectives.all_gather_json(
             [restored.stats.bytes_read, restored.stats.bytes_needed, restored.stats.seconds], self.checkpoints.group
         )
+        read = sum(r[0] for r in everyone)
         self.metrics.write({
-            "event": "resume", "step": self.step, "from_layout": restored.source_layout.to_json(),
+            "event": "resume", "step": self.step, "tier": self.resume_tier,
+            "memory_bytes_read": read if self.resume_tier == "memory" else 0,
+            "storage_bytes_read": read if self.resume_tier == "storage" else 0,
+            "from_layout": restored.source_layout.to_json(),
             "to_layout": self.groups.layout.to_json(),
             # storage reads of all ranks against the bytes the new layout holds (replicas counted once per rank)
             "bytes_read": sum(r[0] for r in everyone), "bytes_needed": sum(r[1] for r in everyone),
@@ -271,8 +303,9 @@ class Trainer:
             why = f" after restart {restart} of the workers" if restart else ""
             fresh = f"; its optimizer state is not {self.optimizer.name}'s: started fresh" if restored.optimizer_reset else ""
             log.info(
-                "resumed %s (step %d, written in layout %s) into layout %s%s: rank 0 read %.2f MB for %.2f MB of "
-                "state in %.2f s%s", restored.location, self.step, restored.source_layout, self.groups.layout, why,
+                "resumed from %s %s (step %d, written in layout %s) into layout %s%s: rank 0 read %.2f MB for %.2f "
+                "MB of state in %.2f s%s", "host memory" if self.resume_tier == "memory" else "storage",
+                restored.location, self.step, restored.source_layout, self.groups.layout, why,
                 st.bytes_read / 1e6, st.bytes_needed / 1e6, st.seconds, fresh,
             )
             if restored.source_layout != self.groups.layout:
@@ -307,6 +340,12 @@ class Trainer:
             [[step, st.location] for step, st in reversed(committed_steps(self.config.run_dir))]
             if self.rank == 0 else None, 0, self.checkpoints.group,
         )
+        if self.memory is not None:
+            restored = self._restore_from_memory(not_before=candidates[0][0] if candidates else None)
+            if restored is not None:
+                self.resume_tier = "memory"
+                return restored
+        self.resume_tier = "storage"
         for step, location in candidates:
             try:
                 return restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
@@ -320,6 +359,43 @@ class Trainer:
                 "'damaged_checkpoint' events in metrics.jsonl); restore one from a copy or start a new --run-dir"
             )
         return None
+
+    def _restore_from_memory(self, *, not_before: int | None) -> Restored | None:
+        """Load the newest memory checkpoint the nodes of this world hold between them, if it is not older than
+        the newest persisted step (collective); ``None`` when there is none (or it reads back damaged).
+
+        Each writer's file is read by a rank whose node holds it and exchanged over the checkpoint group, so a
+        node that holds none of it (a new node) still loads; it gets the step's index to plan with."""
+        tier = self.memory
+        if tier is None:
+            return None
+        held = tier.gather()
+        choice = choose_step(held, not_before=not_before)
+        if choice is None:
+            return None
+        step = choice.step
+        having = [key for key in tier.nodes if str(step) in held.get(key, {})]
+        if len(having) < len(tier.nodes):
+            src = tier.ranks_of[having[0]][0]
+            text = None
+            if self.rank == src:
+                with open(os.path.join(tier.location(step), INDEX_NAME), encoding="utf-8") as f:
+                    text = f.read()
+            text = collectives.broadcast_json(text, src, self.checkpoints.group)
+            if tier.is_leader:
+                tier.ensure_index(step, text.encode())
+            collectives.barrier(self.checkpoints.group)
+        readable = [choice.writers.get(key, set()) for key in tier.keys]
+        try:
+            return restore(tier.location(step), self.optimizer, model_json=self.spec.to_json(),
+                           group=self.checkpoints.group, reset_optimizer=self.config.reset_optimizer,
+                           readable=readable)
+        except DAMAGED_CHECKPOINT_ERRORS as e:
+            if self.rank == 0:
+                log.warning("memory checkpoint of step %d is damaged (%s); resuming from storage", step, e)
+                self.metrics.write({"event": "damaged_checkpoint", "tier": "memory", "step": step, "error": str(e),
+                                    "time": time.time()})
+            return None
 
     def _set_aside_damaged(self, step: int, location: str, error: Exception) -> None:
         """Resume found ``location`` damaged: record it, move it out of the way (rank 0) and let the caller try the
@@ -406,9 +482,14 @@ class Trainer:
             "layout": self.groups.layout.to_json(),
         }
 
-    def save(self) -> float:
-        """Start a checkpoint of the current step; returns the seconds training was blocked."""
-        stats = self.checkpoints.save(self.step, self.local_state(), self.train_state())
+    def save(self, *, persist: bool = True, memory: bool | None = None) -> float:
+        """Start a checkpoint of the current step, into the run directory (``persist``) and/or the memory tier
+        (``memory``, default: with every persistent save when the tier is on); returns the seconds training was
+        blocked (one snapshot for both)."""
+        memory = self.memory is not None and (persist if memory is None else memory)
+        stats = self.checkpoints.save(self.step, self.local_state(), self.train_state(), persist=persist,
+                                      to_memory=memory)
+        self.last_save = stats
         return stats.blocked_s
 
     def run(self, *, should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
@@ -438,10 +519,18 @@ class Trainer:
                 if not math.isfinite(record["loss"]):
                     self.roll_back(record["loss"])
                     continue
-                if (cfg.save_every and self.step % cfg.save_every == 0) or self.step == stop:
-                    record["save_blocked_s"] = self.save()
-                    last_saved = self.step
+                persist = bool(cfg.save_every and self.step % cfg.save_every == 0) or self.step == stop
+                memory = self.memory is not None and (self.step % cfg.memory_every == 0 if cfg.memory_every
+                                                      else persist)
+                if persist or memory:
+                    record["save_blocked_s"] = self.save(persist=persist, memory=memory)
+                    if self.last_save.skipped:
+                        record["memory_skipped"] = True
+                    if persist:
+                        last_saved = self.step
                 self.metrics.write(record)
+                if not records:
+                    self._log_phases(record["time"])
                 records.append(record)
                 meter.step(record)
                 if record["save_blocked_s"]:
@@ -459,6 +548,18 @@ class Trainer:
                 watchdog.stop()
             self.metrics.flush()
         return records
+
+    def _log_phases(self, first_step: float) -> None:
+        """After this start's first step (done at ``first_step``, before its save): when each phase of the start
+        ended (``restart_phases`` event)."""
+        self.marks["first_step"] = first_step
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        durations = phase_durations(self.marks)
+        self.metrics.write({"event": "restart_phases", "step": self.step, "restart": restart,
+                            "tier": self.resume_tier, "world": self.groups.layout.world, "marks": self.marks,
+                            "seconds": durations, "time": time.time()})
+        if self.rank == 0 and self.resume_tier is not None:
+            log.info("start to first step: %s", ", ".join(f"{k} {v:.2f} s" for k, v in durations.items()))
 
     def _hang_report_path(self) -> str:
         """Where the watchdog writes its stacks: the run directory, or a local file for a run on object storage."""
@@ -507,13 +608,19 @@ def train(config: TrainConfig) -> list[dict[str, Any]]:
 def run_training(config: TrainConfig) -> RunSummary:
     """:func:`train`, returning what the invocation did: its records, the step it ended at, and whether a SIGTERM
     stopped it (every rank of the world calls it)."""
+    marks = {"process_start": process_start_time(), "entered": time.time()}
     device = setup_world(config)
-    trainer = Trainer(config, device=device)
+    marks["world_joined"] = time.time()
+    trainer = Trainer(config, device=device, marks=marks)
     preempted = PreemptionFlag()  # SIGTERM: save at the next step boundary, then exit 0
     # Its own CPU group: the checkpoint group is busy with background saves, and the training group may be NCCL.
     control = dist.new_group(backend="gloo") if dist.is_initialized() else None
     try:
         records = trainer.run(should_stop=lambda: preempted.agreed(control))
+        if trainer.memory is not None and not trainer.stopped_early:
+            # the invocation ended normally, its last step persisted: the memory tier has nothing more to give.
+            # Stopped by SIGTERM (the agent re-forming the world, a preemption) it stays for the next world.
+            trainer.memory.remove_all()
         if trainer.stopped_early and trainer.rank == 0:
             log.info("stopped on SIGTERM at step %d%s", trainer.step,
                      ", its checkpoint committed" if records else " before training a step: nothing new to save")

@@ -1,0 +1,452 @@
+"""The in-memory checkpoint tier: checkpoints committed into node-local host memory, replicated to buddy nodes.
+
+A memory checkpoint is an ordinary moeckpt checkpoint (safetensors, one file per writing rank, the same commit
+rule: a staging directory renamed into place, the index last) in a node-local directory that outlives the worker
+processes: ``<parent>/moeckpt-<run id>/<node>/step-N``, the parent ``/dev/shm`` unless ``--memory-dir`` says
+otherwise. The *run id* is a random id kept in the run directory (``memory-tier.json``), so a directory of another
+run, or of an earlier run whose run directory was removed and made again, is never taken for this run's.
+
+Every node's step directory holds the files its own ranks wrote and, once replicated, the files of the
+``replicas`` nodes before it (node ``i`` sends its part to nodes ``i+1 .. i+replicas`` mod the nodes, over the
+checkpoint manager's gloo group, from the node's lowest rank); its index lists *every* file of the step. A node
+commits its step directory only after every file of the step is held by ``1 + replicas`` nodes (agreed over the
+group), so a committed memory checkpoint survives the loss of any ``replicas`` nodes. A resume lists what every
+node holds (:meth:`MemoryTier.holdings`) and takes the newest step whose files the survivors hold between them
+(:func:`choose_step`); each file is then read on a node that holds it (``readable`` of
+:func:`moeckpt.reshard.load.load_rank_state`).
+
+This is not :mod:`moeckpt.trainer.memory`, the host/device memory *fit check* before a run starts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeckpt.formats.backends.safetensors import file_name
+from moeckpt.formats.checkpoint import STEP_PREFIX, begin_save, commit, committed_steps, staging_storage, step_dir_name
+from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.index import INDEX_NAME, FileEntry, Index
+from moeckpt.formats.pieces import Piece
+from moeckpt.formats.storage import Storage
+from moeckpt.reshard import collectives
+
+__all__ = [
+    "BACKEND",
+    "DEFAULT_PARENT",
+    "MARKER",
+    "MemoryBudgetError",
+    "MemoryChoice",
+    "MemorySaveError",
+    "MemoryStats",
+    "MemoryTier",
+    "choose_step",
+    "node_name",
+    "remove_run_memory",
+    "run_id",
+    "run_root",
+]
+
+log = logging.getLogger(__name__)
+
+#: where memory checkpoints live unless ``--memory-dir`` names another node-local directory.
+DEFAULT_PARENT = "/dev/shm"
+#: the run directory's record of its run id.
+MARKER = "memory-tier.json"
+#: the memory tier's file format: one file per writer, so a node's holdings are a set of writers.
+BACKEND = "safetensors"
+
+
+class MemoryBudgetError(MoeckptError, ValueError):
+    """The memory directory's filesystem cannot hold ``--memory-keep`` memory checkpoints."""
+
+
+class MemorySaveError(MoeckptError, RuntimeError):
+    """A memory checkpoint could not be written or replicated on some rank; it was not committed."""
+
+
+@dataclass
+class MemoryStats:
+    """One memory save: the seconds it took, the bytes this rank wrote, sent and received, and whether it
+    committed."""
+
+    step: int
+    seconds: float = 0.0
+    bytes_written: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    committed: bool = False
+    error: str | None = None
+
+
+@dataclass
+class MemoryChoice:
+    """The memory checkpoint a resume takes: its step, and which writers' files each node holds."""
+
+    step: int
+    #: node key -> the writer ranks whose files that node's directory holds.
+    writers: dict[str, set[int]] = field(default_factory=dict)
+    #: bytes of the step's files, each counted once.
+    nbytes: int = 0
+
+
+def node_name() -> str:
+    """This node's name: ``$MOECKPT_NODE`` (several simulated nodes on one host), else the host name."""
+    name = os.environ.get("MOECKPT_NODE") or socket.gethostname() or "node"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+def run_id(run_dir: str, *, create: bool) -> str | None:
+    """The run's id, kept in ``run_dir/memory-tier.json`` (made with a fresh random id when ``create``)."""
+    storage = Storage(run_dir)
+    try:
+        value = json.loads(storage.read_bytes(MARKER)).get("run_id")
+        if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{8,64}", value):
+            return value
+    except FileNotFoundError:
+        pass
+    except ValueError:
+        log.warning(
+            "%s: unreadable, giving the run a new id (older memory checkpoints are ignored)", storage.path(MARKER)
+        )
+    if not create:
+        return None
+    value = uuid.uuid4().hex[:16]
+    storage.makedirs()
+    storage.write_bytes(MARKER, json.dumps({"run_id": value}).encode())
+    return value
+
+
+def run_root(parent: str | None, rid: str) -> str:
+    """The directory of one run's memory checkpoints under ``parent`` (default ``/dev/shm``)."""
+    return os.path.join(parent or DEFAULT_PARENT, f"moeckpt-{rid}")
+
+
+def remove_run_memory(run_dir: str, parent: str | None = None) -> str | None:
+    """Remove this host's memory checkpoints of the run at ``run_dir`` (``moeckpt gc``); the directory removed."""
+    rid = run_id(run_dir, create=False)
+    if rid is None:
+        return None
+    root = run_root(parent, rid)
+    if not os.path.isdir(root):
+        return None
+    shutil.rmtree(root, ignore_errors=True)
+    return root
+
+
+def check_host_budget(run_dir: str, parent: str | None, *, keep: int, replicas: int, state_bytes: int,
+                      ranks_here: int, world: int) -> int:
+    """Before any worker starts: refuse (:class:`MemoryBudgetError`) a host whose memory directory cannot hold
+    ``keep`` memory checkpoints of its ``ranks_here`` ranks' share of a ``world``-rank job (and of its buddies'
+    shares); the run's own memory checkpoints there count as free. Returns the bytes needed."""
+    nodes = max(1, world // max(1, ranks_here))
+    need = int(keep * state_bytes * ranks_here / max(1, world) * (1 + min(replicas, nodes - 1)))
+    where = parent or DEFAULT_PARENT
+    rid = run_id(run_dir, create=False)
+    held = _tree_bytes(run_root(parent, rid)) if rid is not None and os.path.isdir(run_root(parent, rid)) else 0
+    free = _free_bytes(where) + held
+    if free < need:
+        raise MemoryBudgetError(
+            f"--memory-keep {keep}: {keep} memory checkpoint(s) need {need / 1e6:.1f} MB on this node in a world of "
+            f"{world}, {where} has {free / 1e6:.1f} MB free; lower --memory-keep or --memory-replicas, or point "
+            "--memory-dir at a larger node-local filesystem"
+        )
+    return need
+
+
+def _free_bytes(path: str) -> int:
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "/"
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
+
+
+class MemoryTier:
+    """One rank's view of the memory tier; constructed collectively (over ``group``) by every rank.
+
+    ``state_bytes`` (every logical tensor's bytes, written once) sizes the budget: a node keeps ``keep``
+    checkpoints of its ranks' share and of its buddies' shares.
+    """
+
+    def __init__(self, root: str, *, group, keep: int, replicas: int, state_bytes: int) -> None:
+        self.root = root
+        self.group = group
+        self.keep = keep
+        self.node = node_name()
+        self.node_dir = os.path.join(root, self.node)
+        self.rank = collectives.rank()
+        world = collectives.world_size()
+        # Ranks sharing a node directory are one node (on one host, nodes differ by $MOECKPT_NODE or --memory-dir).
+        keys = collectives.all_gather_json(self.node_dir, group)
+        self.nodes: list[str] = list(dict.fromkeys(keys))
+        self.ranks_of: dict[str, list[int]] = {n: [r for r, k in enumerate(keys) if k == n] for n in self.nodes}
+        self.leaders = [self.ranks_of[n][0] for n in self.nodes]
+        self.key = self.node_dir
+        #: every rank's node key, in rank order.
+        self.keys: list[str] = keys
+        self.node_index = self.nodes.index(self.key)
+        self.is_leader = self.ranks_of[self.key][0] == self.rank
+        self.replicas = min(replicas, len(self.nodes) - 1)
+        if replicas > self.replicas and self.rank == 0:
+            log.info(
+                "--memory-replicas %d: only %d other node(s) in this world, keeping %d replica(s)",
+                replicas,
+                len(self.nodes) - 1,
+                self.replicas,
+            )
+        share = state_bytes * len(self.ranks_of[self.key]) / max(1, world)
+        self.budget_bytes = int(keep * share * (1 + self.replicas))
+
+    # -- budget ---------------------------------------------------------------------------------------------
+    def check_budget(self) -> None:
+        """Refuse, on every rank alike, a node whose filesystem cannot hold the budget (its own old checkpoints
+        count as free); rank 0 logs the budget."""
+        held = sum(_tree_bytes(os.path.join(self.node_dir, n)) for n in _listdir(self.node_dir))
+        free = _free_bytes(self.node_dir) + held
+        if self.rank == 0:
+            log.info(
+                "memory tier: %d checkpoint(s) per node in %s, about %.1f MB on this node (%.1f MB free)",
+                self.keep,
+                self.root,
+                self.budget_bytes / 1e6,
+                free / 1e6,
+            )
+        error = None
+        if free < self.budget_bytes:
+            error = (
+                f"--memory-keep {self.keep}: {self.keep} memory checkpoint(s) need {self.budget_bytes / 1e6:.1f} "
+                f"MB on node {self.node}, {os.path.dirname(self.root)} has {free / 1e6:.1f} MB free; lower "
+                "--memory-keep or --memory-replicas, or point --memory-dir at a larger node-local filesystem"
+            )
+        errors = [e for e in collectives.all_gather_json(error, self.group) if e]
+        if errors:
+            raise MemoryBudgetError(errors[0])
+
+    # -- writing --------------------------------------------------------------------------------------------
+    def save(
+        self, step: int, pieces: list[Piece], *, tensors, layout_json: dict, model: dict, train_state: dict[str, Any]
+    ) -> MemoryStats:
+        """Write this rank's pieces into its node's ``step-N``, replicate the node's part to its buddies and
+        commit every node's directory once every file has its replicas (collective over the group)."""
+        from moeckpt.formats.backend import get_backend
+
+        t0 = time.perf_counter()
+        stats = MemoryStats(step=step)
+        backend = get_backend(BACKEND)
+        location = os.path.join(self.node_dir, step_dir_name(step))
+        error = None
+        if self.is_leader:
+            try:
+                self._prune(self.keep - 1)
+                begin_save(location, replace_uncommitted=True)
+            except Exception as e:  # noqa: BLE001 - shared with every rank below
+                error = f"node {self.node}: could not start the memory save: {e}"
+        entries: list[dict] = []
+        self._agree(error)
+        try:
+            written = backend.write(staging_storage(location), self.rank, pieces, tensors)
+            entries = [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in written]
+            stats.bytes_written = sum(f.size for f in written)
+            mine: dict[str, Any] = {"ok": True, "files": entries}
+        except Exception as e:  # noqa: BLE001 - every rank learns of it
+            mine = {"ok": False, "error": f"rank {self.rank}: {e}"}
+        everyone = collectives.all_gather_json(mine, self.group)
+        self._agree(next((r["error"] for r in everyone if not r["ok"]), None))
+        files = [FileEntry(**f) for r in everyone for f in r["files"]]
+        self._replicate(location, everyone, stats)
+        error = None
+        if self.is_leader:
+            try:
+                index = Index(
+                    backend=BACKEND,
+                    step=step,
+                    layout=layout_json,
+                    model=model,
+                    tensors=tensors,
+                    files={f.path: f for f in files},
+                    train_state=train_state,
+                )
+                commit(location, index)
+            except Exception as e:  # noqa: BLE001 - shared below; the other nodes' commits stand
+                error = f"node {self.node}: could not commit: {e}"
+        self._agree(error)
+        stats.committed = True
+        stats.seconds = time.perf_counter() - t0
+        log.debug("memory checkpoint of step %d committed in %s (%.2f s)", step, location, stats.seconds)
+        return stats
+
+    def _agree(self, error: str | None) -> None:
+        errors = [e for e in collectives.all_gather_json(error, self.group) if e]
+        if errors:
+            raise MemorySaveError("; ".join(errors))
+
+    def _replicate(self, location: str, everyone: list[dict], stats: MemoryStats) -> None:
+        """Send this node's files to its ``replicas`` buddies, receive the files of the nodes it is buddy of.
+
+        One round per distance ``d``: node ``i``'s leader sends to node ``i+d``'s and receives from ``i-d``'s;
+        the other ranks only take part in the agreement. Then every file must be held by ``1 + replicas`` nodes.
+        """
+        staging = staging_storage(location)
+        n = len(self.nodes)
+        for d in range(1, self.replicas + 1):
+            error = None
+            if self.is_leader:
+                try:
+                    dst = self.leaders[(self.node_index + d) % n]
+                    src_node = self.nodes[(self.node_index - d) % n]
+                    src = self.leaders[(self.node_index - d) % n]
+                    mine = [f for r in self.ranks_of[self.key] for f in everyone[r]["files"]]
+                    theirs = [f for r in self.ranks_of[src_node] for f in everyone[r]["files"]]
+                    payload = _pack(staging, mine)
+                    incoming = torch.empty(sum(f["size"] for f in theirs), dtype=torch.uint8)
+                    ops = [
+                        dist.P2POp(dist.isend, payload, dst, self.group),
+                        dist.P2POp(dist.irecv, incoming, src, self.group),
+                    ]
+                    for req in dist.batch_isend_irecv(ops):
+                        req.wait()
+                    stats.bytes_sent += payload.numel()
+                    stats.bytes_received += incoming.numel()
+                    offset = 0
+                    raw = incoming.numpy()
+                    for f in theirs:
+                        staging.write_parts(f["path"], [memoryview(raw[offset : offset + f["size"]])], fsync=False)
+                        offset += f["size"]
+                except Exception as e:  # noqa: BLE001 - shared below
+                    error = f"node {self.node}: replication at distance {d} failed: {e}"
+            self._agree(error)
+
+    def _prune(self, keep: int) -> None:
+        """Keep this node's ``keep`` newest committed memory checkpoints; remove older ones and leftovers."""
+        steps = [
+            int(n[len(STEP_PREFIX) :])
+            for n in _listdir(self.node_dir)
+            if n.startswith(STEP_PREFIX)
+            and n[len(STEP_PREFIX) :].isdigit()
+            and os.path.exists(os.path.join(self.node_dir, n, INDEX_NAME))
+        ]
+        for step in sorted(steps)[: max(0, len(steps) - keep)]:
+            shutil.rmtree(os.path.join(self.node_dir, step_dir_name(step)), ignore_errors=True)
+        for name in _listdir(self.node_dir):
+            if name.startswith("."):  # a torn save's staging directory, an old checkpoint being replaced
+                shutil.rmtree(os.path.join(self.node_dir, name), ignore_errors=True)
+
+    # -- resuming -------------------------------------------------------------------------------------------
+    def holdings(self) -> dict[str, Any]:
+        """What this node holds: ``{step: {"files": {path: size} held, "need": [every file of the step]}}`` of
+        its committed memory checkpoints (an index that does not parse is skipped)."""
+        out: dict[str, Any] = {}
+        if not os.path.isdir(self.node_dir):
+            return out
+        for step, st in committed_steps(self.node_dir):
+            try:
+                index = Index.loads(st.read_bytes(INDEX_NAME), st.path(INDEX_NAME))
+            except (MoeckptError, OSError, ValueError) as e:
+                log.warning("memory checkpoint %s: unreadable index (%s), ignored", st.location, e)
+                continue
+            present = set(_listdir(st.location))
+            held = {p: f.size for p, f in index.files.items() if p in present}
+            out[str(step)] = {"files": held, "need": sorted(index.files)}
+        return out
+
+    def location(self, step: int) -> str:
+        return os.path.join(self.node_dir, step_dir_name(step))
+
+    def gather(self) -> dict[str, dict[str, Any]]:
+        """Every node's :meth:`holdings`, by node key (collective)."""
+        everyone = collectives.all_gather_json([self.key, self.holdings() if self.is_leader else None], self.group)
+        return {key: held for key, held in everyone if held is not None}
+
+    def ensure_index(self, step: int, index_bytes: bytes | None) -> None:
+        """A node that holds none of ``step``'s files gets its index (committed, no data), so its ranks can plan
+        the load and read the files elsewhere (leader only; the caller synchronises)."""
+        location = self.location(step)
+        if index_bytes is None or os.path.exists(os.path.join(location, INDEX_NAME)):
+            return
+        begin_save(location, replace_uncommitted=True)
+        commit(location, Index.loads(index_bytes, location))
+
+    def remove_all(self) -> None:
+        """The run ended normally: remove this node's memory checkpoints (collective)."""
+        collectives.barrier(self.group)
+        if self.is_leader:
+            shutil.rmtree(self.node_dir, ignore_errors=True)
+            try:
+                os.rmdir(self.root)  # the last node of the host removes the run's directory
+            except OSError:
+                pass
+
+
+def choose_step(held: dict[str, dict[str, Any]], *, not_before: int | None) -> MemoryChoice | None:
+    """The newest step whose every file some node in ``held`` (:meth:`MemoryTier.gather`) holds, if it is at
+    least ``not_before`` (the newest persisted step); else ``None``."""
+    steps = sorted({int(s) for h in held.values() for s in h}, reverse=True)
+    for step in steps:
+        if not_before is not None and step < not_before:
+            break
+        need: set[str] = set()
+        have: dict[str, int] = {}
+        writers: dict[str, set[int]] = {}
+        for key, h in held.items():
+            entry = h.get(str(step))
+            if entry is None:
+                writers[key] = set()
+                continue
+            need |= set(entry["need"])
+            have.update(entry["files"])
+            writers[key] = _writers(entry["files"])
+        if need and need <= set(have):
+            return MemoryChoice(step=step, writers=writers, nbytes=sum(have[p] for p in need))
+    return None
+
+
+def _writers(files) -> set[int]:
+    out = set()
+    for path in files:
+        m = re.fullmatch(r"rank-(\d+)\.safetensors", path)
+        if m and file_name(int(m.group(1))) == path:
+            out.add(int(m.group(1)))
+    return out
+
+
+def _pack(staging: Storage, files: list[dict]) -> torch.Tensor:
+    """This node's files, end to end in one buffer to send; read one file at a time, so the node holds one
+    file's bytes more than the buffer at most."""
+    out = torch.empty(sum(f["size"] for f in files), dtype=torch.uint8)
+    offset = 0
+    for f in files:
+        data = staging.read_bytes(f["path"])
+        if len(data) != f["size"]:
+            raise MemorySaveError(f"{staging.path(f['path'])}: {len(data)} bytes, {f['size']} were written")
+        if data:
+            out[offset:offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        offset += len(data)
+    return out
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except FileNotFoundError:
+        return []
+
+
+def _tree_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    total = 0
+    for dirpath, _, names in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names)
+    return total
