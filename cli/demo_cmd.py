@@ -69,9 +69,10 @@ def _moeckpt(args: list[str]) -> int:
 @click.option("--dir", "workdir", type=Text(), default=None, metavar="DIR",
               help="where the demo keeps its files (run directory, checkpoints, HF export, loss.png); kept "
                    "afterwards  [default: a new moeckpt-demo-* directory in the temporary directory]")
-@click.option("--memory-tier", is_flag=True,
+@click.option("--memory-tier/--no-memory-tier", default=True, show_default=True,
               help="run the drill with the in-memory checkpoint tier (a memory checkpoint every step, each node its "
-                   "own memory directory, node B's deleted with it): the survivors resume from memory")
+                   "own memory directory, node B's deleted with it): the survivors resume from memory; without it "
+                   "they resume from the last persisted checkpoint")
 def command(workdir: str | None, memory_tier: bool) -> None:
     """The whole story on this machine, about a minute on 2 CPU cores: zaya-tiny trains on two local nodes of 2
     workers each (two torchrun elastic agents, gloo); one node is lost at step 17 and the survivor resumes on 2
