@@ -221,3 +221,54 @@ def _union_length(spans: list[tuple[int, int]]) -> int:
             total += b - end
             end = b
     return total
+
+
+def plan_exchange(index: Index, plan: ReshardPlan, chunk_bytes: int, round_bytes: int):
+    """The collective load's exchange plan as ``reshard/load.py`` computed it inline: (units, owner, rounds)."""
+    from moeckpt.reshard.chunks import chunk_rows
+
+    size = len(plan.ranks)
+    units: dict[tuple, list[tuple[int, int, Box]]] = {}
+    unit_bytes: dict[tuple, int] = {}
+    for g, rank_plan in enumerate(plan.ranks):
+        for pos, piece in enumerate(rank_plan.pieces):
+            entry = index.tensors[piece.tensor]
+            item_bytes = dtypes.itemsize(entry.dtype)
+            for item in piece.reads:
+                src = item.src_box
+                per = chunk_rows(src, entry.dtype, chunk_bytes)
+                r0, r1 = item.rows
+                for c in range(r0 // per, (r1 - 1) // per + 1):
+                    lo, hi = c * per, min((c + 1) * per, src.shape[0] if src.ndim else 1)
+                    if src.ndim:
+                        rows_box = Box((src.offsets[0] + lo,) + src.offsets[1:], (hi - lo,) + src.shape[1:])
+                        sub = item.region.intersect(rows_box)
+                    else:
+                        sub = item.region
+                    if sub is None:
+                        continue
+                    key = (item.tensor, src.offsets, src.shape, item.writer, c)
+                    if key not in units:
+                        units[key] = []
+                        unit_bytes[key] = (
+                            (hi - lo) * (src.numel // max(1, src.shape[0]) if src.ndim else 1) * item_bytes
+                        )
+                    units[key].append((g, pos, sub))
+    order = sorted(units)
+    load = [0] * size
+    owner: dict[tuple, int] = {}
+    for key in order:
+        needers = sorted({g for g, _, _ in units[key]})
+        pick = min(needers, key=lambda g: (load[g], (g - zlib.crc32(repr(key).encode())) % size))
+        owner[key] = pick
+        load[pick] += unit_bytes[key]
+    rounds: list[list[tuple]] = [[]]
+    round_load = [0] * size
+    for key in order:
+        o = owner[key]
+        if rounds[-1] and round_load[o] + unit_bytes[key] > round_bytes:
+            rounds.append([])
+            round_load = [0] * size
+        rounds[-1].append(key)
+        round_load[o] += unit_bytes[key]
+    return units, owner, rounds

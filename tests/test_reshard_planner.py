@@ -11,6 +11,7 @@ from moeckpt.formats.box import Box, covers_exactly_once
 from moeckpt.formats.errors import LayoutError
 from moeckpt.formats.index import FileEntry, Index, TensorEntry
 from moeckpt.reshard import placement
+from moeckpt.reshard.group_plan import plan_exchange
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.planner import plan_boxes, plan_load, plan_reshard, source_pieces
 from moeckpt.reshard.rules import ShardingRule, TpSplit
@@ -165,6 +166,20 @@ def test_fast_planner_equals_the_reference_planner(data):
     }
     assert plan_boxes(index, wanted) == reference.plan_boxes(index, wanted)
     assert plan_boxes(index, wanted, sources=sources) == reference.plan_boxes(index, wanted, sources=sources)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.data())
+def test_exchange_plan_equals_the_inline_one_it_replaced(data):
+    """plan_exchange (cut once per shared piece) gives the collective load the units, owners and rounds it had."""
+    spec = data.draw(models())
+    a, b = data.draw(layouts(spec)), data.draw(layouts(spec))
+    index = _index(spec, a)
+    plan = plan_load(index, b, range(b.world))
+    chunk_bytes = data.draw(st.sampled_from([64, 1024, 1 << 20]))
+    round_bytes = data.draw(st.sampled_from([256, 1 << 16, 1 << 30]))
+    got = plan_exchange(index, plan, chunk_bytes, round_bytes)
+    assert (got.units, got.owner, got.rounds) == reference.plan_exchange(index, plan, chunk_bytes, round_bytes)
 
 
 def _check_reads(piece, sources) -> None:
