@@ -237,9 +237,28 @@ class Storage(ABC):
         raise StorageError(f"{self.location}: this storage has no uploads to abort")
 
 
+#: storages registered by URL scheme (``count`` -> a class), looked up before the built-in kinds.
+_REGISTERED: dict[str, type[Storage]] = {}
+
+
+def register_storage(scheme: str, cls: type[Storage]) -> None:
+    """Make ``scheme://...`` locations open as ``cls`` (a :class:`Storage` subclass), as
+    :func:`~moeckpt.formats.backend.register_backend` adds a format: e.g. :mod:`moeckpt.testing.counting`'s
+    storage that keeps no data."""
+    if not isinstance(scheme, str) or not scheme.isalnum() or not scheme.islower():
+        raise ValueError(f"a storage scheme is a lower-case word of letters and digits, got {scheme!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Storage)):
+        raise ValueError(f"a registered storage must be a Storage subclass, got {cls!r}")
+    _REGISTERED[scheme] = cls
+
+
 def storage_class(location: str) -> type[Storage]:
-    """The :class:`Storage` subclass for ``location``: local disk, S3, or any other fsspec URL."""
+    """The :class:`Storage` subclass for ``location``: a registered scheme's, local disk, S3, or any other fsspec
+    URL."""
     location = strip_file_scheme(location)
+    registered = _REGISTERED.get(location.partition("://")[0]) if is_url(location) else None
+    if registered is not None:
+        return registered
     if not is_url(location):
         from .storages.local import LocalStorage
 

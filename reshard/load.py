@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import socket
 import time
-import zlib
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,8 +29,9 @@ from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import PieceRef
 from moeckpt.formats.storage import is_url
 
-from .chunks import ChunkReader, chunk_rows, reads_started_ahead
+from .chunks import ChunkReader, reads_started_ahead
 from .collectives import all_gather_json
+from .group_plan import plan_exchange
 from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
@@ -223,54 +223,11 @@ def _load_collective(
             f"peers {peers[:8]}{'...' if len(peers) > 8 else ''}; pass peers= listing each member's layout rank"
         )
     plan = plan_load(index, layout, peers, tensors=names, sources=sources)
-    # Transfers: (unit, destination group rank, target piece position, sub-region), in one global order.
-    units: dict[tuple, list[tuple[int, int, Box]]] = {}
-    unit_bytes: dict[tuple, int] = {}
-    for g, rank_plan in enumerate(plan.ranks):
-        for pos, piece in enumerate(rank_plan.pieces):
-            entry = index.tensors[piece.tensor]
-            item_bytes = dtypes.itemsize(entry.dtype)
-            for item in piece.reads:
-                src = item.src_box
-                per = chunk_rows(src, entry.dtype, options.chunk_bytes)
-                r0, r1 = item.rows
-                for c in range(r0 // per, (r1 - 1) // per + 1):
-                    lo, hi = c * per, min((c + 1) * per, src.shape[0] if src.ndim else 1)
-                    if src.ndim:
-                        rows_box = Box((src.offsets[0] + lo,) + src.offsets[1:], (hi - lo,) + src.shape[1:])
-                        sub = item.region.intersect(rows_box)
-                    else:
-                        sub = item.region
-                    if sub is None:
-                        continue
-                    key = (item.tensor, src.offsets, src.shape, item.writer, c)
-                    if key not in units:
-                        units[key] = []
-                        unit_bytes[key] = (
-                            (hi - lo) * (src.numel // max(1, src.shape[0]) if src.ndim else 1) * item_bytes
-                        )
-                    units[key].append((g, pos, sub))
-    order = sorted(units)
-    # One reader per unit, among the ranks that need it, balancing the bytes each rank reads.
-    load = [0] * size
-    owner: dict[tuple, int] = {}
-    for key in order:
-        needers = sorted({g for g, _, _ in units[key]})
-        if readable is not None:
-            needers = _readers_of(key[3], needers, readable, reader.location)
-        pick = min(needers, key=lambda g: (load[g], (g - _unit_seed(key)) % size))
-        owner[key] = pick
-        load[pick] += unit_bytes[key]
-    # Rounds of bounded size: cut the global order whenever one rank would read more than round_bytes.
-    rounds: list[list[tuple]] = [[]]
-    round_load = [0] * size
-    for key in order:
-        o = owner[key]
-        if rounds[-1] and round_load[o] + unit_bytes[key] > options.round_bytes:
-            rounds.append([])
-            round_load = [0] * size
-        rounds[-1].append(key)
-        round_load[o] += unit_bytes[key]
+    exchange = plan_exchange(
+        index, plan, options.chunk_bytes, options.round_bytes, readable=readable, location=reader.location
+    )
+    owner, units, rounds = exchange.owner, exchange.units, exchange.rounds
+    order = [key for keys in rounds for key in keys]
 
     mine = plan.ranks[me]
     state_list = [torch.empty(p.box.shape, dtype=dtypes.to_torch(index.tensors[p.tensor].dtype)) for p in mine.pieces]
@@ -295,18 +252,6 @@ def _load_collective(
     for piece, t in zip(mine.pieces, state_list):
         state.setdefault(piece.tensor, []).append((piece.box, t))
     return state
-
-
-def _readers_of(writer: int, needers: list[int], readable, location: str) -> list[int]:
-    """The members that may read ``writer``'s file: those of ``needers`` that can, else any member that can."""
-
-    def can(g: int) -> bool:
-        return readable[g] is None or writer in readable[g]
-
-    able = [g for g in needers if can(g)] or [g for g in range(len(readable)) if can(g)]
-    if not able:
-        raise LayoutError(f"{location}: no member of the collective load can read the file of writer {writer}")
-    return able
 
 
 class LoadFailedError(MoeckptError, RuntimeError):
@@ -432,8 +377,3 @@ def _extract(chunks: ChunkReader, tensor: str, src: Box, sub: Box) -> torch.Tens
         return chunks.rows(tensor, src, 0, 1)
     data = chunks.rows(tensor, src, rel.offsets[0], rel.offsets[0] + rel.shape[0])
     return data[(slice(None),) + rel.slices()[1:]]
-
-
-def _unit_seed(key: tuple) -> int:
-    """A stable small integer per unit (Python's ``hash`` of str is salted per process; ranks must agree)."""
-    return zlib.crc32(repr(key).encode())

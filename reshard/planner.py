@@ -21,8 +21,10 @@ set of chunks; either backend lists the stored pieces of a writer, so one plan s
 from __future__ import annotations
 
 import bisect
+import gc
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import cast
 
@@ -144,19 +146,65 @@ def plan_reshard(
     ``target``, or a device mesh), except for tensors in ``targets``, whose ``(box, writer)`` pieces are given
     (stored-piece shardings: a DCP checkpoint's chunks kept as they are)."""
     check_layout(index.tensors, target)
-    per_writer: dict[int, list[tuple[TensorEntry, Box]]] = {w: [] for w in range(target.world)}
+    with _paused_gc():
+        return _plan_writers(index, target, targets, sources)
+
+
+def _plan_writers(
+    index: Index,
+    target: Layout,
+    targets: Mapping[str, Sequence[tuple[Box, int]]] | None,
+    sources: Mapping[str, Sequence[SourcePiece]] | None,
+) -> ReshardPlan:
+    """:func:`plan_reshard`'s work, tensor by tensor: the reads of every box of one tensor come from one lookup,
+    and a target geometry's boxes meet the same source boxes in every tensor of its structure."""
+    layout = source_layout(index)
+    tensors = _Tensors(index, layout, sources)
+    pieces: dict[int, list[TargetPiece]] = {w: [] for w in range(target.world)}
+    need: dict[int, int] = dict.fromkeys(pieces, 0)
+    read: dict[int, int] = dict.fromkeys(pieces, 0)
+    covers: dict[tuple[int, int], list[_Cover | None]] = {}
+    fixed: dict[int, list[int]] = {}
     for name in sorted(index.tensors):
         entry = index.tensors[name]
+        t = tensors.of(entry)
+        lookup, itemsize = t.lookup, t.itemsize
         if targets is not None and name in targets:
-            given = targets[name]
+            given: Sequence[tuple[Box, int]] = targets[name]
+            memo: list[_Cover | None] | None = None
         elif entry.mesh is not None:
             given = [(p.box, p.writer) for p in placements(entry, target)]
+            memo = None
         else:
             geo, seed = geometry(entry, target), name_seed(entry)
-            given = [(box, geo.writer(i, seed)) for i, box in enumerate(geo.boxes)]
-        for box, writer in given:
-            per_writer.setdefault(writer, []).append((entry, box))
-    return _plan(index, target, "reshard", dict(sorted(per_writer.items())), sources)
+            ws = fixed.get(id(geo))
+            if ws is None:
+                ws = fixed[id(geo)] = _fixed_writers(geo)
+            given = [(box, w if w >= 0 else geo.writer(i, seed)) for i, (box, w) in enumerate(zip(geo.boxes, ws))]
+            memo = covers.get((id(lookup), id(geo)))
+            if memo is None:
+                memo = covers[(id(lookup), id(geo))] = [None] * len(geo.boxes)
+        first: dict[int, _Cover] = {}
+        again: dict[int, list[_Cover]] = {}
+        for i, (box, writer) in enumerate(given):
+            cover = None if memo is None else memo[i]
+            if cover is None:
+                cover = lookup.cover(entry, box)
+                if memo is not None:
+                    memo[i] = cover
+            if writer not in pieces:
+                pieces[writer], need[writer], read[writer] = [], 0, 0
+            pieces[writer].append(_target_piece(name, box, t.reads(cover, box)))
+            need[writer] += cover.numel * itemsize
+            if writer in first:
+                again.setdefault(writer, [first[writer]]).append(cover)
+            else:
+                first[writer] = cover
+                read[writer] += cover.read_elems * itemsize
+        for writer, more in again.items():  # a source row read for two boxes of one tensor counts once
+            read[writer] += (_union_elems(more) - more[0].read_elems) * itemsize
+    ranks = tuple(RankPlan(w, tuple(pieces[w]), need[w], read[w]) for w in sorted(pieces))
+    return ReshardPlan(layout, target, "reshard", ranks)
 
 
 def plan_load(
@@ -173,10 +221,11 @@ def plan_load(
     for name in names:
         if name not in index.tensors:
             raise CheckpointIndexError(f"no tensor named {name!r} in the checkpoint; it holds {len(index.tensors)}")
-    per_rank = {
-        r: [(index.tensors[n], b) for n in names for b in rank_boxes(index.tensors[n], target, r)] for r in ranks
-    }
-    return _plan(index, target, "load", per_rank, sources)
+    with _paused_gc():
+        per_rank = {
+            r: [(index.tensors[n], b) for n in names for b in rank_boxes(index.tensors[n], target, r)] for r in ranks
+        }
+        return _plan(index, target, "load", per_rank, sources)
 
 
 def plan_boxes(
@@ -201,7 +250,8 @@ def plan_boxes(
                 )
             out.append((entry, box))
         per_rank[rank] = out
-    return _plan(index, source_layout(index), "load", per_rank, sources)
+    with _paused_gc():
+        return _plan(index, source_layout(index), "load", per_rank, sources)
 
 
 def _plan(
@@ -211,46 +261,159 @@ def _plan(
     wanted: dict[int, list[tuple[TensorEntry, Box]]],
     sources: Mapping[str, Sequence[SourcePiece]] | None,
 ) -> ReshardPlan:
-    lookups: dict[object, _Lookup] = {}
     layout = source_layout(index)
-
-    by_name: dict[str, _Lookup] = {}
-
-    def lookup(entry: TensorEntry) -> _Lookup:
-        found = by_name.get(entry.name)
-        if found is not None:
-            return found
-        if sources is not None and (entry.name in sources or is_stored(entry)):
-            found = _Lookup.of_pieces(sources.get(entry.name, ()))
-        elif entry.mesh is not None:  # a device-mesh sharding: its stored boxes and writers come from the mesh
-            found = _Lookup.of_pieces(source_pieces(index, [entry.name])[entry.name])
-        else:
-            # From the index alone: tensors of one structure share the source geometry and its sorted lookup.
-            geo = geometry(entry, layout)
-            found = lookups.get(id(geo))
-            if found is None:
-                found = lookups[id(geo)] = _Lookup.of_geometry(geo)
-        by_name[entry.name] = found
-        return found
-
+    tensors = _Tensors(index, layout, sources)
+    # A load plan holds each replicated box on many ranks: one TargetPiece value serves them all.
+    shared: dict[tuple, TargetPiece] | None = {} if kind == "load" else None
     ranks = []
     for rank, boxes in wanted.items():
         out = []
-        need = 0
-        rows_read: dict[tuple, list[tuple[int, int]]] = {}
+        need = read = 0
+        first: dict[str, _Cover] = {}
+        again: dict[str, list[_Cover]] = {}
         for entry, box in boxes:
-            item_bytes = dtypes.itemsize(entry.dtype)
-            reads = lookup(entry).cover(entry, box)
-            out.append(TargetPiece(entry.name, box, reads))
-            need += box.numel * item_bytes
-            for r in reads:
-                rows_read.setdefault((r.tensor, r.src_box), []).append(r.rows)
-        read = 0
-        for (tensor, src), spans in rows_read.items():
-            row_elems = (src.numel // src.shape[0]) if src.ndim and src.shape[0] else src.numel
-            read += _union_length(spans) * row_elems * dtypes.itemsize(index.tensors[tensor].dtype)
+            t = tensors.of(entry)
+            cover = t.lookup.cover(entry, box)
+            key = (t.name, box.offsets, box.shape)
+            known = None if shared is None else shared.get(key)
+            if known is None:
+                known = _target_piece(t.name, box, t.reads(cover, box))
+                if shared is not None:
+                    shared[key] = known
+            out.append(known)
+            need += cover.numel * t.itemsize
+            if t.name in first:
+                again.setdefault(t.name, [first[t.name]]).append(cover)
+            else:
+                first[t.name] = cover
+                read += cover.read_elems * t.itemsize
+        for name, covers in again.items():  # a source row read for two boxes of one tensor counts once
+            itemsize = tensors.by_name[name].itemsize
+            read += (_union_elems(covers) - covers[0].read_elems) * itemsize
         ranks.append(RankPlan(rank, tuple(out), need, read))
-    return ReshardPlan(source_layout(index), target, kind, tuple(ranks))
+    return ReshardPlan(layout, target, kind, tuple(ranks))
+
+
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _target_piece(tensor: str, box: Box, reads: tuple[ReadItem, ...]) -> TargetPiece:
+    """A TargetPiece without the frozen dataclass's per-field ``__setattr__`` (a plan at 1,024 ranks builds
+    millions; the values are the same as the constructor's)."""
+    p = _new(TargetPiece)
+    _set(p, "__dict__", {"tensor": tensor, "box": box, "reads": reads})
+    return p
+
+
+class _Cover:
+    """The source boxes one target box overlaps, shared by every tensor of the same structure (its reads differ
+    only by the tensor's name and the writers its name picks)."""
+
+    __slots__ = ("hits", "numel", "read_elems", "spans")
+
+    def __init__(self, hits: tuple[tuple[int, Box, Box], ...], numel: int):
+        #: (source position, source box, overlap) per source box the target box meets.
+        self.hits = hits
+        self.numel = numel
+        #: per source box: (its (offsets, shape), rows ``[r0, r1)`` read, elements per row).
+        self.spans = tuple((_key(src), _rows(src, region), _row_elems(src)) for _, src, region in hits)
+        self.read_elems = _union_elems([self])
+
+
+def _key(box: Box) -> tuple:
+    return (box.offsets, box.shape)
+
+
+def _rows(src: Box, region: Box) -> tuple[int, int]:
+    if not src.ndim:
+        return (0, 1)
+    r0 = region.offsets[0] - src.offsets[0]
+    return (r0, r0 + region.shape[0])
+
+
+def _row_elems(src: Box) -> int:
+    return (src.numel // src.shape[0]) if src.ndim and src.shape[0] else src.numel
+
+
+def _union_elems(covers: Sequence[_Cover]) -> int:
+    """Elements of the source rows ``covers`` read, each stored row counted once."""
+    if len(covers) == 1 and len(covers[0].spans) <= 1:
+        return sum((r1 - r0) * per for _, (r0, r1), per in covers[0].spans)
+    spans: dict[tuple, list[tuple[int, int]]] = {}
+    per_row: dict[tuple, int] = {}
+    for c in covers:
+        for key, rows, per in c.spans:
+            spans.setdefault(key, []).append(rows)
+            per_row[key] = per
+    return sum(_union_length(rows) * per_row[key] for key, rows in spans.items())
+
+
+class _Tensor:
+    """One source tensor as the planner reads it: its lookup, item size, name seed and source writers."""
+
+    __slots__ = ("name", "lookup", "itemsize", "seed", "_writers")
+
+    def __init__(self, name: str, lookup: _Lookup, itemsize: int):
+        self.name, self.lookup, self.itemsize = name, lookup, itemsize
+        self.seed = zlib.crc32(name.encode())
+        self._writers: dict[int, int] = {}
+
+    def writer(self, k: int) -> int:
+        """The writer of source box ``k`` (a geometry's replicated boxes rotate their writer by the name)."""
+        lk = self.lookup
+        if lk.writers is not None:
+            return lk.writers[k]
+        w = lk.fixed[k]
+        if w < 0:
+            w = self._writers.get(k, -1)
+            if w < 0:
+                w = self._writers[k] = cast(Geometry, lk.geo).writer(k, self.seed)
+        return w
+
+    def reads(self, cover: _Cover, box: Box) -> tuple[ReadItem, ...]:
+        """The read items of ``box`` from the source boxes ``cover`` lists, built without the frozen dataclass's
+        per-field ``__setattr__`` (the values are the constructor's): an offline plan at 1,024 ranks makes
+        millions."""
+        name, lk = self.name, self.lookup
+        known = lk.writers if lk.writers is not None else lk.fixed
+        out = []
+        for k, src, region in cover.hits:
+            w = known[k]
+            if w < 0:
+                w = self.writer(k)
+            r = _new(ReadItem)
+            _set(r, "__dict__", {"tensor": name, "src_box": src, "writer": w, "region": region, "target_box": box})
+            out.append(r)
+        return tuple(out)
+
+
+class _Tensors:
+    """Per-name :class:`_Tensor` values; tensors of one structure share the source geometry's lookup."""
+
+    def __init__(self, index: Index, layout: Layout, sources: Mapping[str, Sequence[SourcePiece]] | None):
+        self.index, self.layout, self.sources = index, layout, sources
+        self.by_name: dict[str, _Tensor] = {}
+        self._lookups: dict[int, _Lookup] = {}
+
+    def of(self, entry: TensorEntry) -> _Tensor:
+        found = self.by_name.get(entry.name)
+        if found is None:
+            found = self.by_name[entry.name] = _Tensor(entry.name, self._lookup(entry), dtypes.itemsize(entry.dtype))
+        return found
+
+    def _lookup(self, entry: TensorEntry) -> _Lookup:
+        sources = self.sources
+        if sources is not None and (entry.name in sources or is_stored(entry)):
+            return _Lookup.of_pieces(sources.get(entry.name, ()))
+        if entry.mesh is not None:  # a device-mesh sharding: its stored boxes and writers come from the mesh
+            return _Lookup.of_pieces(source_pieces(self.index, [entry.name])[entry.name])
+        # From the index alone: tensors of one structure share the source geometry and its sorted lookup.
+        geo = geometry(entry, self.layout)
+        found = self._lookups.get(id(geo))
+        if found is None:
+            found = self._lookups[id(geo)] = _Lookup.of_geometry(geo)
+        return found
 
 
 class _Lookup:
@@ -262,14 +425,9 @@ class _Lookup:
         self.geo = geo
         self.starts = [b.offsets[0] if b.ndim else 0 for b in boxes]
         self.span = max((b.shape[0] if b.ndim else 1 for b in boxes), default=0)
-        self._memo: dict[Box, tuple[tuple[int, Box], ...]] = {}
-        self._seeds: dict[str, int] = {}
-
-    def _seed(self, name: str) -> int:
-        seed = self._seeds.get(name)
-        if seed is None:
-            seed = self._seeds[name] = zlib.crc32(name.encode())
-        return seed
+        #: a geometry box's writer when one rank holds it (ZeRO parts: the same for every tensor), else -1.
+        self.fixed = [] if geo is None else _fixed_writers(geo)
+        self._memo: dict[tuple, _Cover] = {}
 
     @classmethod
     def of_pieces(cls, pieces: Sequence[SourcePiece]) -> _Lookup:
@@ -280,25 +438,22 @@ class _Lookup:
     def of_geometry(cls, geo: Geometry) -> _Lookup:
         return cls(geo.boxes, None, geo)
 
-    def cover(self, entry: TensorEntry, box: Box) -> tuple[ReadItem, ...]:
-        hits = self._memo.get(box)
-        if hits is None:
-            hits = self._memo[box] = self._overlaps(box)
-            filled = sum(region.numel for _, region in hits)
-        else:
-            filled = box.numel  # checked when first memoised
-        if filled != box.numel:
-            raise CheckpointIndexError(
-                f"tensor {entry.name!r}: the source pieces cover {filled} of the {box.numel} elements of box "
-                f"{box.to_json()}; the checkpoint's files do not match its index (run `moeckpt verify`)"
-            )
-        if self.writers is not None:
-            return tuple(ReadItem(entry.name, self.boxes[k], self.writers[k], r, box) for k, r in hits)
-        seed, geo = self._seed(entry.name), cast(Geometry, self.geo)  # of_geometry: no writers, a geometry
-        return tuple(ReadItem(entry.name, self.boxes[k], geo.writer(k, seed), r, box) for k, r in hits)
+    def cover(self, entry: TensorEntry, box: Box) -> _Cover:
+        key = (box.offsets, box.shape)
+        found = self._memo.get(key)
+        if found is None:
+            hits = self._overlaps(box)
+            filled = sum(region.numel for _, _, region in hits)
+            if filled != box.numel:
+                raise CheckpointIndexError(
+                    f"tensor {entry.name!r}: the source pieces cover {filled} of the {box.numel} elements of box "
+                    f"{box.to_json()}; the checkpoint's files do not match its index (run `moeckpt verify`)"
+                )
+            found = self._memo[key] = _Cover(hits, box.numel)
+        return found
 
-    def _overlaps(self, box: Box) -> tuple[tuple[int, Box], ...]:
-        """(source position, overlap) of every source box overlapping ``box``; shared by same-structure tensors."""
+    def _overlaps(self, box: Box) -> tuple[tuple[int, Box, Box], ...]:
+        """(source position, source box, overlap) of every source box overlapping ``box``."""
         if box.ndim:
             lo, hi = box.offsets[0], box.offsets[0] + box.shape[0]
         else:
@@ -309,8 +464,32 @@ class _Lookup:
         for k in range(i, j):
             region = self.boxes[k].intersect(box) if box.ndim else self.boxes[k]
             if region is not None:
-                out.append((k, region))
+                out.append((k, self.boxes[k], region))
         return tuple(out)
+
+
+def _fixed_writers(geo: Geometry) -> list[int]:
+    """Per box of ``geo``: its writer when one rank holds it (the same for every tensor of the structure), else -1
+    (a replicated box's writer rotates with the tensor's name)."""
+    return [geo.writer(k, 0) if _one_holder(h) else -1 for k, h in enumerate(geo.holders)]
+
+
+@contextmanager
+def _paused_gc() -> Iterator[None]:
+    """The cyclic collector off while a plan is built (restored after): a 1,024-rank plan allocates millions of
+    small objects, each batch of which starts a collection walking every object already made, which took most
+    of its time (docs/reshard.md). Nothing here makes cycles; reference counting frees what is dropped."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _one_holder(holders: tuple[Sequence[int], Sequence[int]]) -> bool:
+    return len(holders[0]) * len(holders[1]) == 1
 
 
 def _union_length(spans: list[tuple[int, int]]) -> int:
