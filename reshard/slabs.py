@@ -31,10 +31,10 @@ def fill(out: torch.Tensor, out_box: Box, reads: Sequence[ReadItem], chunks: Chu
         rel = sub.relative_to(item.src_box)
         if out_box.ndim:
             r0 = rel.offsets[0]
-            data = chunks.rows(item.tensor, item.src_box, r0, r0 + rel.shape[0])
+            data = chunks.rows(item.tensor, item.src_box, r0, r0 + rel.shape[0], until=item.rows[1])
             out[sub.relative_to(out_box).slices()] = data[(slice(None),) + rel.slices()[1:]]
         else:
-            out.copy_(chunks.rows(item.tensor, item.src_box, 0, 1))
+            out.copy_(chunks.rows(item.tensor, item.src_box, 0, 1, until=1))
         copied += sub.numel
     return copied
 
@@ -75,7 +75,7 @@ def slabs(
         lo = r0
         while lo < r1:
             hi = min(r1, (lo // per + 1) * per)  # stay inside one source chunk: a view, not a concatenation
-            yield chunks.rows(direct.tensor, src, lo, hi)
+            yield chunks.rows(direct.tensor, src, lo, hi, until=r1)
             lo = hi
         return
     row = box.numel // box.shape[0] * dtypes.itemsize(dtype)
