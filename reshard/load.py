@@ -18,7 +18,7 @@ import socket
 import time
 import zlib
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -203,9 +203,10 @@ def _load_alone(
         into = getattr(chunks.pieces, "read_rows_into", None)
         direct = {pos: r for pos, p in enumerate(rank_plan.pieces) if into and (r := direct_read(p)) is not None}
         fetched = 0
+        jobs: list[tuple[int, Future]] = []
         with ThreadPoolExecutor(options.fill_threads, thread_name_prefix="moeckpt-fill") as pool:
-            jobs = []
             for pos, item in direct.items():
+                assert into is not None  # direct is empty without it
                 ref = chunks.ref(item.tensor, item.src_box)
                 out = torch.empty(rank_plan.pieces[pos].box.shape, dtype=dtypes.to_torch(ref.dtype))
                 boxes[pos] = out
@@ -229,8 +230,9 @@ def _load_alone(
         fetched -= sum(fetched_bytes(chunks.ref(direct[p].tensor, direct[p].src_box), *direct[p].rows) for p in failed)
     stats.bytes_read += chunks.bytes_read + fetched
     state: RankState = {}
-    for piece, out in zip(rank_plan.pieces, boxes):
-        state.setdefault(piece.tensor, []).append((piece.box, out))
+    for piece, box in zip(rank_plan.pieces, boxes):
+        assert box is not None  # every position was filled above
+        state.setdefault(piece.tensor, []).append((piece.box, box))
     return state
 
 
