@@ -17,8 +17,8 @@ import logging
 import socket
 import time
 import zlib
-from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +28,12 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError, StorageError
 from moeckpt.formats.index import TensorEntry
-from moeckpt.formats.pieces import PieceRef, fetched_bytes
+from moeckpt.formats.pieces import PieceRef
 from moeckpt.formats.storage import is_url
 
 from .chunks import ChunkReader, chunk_rows, reads_started_ahead
 from .collectives import all_gather_json
+from .inplace import read_in_place
 from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
@@ -73,6 +74,8 @@ def load_rank_state(
     exchange: bool = True,
     stats: LoadStats | None = None,
     options: LoadOptions | None = None,
+    device: torch.device | str | None = None,
+    out: Mapping[tuple[str, Box], torch.Tensor] | None = None,
 ) -> RankState:
     """Every box ``rank`` holds in ``layout``, per tensor, in the order its local tensor concatenates them.
 
@@ -83,10 +86,17 @@ def load_rank_state(
     (a failed read raises the same error class on every member): for members that share one host's page cache,
     where the exchange costs more than the storage reads it saves (see :func:`exchange_pays`).
     ``stats``, if given, is filled with the bytes read and needed; ``options`` tunes chunks, cache and rounds.
+
+    ``device`` (e.g. ``"cuda"``) puts the boxes in that device's memory: a rank loading alone reads them through
+    reused pinned buffers with host-to-device copies overlapped with the reads (:mod:`.inplace`); a collective
+    load moves them after. ``out`` maps ``(tensor, box)`` to a preallocated destination (the box's shape, the
+    stored dtype, contiguous, on ``device`` if given), filled and returned in place of a new tensor; boxes
+    without a fitting one get new tensors.
     """
     started = time.perf_counter()
     stats = stats if stats is not None else LoadStats()
     options = options or LoadOptions()
+    device = None if device is None else torch.device(device)
     with single_threaded_torch(), paused_gc():  # from the index's parse on: see paused_gc
         reader = location if isinstance(location, CheckpointReader) else CheckpointReader(location)
         index = reader.index
@@ -99,13 +109,15 @@ def load_rank_state(
             failure = None
             try:
                 plan = plan_load(index, layout, [rank], tensors=names, sources=sources)
-                state = _load_alone(reader, plan, stats, options, stored)
+                state = _load_alone(reader, plan, stats, options, stored, device, out)
             except (MoeckptError, OSError) as e:
                 if group is None:
                     raise
                 failure, state = e.with_traceback(None), {}  # raised below on every member alike
             if group is not None:
                 _raise_if_any_failed(failure, group, reader.location)
+    if device is not None and group is not None and exchange:
+        state = {n: [(box, t.to(device)) for box, t in boxes] for n, boxes in state.items()}
     stats.bytes_needed = sum(t.numel() * t.element_size() for boxes in state.values() for _, t in boxes)
     stats.seconds = time.perf_counter() - started
     log.debug(
@@ -184,11 +196,18 @@ def _refs_for(reader: CheckpointReader, sources: set, stored) -> dict[tuple[str,
 
 
 def _load_alone(
-    reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, options: LoadOptions, stored
+    reader: CheckpointReader,
+    plan: ReshardPlan,
+    stats: LoadStats,
+    options: LoadOptions,
+    stored,
+    device: torch.device | None = None,
+    out: Mapping[tuple[str, Box], torch.Tensor] | None = None,
 ) -> RankState:
     (rank_plan,) = plan.ranks
     refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads}, stored)
     index = reader.index
+    pieces = rank_plan.pieces
     with ChunkReader(
         reader,
         refs,
@@ -197,43 +216,62 @@ def _load_alone(
         read_threads=options.read_threads,
         clip=True,
     ) as chunks:
-        boxes: list[torch.Tensor | None] = [None] * len(rank_plan.pieces)
-        # Boxes that are full-width rows of one stored piece: read by a pool of threads straight into the box's
-        # memory (one copy from the page cache, verified there), where the backend's session can.
-        into = getattr(chunks.pieces, "read_rows_into", None)
-        direct = {pos: r for pos, p in enumerate(rank_plan.pieces) if into and (r := direct_read(p)) is not None}
-        fetched = 0
-        jobs: list[tuple[int, Future]] = []
-        with ThreadPoolExecutor(options.fill_threads, thread_name_prefix="moeckpt-fill") as pool:
-            for pos, item in direct.items():
-                assert into is not None  # direct is empty without it
-                ref = chunks.ref(item.tensor, item.src_box)
-                out = torch.empty(rank_plan.pieces[pos].box.shape, dtype=dtypes.to_torch(ref.dtype))
-                boxes[pos] = out
-                r0, r1 = item.rows
-                per = max(1, chunk_rows(ref.box, ref.dtype, options.chunk_bytes, ref.block_bytes))
-                lo = r0
-                while lo < r1:  # pieces in chunk-grid parts: every thread gets work, no block is read twice
-                    hi = min(r1, (lo // per + 1) * per)
-                    jobs.append((pos, pool.submit(into, ref, lo, hi, out[lo - r0 : hi - r0])))
-                    fetched += fetched_bytes(ref, lo, hi)
-                    lo = hi
-            # Meanwhile this thread fills the other boxes through the chunk cache.
-            rest = [p for pos, p in enumerate(rank_plan.pieces) if pos not in direct]
-            filled = iter(reads_started_ahead(rest, index, chunks, options.prefetch_bytes))
-            others = [pos for pos in range(len(rank_plan.pieces)) if pos not in direct]
-            for pos, (_, piece) in zip(others, filled):
-                boxes[pos] = assemble(piece, index.tensors[piece.tensor].dtype, chunks)
-            failed = {pos for pos, job in jobs if not job.result()}
-        for pos in sorted(failed):  # the session could not read these rows in place after all
-            boxes[pos] = assemble(rank_plan.pieces[pos], index.tensors[rank_plan.pieces[pos].tensor].dtype, chunks)
-        fetched -= sum(fetched_bytes(chunks.ref(direct[p].tensor, direct[p].src_box), *direct[p].rows) for p in failed)
+        dests = [_destination(p, index.tensors[p.tensor].dtype, device, out) for p in pieces]
+        # positions whose destination is a new CPU tensor: the assembled tensor itself can take its place
+        mine = {pos for pos, d in enumerate(dests) if d.device.type == "cpu" and not _given(out, pieces[pos], d)}
+        # Boxes that are full-width rows of one stored piece go straight into their destination (:mod:`.inplace`);
+        # this thread fills the others through the chunk cache meanwhile.
+        jobs = [(pos, r, dests[pos]) for pos, p in enumerate(pieces) if (r := direct_read(p)) is not None]
+        with ThreadPoolExecutor(1) as one:
+            in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
+            direct = {pos for pos, _, _ in jobs}
+            try:
+                rest = [pos for pos in range(len(pieces)) if pos not in direct]
+                _assemble_into(chunks, index, pieces, dests, rest, mine, options.prefetch_bytes)
+            finally:
+                failed, fetched = in_place.result()
+        # what the session could not read in place after all
+        _assemble_into(chunks, index, pieces, dests, sorted(failed), mine, options.prefetch_bytes)
     stats.bytes_read += chunks.bytes_read + fetched
     state: RankState = {}
-    for piece, box in zip(rank_plan.pieces, boxes):
-        assert box is not None  # every position was filled above
-        state.setdefault(piece.tensor, []).append((piece.box, box))
+    for piece, dest in zip(pieces, dests):
+        state.setdefault(piece.tensor, []).append((piece.box, dest))
     return state
+
+
+def _given(out, piece, dest: torch.Tensor) -> bool:
+    return out is not None and out.get((piece.tensor, piece.box)) is dest
+
+
+def _destination(piece, dtype: str, device: torch.device | None, out) -> torch.Tensor:
+    """Where box ``piece`` is loaded: the caller's tensor for it when it fits (its shape, the stored dtype,
+    contiguous), else a new one on ``device`` (the CPU by default)."""
+    torch_dtype = dtypes.to_torch(dtype)
+    given = None if out is None else out.get((piece.tensor, piece.box))
+    if (
+        given is not None
+        and tuple(given.shape) == piece.box.shape
+        and given.dtype == torch_dtype
+        and given.is_contiguous()
+        and (device is None or given.device == device)
+    ):
+        return given
+    return torch.empty(piece.box.shape, dtype=torch_dtype, device=device or "cpu")
+
+
+def _assemble_into(
+    chunks: ChunkReader, index, pieces, dests: list[torch.Tensor], positions, mine: set, window: int
+) -> None:
+    """Fill ``dests[pos]`` for ``positions`` through the chunk cache: a box in a tensor of this load's own on the
+    CPU (``mine``) becomes the assembled tensor itself (the read chunk where it is one), others get a copy."""
+    todo = [pieces[p] for p in positions]
+    for k, piece in reads_started_ahead(todo, index, chunks, window):
+        pos = positions[k]
+        data = assemble(piece, index.tensors[piece.tensor].dtype, chunks)
+        if pos in mine:
+            dests[pos] = data
+        else:
+            dests[pos].copy_(data)
 
 
 def _load_collective(

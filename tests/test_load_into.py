@@ -70,3 +70,44 @@ def test_a_load_alone_reads_boxes_in_place_with_every_byte_checked(tmp_path, thr
     flip_byte(str(tmp_path / "a"), ref.file, ref.start + ref.nbytes - 5)
     with pytest.raises(ChecksumMismatchError):
         load_rank_state(str(tmp_path / "a"), Layout(tp=2, ep=1, dp=1), 1, options=options)
+
+
+def test_device_and_out_give_the_same_tensors_and_fill_the_callers_tensors(tmp_path):
+    """The device path on a CPU-only machine (device="cpu", preallocated destinations) loads the same bytes, into
+    the caller's tensors where they fit; a destination of another dtype is left alone and a new tensor returned."""
+    from moeckpt.trainer.models import presets
+
+    from .reshard_models import save_model
+
+    save_model(str(tmp_path / "a"), presets()["zaya-tiny"], Layout(tp=1, ep=1, dp=2))
+    target = Layout(tp=2, ep=2, dp=2)
+    plain = load_rank_state(str(tmp_path / "a"), target, 1)
+    out = {(n, box): torch.full_like(t, 7) for n, boxes in plain.items() for box, t in boxes}
+    odd = next(iter(out))
+    out[odd] = out[odd].double()  # not the stored dtype: not used
+    state = load_rank_state(str(tmp_path / "a"), target, 1, device="cpu", out=out)
+    for name, boxes in plain.items():
+        for (box, want), (box2, got) in zip(boxes, state[name]):
+            assert box == box2 and torch.equal(want, got), name
+            if (name, box) != odd:
+                assert got is out[(name, box)]
+    assert state[odd[0]][[b for b, _ in state[odd[0]]].index(odd[1])][1] is not out[odd]
+
+
+def test_the_staging_path_copies_through_reused_buffers(tmp_path):
+    """Stager (the host-to-device path) on the CPU: rows read into one of two reused buffers, then copied."""
+    from moeckpt.reshard.inplace import Stager
+
+    full = _save(str(tmp_path / "a"), Layout(tp=1, ep=1, dp=1))
+    reader = CheckpointReader(str(tmp_path / "a"))
+    (ref,) = reader.pieces()
+    session = reader.open_reader()
+    try:
+        stager = Stager(1500 * COLS * 4, torch.device("cpu"))
+        dest = torch.empty(ROWS, COLS)
+        for lo in range(0, ROWS, 1500):
+            assert stager.read(session.read_rows_into, ref, lo, lo + 1500, dest[lo : lo + 1500])
+        stager.finish()
+        assert torch.equal(dest, full) and stager.turn == 0
+    finally:
+        session.close()
