@@ -227,11 +227,11 @@ def _load_alone(
             direct = {pos for pos, _, _ in jobs}
             try:
                 rest = [pos for pos in range(len(pieces)) if pos not in direct]
-                _assemble_into(chunks, index, pieces, dests, rest, mine, options.prefetch_bytes)
+                _assemble_into(chunks, index, pieces, dests, rest, mine, options.prefetch_bytes, options.fill_threads)
             finally:
                 failed, fetched = in_place.result()
         # what the session could not read in place after all
-        _assemble_into(chunks, index, pieces, dests, sorted(failed), mine, options.prefetch_bytes)
+        _assemble_into(chunks, index, pieces, dests, sorted(failed), mine, options.prefetch_bytes, 1)
     stats.bytes_read += chunks.bytes_read + fetched
     state: RankState = {}
     for piece, dest in zip(pieces, dests):
@@ -260,18 +260,33 @@ def _destination(piece, dtype: str, device: torch.device | None, out) -> torch.T
 
 
 def _assemble_into(
-    chunks: ChunkReader, index, pieces, dests: list[torch.Tensor], positions, mine: set, window: int
+    chunks: ChunkReader, index, pieces, dests: list[torch.Tensor], positions, mine: set, window: int, threads: int
 ) -> None:
-    """Fill ``dests[pos]`` for ``positions`` through the chunk cache: a box in a tensor of this load's own on the
-    CPU (``mine``) becomes the assembled tensor itself (the read chunk where it is one), others get a copy."""
+    """Fill ``dests[pos]`` for ``positions`` through the chunk cache, ``threads`` boxes at a time (the copies
+    release the interpreter lock): a box in a tensor of this load's own on the CPU (``mine``) becomes the
+    assembled tensor itself (the read chunk where it is one), others get a copy."""
     todo = [pieces[p] for p in positions]
-    for k, piece in reads_started_ahead(todo, index, chunks, window):
+
+    def one(k: int, piece) -> None:
         pos = positions[k]
         data = assemble(piece, index.tensors[piece.tensor].dtype, chunks)
         if pos in mine:
             dests[pos] = data
         else:
             dests[pos].copy_(data)
+
+    if threads <= 1 or len(todo) <= 1:
+        for k, piece in reads_started_ahead(todo, index, chunks, window):
+            one(k, piece)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-assemble") as pool:
+        running: list = []
+        for k, piece in reads_started_ahead(todo, index, chunks, window):
+            running.append(pool.submit(one, k, piece))
+            if len(running) >= 2 * threads:  # boxes in flight stay few: their chunks stay within the cache
+                running.pop(0).result()
+        for fut in running:
+            fut.result()
 
 
 def _load_collective(
