@@ -33,14 +33,14 @@ from moeckpt.formats.storage import is_url
 
 from .chunks import ChunkReader, chunk_rows, reads_started_ahead
 from .collectives import all_gather_json
-from .inplace import read_in_place
+from .inplace import Job, read_in_place
 from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
 from .placement import is_stored
 from .planner import ReshardPlan, SourcePiece, plan_load
 from .runtime import paused_gc, single_threaded_torch
-from .slabs import assemble, direct_read
+from .slabs import assemble, direct_read, row_span_read
 
 RankState = dict[str, list[tuple[Box, torch.Tensor]]]
 
@@ -221,10 +221,15 @@ def _load_alone(
         mine = {pos for pos, d in enumerate(dests) if d.device.type == "cpu" and not _given(out, pieces[pos], d)}
         # Boxes that are full-width rows of one stored piece go straight into their destination (:mod:`.inplace`);
         # this thread fills the others through the chunk cache meanwhile.
-        jobs = [(pos, r, dests[pos]) for pos, p in enumerate(pieces) if (r := direct_read(p)) is not None]
+        jobs: list[Job] = []
+        for pos, p in enumerate(pieces):
+            if (r := direct_read(p)) is not None:
+                jobs.append((pos, r, dests[pos], None))
+            elif (span := _row_span(p, index, refs)) is not None:
+                jobs.append((pos, span[0], dests[pos], span[1:]))
         with ThreadPoolExecutor(1) as one:
             in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
-            direct = {pos for pos, _, _ in jobs}
+            direct = {job[0] for job in jobs}
             try:
                 rest = [pos for pos in range(len(pieces)) if pos not in direct]
                 _assemble_into(chunks, index, pieces, dests, rest, mine, options.prefetch_bytes, options.fill_threads)
@@ -237,6 +242,19 @@ def _load_alone(
     for piece, dest in zip(pieces, dests):
         state.setdefault(piece.tensor, []).append((piece.box, dest))
     return state
+
+
+def _row_span(piece, index, refs):
+    """:func:`~.slabs.row_span_read` of ``piece`` where each row's range spans two checksum blocks or more (so
+    rows do not share blocks: no block is fetched twice), else None."""
+    if len(piece.reads) != 1:
+        return None
+    ref = refs.get((piece.tensor, piece.reads[0].src_box))
+    if ref is None or not ref.block_bytes or not ref.box.ndim or not ref.box.shape[0]:
+        return None
+    if ref.nbytes // ref.box.shape[0] < 2 * ref.block_bytes:
+        return None
+    return row_span_read(piece, dtypes.itemsize(ref.dtype), ref.block_bytes)
 
 
 def _given(out, piece, dest: torch.Tensor) -> bool:

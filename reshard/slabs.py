@@ -50,6 +50,30 @@ def direct_read(piece: TargetPiece) -> ReadItem | None:
     return r
 
 
+def row_span_read(piece: TargetPiece, itemsize: int, min_bytes: int) -> tuple[ReadItem, int, int] | None:
+    """The single read that is the whole piece and, within each row of its stored piece, one contiguous byte range
+    ``[c0, c1)`` of at least ``min_bytes`` (a TP rank's slice of each expert's matrix, split along dim 1); None
+    otherwise. Such a box can be read as one byte range per row instead of whole rows."""
+    if len(piece.reads) != 1 or piece.box.ndim < 2:
+        return None
+    r = piece.reads[0]
+    src, region = r.src_box, r.region
+    if region != piece.box:
+        return None
+    partial = [d for d in range(1, src.ndim) if region.shape[d] != src.shape[d]]
+    if not partial:
+        return None
+    j = partial[0]
+    if partial != [j] or any(src.shape[d] != 1 for d in range(1, j)):
+        return None  # the slice is strided within a row
+    inner = itemsize
+    for d in range(j + 1, src.ndim):
+        inner *= src.shape[d]
+    c0 = (region.offsets[j] - src.offsets[j]) * inner
+    c1 = c0 + region.shape[j] * inner
+    return (r, c0, c1) if c1 - c0 >= min_bytes else None
+
+
 def slabs(
     piece: TargetPiece, dtype: str, chunks: ChunkReader, slab_bytes: int = SLAB_BYTES, *, reuse: bool = False
 ) -> Iterator[torch.Tensor]:

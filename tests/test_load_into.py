@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -106,8 +108,33 @@ def test_the_staging_path_copies_through_reused_buffers(tmp_path):
         stager = Stager(1500 * COLS * 4, torch.device("cpu"))
         dest = torch.empty(ROWS, COLS)
         for lo in range(0, ROWS, 1500):
-            assert stager.read(session.read_rows_into, ref, lo, lo + 1500, dest[lo : lo + 1500])
+            assert stager.read(functools.partial(session.read_rows_into, ref, lo, lo + 1500), dest[lo : lo + 1500])
         stager.finish()
         assert torch.equal(dest, full) and stager.turn == 0
     finally:
         session.close()
+
+
+def test_a_tp_rank_alone_reads_only_its_slice_of_each_expert(tmp_path):
+    """An expert matrix split along dim 1 is one byte range per expert: a TP rank reading alone fetches its
+    slices (whole checksum blocks here: 4 MiB each), not every expert whole (before: 2x)."""
+    experts, rows, cols = 3, 2048, 1024  # fp32: 8 MiB per expert, two blocks
+    params = [ParamSpec(name="e", shape=(experts, rows, cols), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=1)))]
+    tensors = logical_tensors(params, param_dtype="float32", with_optimizer=False)
+    full = torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(0))
+    save_full_tensors(str(tmp_path / "a"), tensors=tensors, layout=Layout(tp=1, ep=1, dp=1), values=lambda e: full,
+                      model={"arch": "toy", "config": {}})
+    for threads in (1, 3):
+        for rank in (0, 1):
+            stats = LoadStats()
+            state = load_rank_state(str(tmp_path / "a"), Layout(tp=2, ep=1, dp=1), rank, stats=stats,
+                                    options=LoadOptions(fill_threads=threads))
+            ((box, t),) = state["e"]
+            assert torch.equal(t, full[box.slices()])
+            assert stats.bytes_read == stats.bytes_needed == experts * rows * cols * 2
+    reader = CheckpointReader(str(tmp_path / "a"))
+    (ref,) = reader.pieces()
+    flip_byte(str(tmp_path / "a"), ref.file, ref.start + 8 * 1024 * 1024 + 5)  # expert 1, rank 0's slice
+    with pytest.raises(ChecksumMismatchError):
+        load_rank_state(str(tmp_path / "a"), Layout(tp=2, ep=1, dp=1), 0)
+    load_rank_state(str(tmp_path / "a"), Layout(tp=2, ep=1, dp=1), 1)  # rank 1's slices are intact

@@ -319,11 +319,21 @@ class SafetensorsReader:
         bytes), verified like :meth:`read_rows`: the bytes of the checksum blocks around the rows that ``out``
         does not hold are read into small scratch buffers and hashed with it. No copy is made. False (nothing
         read) where this session cannot: a storage without direct reads, a 0-d or empty piece, another ``out``."""
-        if not self._files.direct or not ref.box.ndim or hi <= lo or out.device.type != "cpu":
+        if not ref.box.ndim or hi <= lo:
             return False
-        a, b, b0, read_lo, read_hi = block_span(ref, lo, hi)
-        if not out.is_contiguous() or out.numel() * out.element_size() != b - a:
+        row = ref.nbytes // ref.box.shape[0]
+        return self.read_bytes_into(ref, lo * row, hi * row, out)
+
+    def read_bytes_into(self, ref: PieceRef, a: int, b: int, out: torch.Tensor) -> bool:
+        """Bytes ``[a, b)`` of ``ref``'s data straight into ``out`` (contiguous, CPU, ``b - a`` bytes), verified
+        as :meth:`read_rows_into`: a contiguous part of a row (one TP rank's slice of an expert's matrix)."""
+        if not self._files.direct or not ref.box.ndim or b <= a or out.device.type != "cpu":
             return False
+        if not out.is_contiguous() or out.numel() * out.element_size() != b - a or b > ref.nbytes:
+            return False
+        block = ref.block_bytes
+        b0 = a // block
+        read_lo, read_hi = b0 * block, min(-(-b // block) * block, ref.nbytes)
         parts = [
             memoryview(bytearray(a - read_lo)),
             out.reshape(-1).view(torch.uint8).numpy().data,
