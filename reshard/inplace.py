@@ -63,8 +63,9 @@ class Stager:
             self.stream.synchronize()
 
 
-#: a job: (position, the read, its destination, None for whole rows or (c0, c1): bytes of each source row).
-Job = tuple[int, ReadItem, torch.Tensor, "tuple[int, int] | None"]
+#: a job: (position, the read, its destination, and None for whole rows, or (c0, c1, d0): bytes [c0, c1) of
+#: each source row, landing at byte d0 of the matching row of the destination).
+Job = tuple[int, ReadItem, torch.Tensor, "tuple[int, int, int] | None"]
 
 
 def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_bytes: int) -> tuple[set[int], int]:
@@ -99,13 +100,18 @@ def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_
                 lo = hi
         else:
             assert bytes_into is not None
-            c0, c1 = span
-            flat = dest.reshape(r1 - r0, -1)
+            c0, c1, d0 = span
+            item_bytes = dest.element_size()
+            flat = dest.reshape(-1)
+            dest_row = dest.numel() // dest.shape[0] * item_bytes
+            first = item.region.offsets[0] - item.target_box.offsets[0]  # target row of source row r0
             for r in range(r0, r1):
                 a, b = r * row + c0, r * row + c1
+                start = ((first + r - r0) * dest_row + d0) // item_bytes
                 block = ref.block_bytes
                 fetched = min(-(-b // block) * block, ref.nbytes) - a // block * block
-                parts.append((pos, fetched, functools.partial(bytes_into, ref, a, b), flat[r - r0]))
+                target = flat[start : start + (c1 - c0) // item_bytes]
+                parts.append((pos, fetched, functools.partial(bytes_into, ref, a, b), target))
                 part_bytes = max(part_bytes, c1 - c0)
 
     def run(fill: Callable[[torch.Tensor], bool], dest: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ from .options import LoadOptions
 from .placement import is_stored
 from .planner import ReshardPlan, SourcePiece, plan_load
 from .runtime import paused_gc, single_threaded_torch
-from .slabs import assemble, direct_read, row_span_read
+from .slabs import assemble, direct_read, row_spans
 
 RankState = dict[str, list[tuple[Box, torch.Tensor]]]
 
@@ -225,8 +225,8 @@ def _load_alone(
         for pos, p in enumerate(pieces):
             if (r := direct_read(p)) is not None:
                 jobs.append((pos, r, dests[pos], None))
-            elif (span := _row_span(p, index, refs)) is not None:
-                jobs.append((pos, span[0], dests[pos], span[1:]))
+            elif (spans := _row_spans(p, refs)) is not None:
+                jobs += [(pos, item, dests[pos], (c0, c1, d0)) for item, c0, c1, d0 in spans]
         with ThreadPoolExecutor(1) as one:
             in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
             direct = {job[0] for job in jobs}
@@ -244,17 +244,18 @@ def _load_alone(
     return state
 
 
-def _row_span(piece, index, refs):
-    """:func:`~.slabs.row_span_read` of ``piece`` where each row's range spans two checksum blocks or more (so
-    rows do not share blocks: no block is fetched twice), else None."""
-    if len(piece.reads) != 1:
-        return None
-    ref = refs.get((piece.tensor, piece.reads[0].src_box))
-    if ref is None or not ref.block_bytes or not ref.box.ndim or not ref.box.shape[0]:
-        return None
-    if ref.nbytes // ref.box.shape[0] < 2 * ref.block_bytes:
-        return None
-    return row_span_read(piece, dtypes.itemsize(ref.dtype), ref.block_bytes)
+def _row_spans(piece, refs):
+    """:func:`~.slabs.row_spans` of ``piece`` where every source row is two checksum blocks or more (so the ranges
+    of different rows do not share blocks: no block is fetched twice), else None."""
+    found = []
+    for item in piece.reads:
+        ref = refs.get((piece.tensor, item.src_box))
+        if ref is None or not ref.block_bytes or not ref.box.ndim or not ref.box.shape[0]:
+            return None
+        if ref.nbytes // ref.box.shape[0] < 2 * ref.block_bytes:
+            return None
+        found.append(ref)
+    return row_spans(piece, dtypes.itemsize(found[0].dtype), found[0].block_bytes) if found else None
 
 
 def _given(out, piece, dest: torch.Tensor) -> bool:

@@ -50,28 +50,34 @@ def direct_read(piece: TargetPiece) -> ReadItem | None:
     return r
 
 
-def row_span_read(piece: TargetPiece, itemsize: int, min_bytes: int) -> tuple[ReadItem, int, int] | None:
-    """The single read that is the whole piece and, within each row of its stored piece, one contiguous byte range
-    ``[c0, c1)`` of at least ``min_bytes`` (a TP rank's slice of each expert's matrix, split along dim 1); None
-    otherwise. Such a box can be read as one byte range per row instead of whole rows."""
-    if len(piece.reads) != 1 or piece.box.ndim < 2:
+def row_spans(piece: TargetPiece, itemsize: int, min_bytes: int) -> list[tuple[ReadItem, int, int, int]] | None:
+    """Where every read of ``piece`` is, within each row of its stored piece and of the target box, one contiguous
+    byte range of at least ``min_bytes`` (a TP rank's slice of each expert's matrix split along dim 1, or the
+    gate and up halves of a fused one): per read, ``(read, c0, c1, d0)``, bytes ``[c0, c1)`` of each source row
+    landing at byte ``d0`` of the matching target row. None otherwise. Such a box is read one range per row."""
+    box = piece.box
+    if not piece.reads or box.ndim < 2:
         return None
-    r = piece.reads[0]
-    src, region = r.src_box, r.region
-    if region != piece.box:
-        return None
-    partial = [d for d in range(1, src.ndim) if region.shape[d] != src.shape[d]]
-    if not partial:
-        return None
-    j = partial[0]
-    if partial != [j] or any(src.shape[d] != 1 for d in range(1, j)):
-        return None  # the slice is strided within a row
-    inner = itemsize
-    for d in range(j + 1, src.ndim):
-        inner *= src.shape[d]
-    c0 = (region.offsets[j] - src.offsets[j]) * inner
-    c1 = c0 + region.shape[j] * inner
-    return (r, c0, c1) if c1 - c0 >= min_bytes else None
+    out = []
+    for r in piece.reads:
+        src, region = r.src_box, r.region
+        partial = [d for d in range(1, src.ndim) if region.shape[d] != src.shape[d]]
+        if len(partial) != 1:
+            return None
+        k = partial[0]
+        if any(src.shape[d] != 1 or box.shape[d] != 1 for d in range(1, k)):
+            return None  # the slice is strided within a row
+        if any(region.shape[d] != box.shape[d] for d in range(k + 1, box.ndim)):
+            return None
+        inner = itemsize
+        for d in range(k + 1, src.ndim):
+            inner *= src.shape[d]
+        c0 = (region.offsets[k] - src.offsets[k]) * inner
+        c1 = c0 + region.shape[k] * inner
+        if c1 - c0 < min_bytes:
+            return None
+        out.append((r, c0, c1, (region.offsets[k] - box.offsets[k]) * inner))
+    return out
 
 
 def slabs(
