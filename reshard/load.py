@@ -97,6 +97,8 @@ def load_rank_state(
     stats = stats if stats is not None else LoadStats()
     options = options or LoadOptions()
     device = None if device is None else torch.device(device)
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" is the current one: compare as such
     with single_threaded_torch(), paused_gc():  # from the index's parse on: see paused_gc
         reader = location if isinstance(location, CheckpointReader) else CheckpointReader(location)
         index = reader.index
