@@ -247,8 +247,9 @@ class ChunkReader:
 
     def _start(self, ref: PieceRef, lo: int, hi: int, *, background: bool) -> Future:
         """The future of the rows ``[lo, hi)`` of ``ref``: cached, in flight, or started now (inline, or in the
-        pool). With planned uses and the cache over budget, a read ahead is not started (an empty future), and
-        a reader waits before a new read while another reader can still free what it pinned."""
+        pool). With planned uses and the cache over budget, a read ahead is not started (an empty future), and a
+        reader ahead of others (it took chunks they still need) waits before a new read until they caught up,
+        unless every other reader waits too: the reader behind never waits, so they always move."""
         key = _key(ref, lo, hi)
         with self._lock:
             fut = self._cache.get(key)
