@@ -26,6 +26,9 @@ from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef, fetched_bytes
 from .options import OFFLINE_CACHE_BYTES, OFFLINE_CHUNK_BYTES
 from .planner import ReadItem, TargetPiece
 
+#: chunks of pieces whose rows do not divide the checksum blocks span at least this many blocks.
+MISALIGNED_CHUNK_BLOCKS = 8
+
 
 def chunk_rows(box: Box, dtype: str, chunk_bytes: int, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> int:
     """Rows per read chunk of a stored piece of ``box``: about ``chunk_bytes``, aligned to checksum blocks of
@@ -40,6 +43,10 @@ def chunk_rows(box: Box, dtype: str, chunk_bytes: int, block_bytes: int = CHECKS
     rows = max(1, chunk_bytes // max(1, row))
     if block_bytes and row and (rows * row) % block_bytes and block_bytes % row == 0:
         rows = max(block_bytes // row, rows - rows % (block_bytes // row))
+    elif block_bytes and row and block_bytes % row and row % block_bytes:
+        # Rows that do not divide the blocks: neighbouring chunks both fetch the block they straddle. Chunks of
+        # MISALIGNED_CHUNK_BLOCKS blocks or more (a piece up to that size in one chunk) keep that to a fraction.
+        rows = max(rows, -(-MISALIGNED_CHUNK_BLOCKS * block_bytes // row))
     return rows
 
 
