@@ -16,11 +16,17 @@ on an (edp, ep, tp) CPU mesh with the same global shapes and placements) by 4 gl
    measured per process from ``/proc/self/io`` (``rchar``).
 3. **bytes read / bytes needed at dp = 1, 4, 8** for moeckpt (exchange, own) and DCP; "needed" is the distinct
    bytes of the new layout (the logical state, each element once).
+4. **offline read sweep** (a smaller state of zaya-small's widths, :func:`sweep_model`): bytes the offline
+   reshard fetched over the source's stored bytes for layout pairs tp 1<->2, ep 1<->4, dp 2<->3 (uneven ZeRO
+   parts) and the benchmark's own pair, counted by the executor's chunk cache (data widened to checksum blocks),
+   with the cache left at its default; and one rank of a tp=2 target loading alone from a tp=1 checkpoint: bytes
+   fetched over bytes it holds. ``--only read-sweep`` runs just this part (``reshard_read_sweep.json``).
 
 Results: ``docs/benchmarks/reshard.json`` and ``reshard.png``.
 
     python benchmarks/bench_reshard.py --gb 1.07        # the full run
     python benchmarks/bench_reshard.py --gb 0.05        # a quick check
+    python benchmarks/bench_reshard.py --only read-sweep
 """
 
 from __future__ import annotations
@@ -138,7 +144,10 @@ def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: 
             before = rchar()
             t0 = time.perf_counter()
             stats = LoadStats()
-            if method == "dcp":
+            if method == "raw":
+                state = None
+                needed = raw_read(src, rank, world)
+            elif method == "dcp":
                 state = dcp_state(tensors, target, None)
                 dcp.load(state, checkpoint_id=dcp_path)
                 needed = sum(v.to_local().numel() * v.to_local().element_size() for v in state.values())
@@ -157,6 +166,35 @@ def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: 
         with open(out, "w") as f:
             json.dump(gathered, f)
     dist.destroy_process_group()
+
+
+def raw_read(src: str, rank: int, world: int) -> int:
+    """The physical limit of a load: rank ``rank`` of ``world`` processes ``pread`` s its share of the checkpoint's
+    data files (the files end to end, cut in ``world`` equal byte ranges) into memory, 64 MiB per call, one
+    thread. Between them the processes read every stored byte once. Returns the bytes read."""
+    files = sorted(os.path.join(src, n) for n in os.listdir(src) if n.endswith(".safetensors"))
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    lo, hi = total * rank // world, total * (rank + 1) // world
+    buf = torch.empty(hi - lo, dtype=torch.uint8)
+    view = buf.numpy().data
+    at = pos = 0  # at: where this file starts in the concatenation; pos: bytes of buf filled
+    for path, size in zip(files, sizes):
+        a, b = max(lo, at), min(hi, at + size)
+        if a < b:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                off = a - at
+                while off < b - at:
+                    n = os.preadv(fd, [view[pos : pos + min(64 << 20, b - at - off)]], off)
+                    if n <= 0:
+                        raise OSError(f"{path}: short read")
+                    off += n
+                    pos += n
+            finally:
+                os.close(fd)
+        at += size
+    return pos
 
 
 def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dcp_path: str, reps: int = 1) -> dict:
@@ -234,6 +272,88 @@ def run_offline(args, src: str, target: Layout) -> dict:
     return {"runs": results, "best": best, "baseline_rss_bytes": int(base.stdout)}
 
 
+#: offline read sweep: (source, target) as (tp, ep, dp).
+READ_SWEEP_PAIRS = [
+    ((1, 1, 2), (2, 1, 2)),
+    ((2, 1, 2), (1, 1, 2)),
+    ((1, 1, 4), (1, 4, 4)),
+    ((1, 4, 4), (1, 1, 4)),
+    ((1, 1, 2), (1, 1, 3)),
+    ((1, 1, 3), (1, 1, 2)),
+    ((2, 2, 2), (1, 4, 4)),
+    ((1, 1, 1), (2, 1, 1)),
+]
+
+
+def sweep_model() -> ModelSpec:
+    """``zaya-small``'s widths (rows of 2-8 KiB, which divide the 4 MiB checksum blocks) with one layer, 4 experts
+    and a 4,096-token vocabulary: 0.27 GB of training state. The widened ``--gb`` model has rows that do not
+    divide the blocks, so neighbouring chunks fetch the block they straddle twice (docs/reshard.md)."""
+    base = presets()["zaya-small"]
+    return ModelSpec(base.arch, replace(base.config, vocab_size=4096, num_hidden_layers=1, num_experts=4))
+
+
+def read_sweep(args) -> dict:
+    """Offline reshards of each pair (bytes fetched / source bytes) and a tp=2 rank loading alone from tp=1."""
+    from moeckpt.formats.checkpoint import CheckpointReader
+    from moeckpt.reshard.executor import reshard
+    from moeckpt.reshard.options import ReshardOptions
+
+    spec = sweep_model()
+    tensors = state_tensors(spec)
+    payload = sum(e.nbytes for e in tensors.values())
+    root = os.path.join(args.dir, "sweep")
+    sources: dict[tuple, str] = {}
+
+    def source(t: tuple) -> str:
+        if t not in sources:
+            path = os.path.join(root, "src-" + "-".join(map(str, t)))
+            g = torch.Generator().manual_seed(0)
+            save_full_tensors(path, tensors=tensors, layout=Layout(tp=t[0], ep=t[1], dp=t[2]), model=spec.to_json(),
+                              step=1, values=lambda e: torch.randn(e.shape, generator=g).to(dtypes.to_torch(e.dtype)))
+            sources[t] = path
+        return sources[t]
+
+    pairs = []
+    for a, b in READ_SWEEP_PAIRS:
+        src = source(a)
+        stored = sum(r.nbytes for r in CheckpointReader(src).pieces())
+        dst = os.path.join(root, "dst")
+        shutil.rmtree(dst, ignore_errors=True)
+        r = reshard(src, dst, Layout(tp=b[0], ep=b[1], dp=b[2]), options=ReshardOptions(workers=args.workers))
+        pairs.append({"source": a, "target": b, "bytes_read": r.bytes_read, "source_bytes": stored,
+                      "read_over_source": round(r.bytes_read / stored, 4), "s": round(r.seconds, 3)})
+        print(f"read sweep {a} -> {b}: {r.bytes_read / stored:.3f}x the source bytes, {r.seconds:.2f} s", flush=True)
+    stats = LoadStats()
+    load_rank_state(source((1, 1, 1)), Layout(tp=2, ep=1, dp=1), 0, stats=stats)
+    alone = {"source": (1, 1, 1), "target": (2, 1, 1), "rank": 0, "bytes_read": stats.bytes_read,
+             "bytes_needed": stats.bytes_needed, "read_over_needed": round(stats.bytes_read / stats.bytes_needed, 4)}
+    print(f"tp=2 rank 0 alone: {alone['read_over_needed']}x the bytes it holds", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return {"payload_gb": round(payload / 1e9, 4), "workers": args.workers, "offline": pairs,
+            "load_alone_tp2": alone, "target": 1.05}
+
+
+def plot_read_sweep(sweep: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    labels = [f"{p['source']}\n-> {p['target']}" for p in sweep["offline"]] + ["tp=2 rank\nalone"]
+    vals = [p["read_over_source"] for p in sweep["offline"]] + [sweep["load_alone_tp2"]["read_over_needed"]]
+    ax.bar(range(len(vals)), vals, color=["#1f77b4"] * len(sweep["offline"]) + ["#6baed6"])
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.05, color="red", lw=0.8, ls="--")
+    ax.set_xticks(range(len(vals)), labels, fontsize=7)
+    ax.set_ylabel("bytes read / bytes stored (needed)")
+    ax.set_title(f"offline reshard reads, (tp, ep, dp) pairs, {sweep['payload_gb']:.2f} GB state", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=1.07, help="size of the training state (GB)")
@@ -246,10 +366,22 @@ def main() -> None:
     ap.add_argument("--load-reps", type=int, default=3,
                     help="repetitions of the 4-rank load comparison, in rotating order (median kept)")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where JSON and PNG go")
+    ap.add_argument("--only", choices=["read-sweep", "load"], help="run only this part")
     args = ap.parse_args()
     source, target = parse_layout(args.source), parse_layout(args.target)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
+    if args.only == "read-sweep":
+        sweep = {"benchmark": "reshard_read_sweep",
+                 "command": "python benchmarks/bench_reshard.py " + " ".join(sys.argv[1:]),
+                 "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "machine": {"nproc": os.cpu_count(), "torch": torch.__version__},
+                 **read_sweep(args)}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "reshard_read_sweep.json"), "w") as f:
+            json.dump(sweep, f, indent=1)
+        plot_read_sweep(sweep, os.path.join(args.out, "reshard_read_sweep.png"))
+        return
     spec = scaled_model(args.gb)
     tensors = state_tensors(spec)
     payload = sum(e.nbytes for e in tensors.values())
@@ -266,13 +398,41 @@ def main() -> None:
              nprocs=source.world)
     print("saved DCP source", flush=True)
 
-    offline = run_offline(args, src, target)
-    ob = offline["best"]
-    print(f"offline: cp {ob['cp']['s']:.2f} s, moeckpt {ob['moeckpt']['s']:.2f} s "
-          f"(peak RSS {ob['moeckpt']['peak_rss_bytes'] / 1e6:.0f} MB)", flush=True)
+    if args.only != "load":
+        offline = run_offline(args, src, target)
+        ob = offline["best"]
+        print(f"offline: cp {ob['cp']['s']:.2f} s, moeckpt {ob['moeckpt']['s']:.2f} s "
+              f"(peak RSS {ob['moeckpt']['peak_rss_bytes'] / 1e6:.0f} MB)", flush=True)
 
-    load4 = run_loads(args, target.world, target, LOAD_METHODS, src, dcp_path, reps=args.load_reps)
+    load4 = run_loads(args, target.world, target, LOAD_METHODS + ["raw"], src, dcp_path, reps=args.load_reps)
     print(f"load into {target}: " + ", ".join(f"{m} {v['s']:.2f} s" for m, v in load4.items()), flush=True)
+    load_summary = {
+        **{f"{m}_s": round(v["s"], 3) for m, v in load4.items()},
+        **{f"{m}_gb_per_s": round(payload / 1e9 / v["s"], 3) for m, v in load4.items()},
+        **{f"{m}_runs_s": v["runs_s"] for m, v in load4.items()},
+        "ratio_exchange_over_dcp": round(load4["dcp"]["s"] / load4["exchange"]["s"], 3),
+        "ratio_own_over_dcp": round(load4["dcp"]["s"] / load4["own"]["s"], 3),
+        # every repetition: DCP's time over ours, and the raw read's time over ours (the repetitions ran in turn)
+        "runs_own_over_dcp": [round(d / o, 3) for d, o in zip(load4["dcp"]["runs_s"], load4["own"]["runs_s"])],
+        "runs_exchange_over_dcp": [round(d / o, 3) for d, o in zip(load4["dcp"]["runs_s"], load4["exchange"]["runs_s"])],
+        "runs_own_over_raw": [round(r / o, 3) for r, o in zip(load4["raw"]["runs_s"], load4["own"]["runs_s"])],
+        "runs_exchange_over_raw": [round(r / o, 3) for r, o in zip(load4["raw"]["runs_s"], load4["exchange"]["runs_s"])],
+        "raw_bytes": load4["raw"]["sum_rank_needs"],
+        # what `moeckpt train` resumes with here (one host, local disk): --resume-reads auto picks "own"
+        "trainer_reads_here": "own",
+        "raw": load4,
+    }
+    if args.only == "load":
+        doc = {"benchmark": "reshard_load", "command": "python benchmarks/bench_reshard.py " + " ".join(sys.argv[1:]),
+               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "machine": {"nproc": os.cpu_count(), "torch": torch.__version__}, "payload_gb": round(payload / 1e9, 4),
+               "source_layout": source.to_json(), "target_layout": target.to_json(), "load_4_ranks": load_summary}
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "reshard_load.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        print(json.dumps({k: v for k, v in load_summary.items() if k != "raw"}, indent=1))
+        shutil.rmtree(args.dir, ignore_errors=True)
+        return
 
     sweep = {}
     for dp in (int(x) for x in args.sweep_dp.split(",")):
@@ -288,6 +448,7 @@ def main() -> None:
         print(f"dp={dp}: " + ", ".join(f"{k}={v}" for k, v in sweep[str(dp)].items() if k.endswith("needed")),
               flush=True)
 
+    read = read_sweep(args)
     gb = payload / 1e9
     summary = {
         "benchmark": "reshard",
@@ -311,17 +472,10 @@ def main() -> None:
             "workers": args.workers,
             "runs": offline["runs"],
         },
-        "load_4_ranks": {
-            **{f"{m}_s": round(v["s"], 3) for m, v in load4.items()},
-            **{f"{m}_gb_per_s": round(gb / v["s"], 3) for m, v in load4.items()},
-            "ratio_exchange_over_dcp": round(load4["dcp"]["s"] / load4["exchange"]["s"], 3),
-            "ratio_own_over_dcp": round(load4["dcp"]["s"] / load4["own"]["s"], 3),
-            # what `moeckpt train` resumes with here (one host, local disk): --resume-reads auto picks "own"
-            "trainer_reads_here": "own",
-            "raw": load4,
-        },
+        "load_4_ranks": load_summary,
         "bytes_read_over_needed": sweep,
-        "targets": {"offline_over_cp": 0.8, "load_over_dcp": 1.8, "read_over_needed": 1.05},
+        "offline_read_sweep": read,
+        "targets": {"offline_over_cp": 0.8, "load_over_dcp": 1.8, "load_over_raw": 0.9, "read_over_needed": 1.05},
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "reshard.json"), "w") as f:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
@@ -24,6 +25,9 @@ from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef, fetched_bytes
 
 from .options import OFFLINE_CACHE_BYTES, OFFLINE_CHUNK_BYTES
 from .planner import ReadItem, TargetPiece
+
+#: chunks of pieces whose rows do not divide the checksum blocks span at least this many blocks.
+MISALIGNED_CHUNK_BLOCKS = 8
 
 
 def chunk_rows(box: Box, dtype: str, chunk_bytes: int, block_bytes: int = CHECKSUM_BLOCK_BYTES) -> int:
@@ -39,6 +43,10 @@ def chunk_rows(box: Box, dtype: str, chunk_bytes: int, block_bytes: int = CHECKS
     rows = max(1, chunk_bytes // max(1, row))
     if block_bytes and row and (rows * row) % block_bytes and block_bytes % row == 0:
         rows = max(block_bytes // row, rows - rows % (block_bytes // row))
+    elif block_bytes and row and block_bytes % row and row % block_bytes:
+        # Rows that do not divide the blocks: neighbouring chunks both fetch the block they straddle. Chunks of
+        # MISALIGNED_CHUNK_BLOCKS blocks or more (a piece up to that size in one chunk) keep that to a fraction.
+        rows = max(rows, -(-MISALIGNED_CHUNK_BLOCKS * block_bytes // row))
     return rows
 
 
@@ -48,6 +56,13 @@ class ChunkReader:
     Several target boxes often need rows of the same stored piece (a TP split along dim 1 needs every row, a
     column range of each); the cache lets them share one read. Concurrent requests for the same chunk wait for
     the one read in flight. ``bytes_read`` counts the bytes fetched from storage, widened to checksum blocks.
+
+    Offline, :meth:`expect` counts every planned use of each chunk; a chunk then stays cached until its last
+    planned reader took its rows (:meth:`rows` with ``until``) and goes at once after, whatever the LRU order,
+    so writers that share stored pieces and run together (:meth:`consumer`) read each stored byte once. Memory
+    stays bounded: a reader about to read a new chunk while the cache is over budget waits for the others to
+    take the chunks it took and they still need (unless every other reader waits too), and past twice the budget plus two of the
+    largest chunks per reader, pinned chunks are evicted anyway (read again later, and counted).
 
     ``source`` is a checkpoint (its backend's read session is opened here and closed by :meth:`close`) or a
     read session (the caller closes it). With ``clip``, a chunk is read only where it overlaps the request (its
@@ -82,6 +97,15 @@ class ChunkReader:
         self._cached = 0
         #: the most bytes the cache kept at once (checked after each read's evictions).
         self.peak_cached = 0
+        #: planned uses still to come per chunk key (:meth:`expect`); empty when uses are not tracked.
+        self._uses: dict[tuple, int] = {}
+        self._freed = threading.Condition(self._lock)
+        self._consumers = self._waiting = 0
+        #: per reader thread, the chunks it took that other readers still need; per chunk, those readers.
+        self._ahead: dict[int, int] = {}
+        self._ahead_of: dict[tuple, list[int]] = {}
+        self._largest = 0  # bytes of the largest chunk read so far
+        self._inflight = 0  # bytes of the reads started and not finished
         #: ``read_threads`` threads that read ahead of the consumers (:meth:`prefetch`), or None.
         self.pool: ThreadPoolExecutor | None = (
             ThreadPoolExecutor(read_threads, thread_name_prefix="moeckpt-read") if read_threads else None
@@ -114,11 +138,18 @@ class ChunkReader:
         """Rows per chunk of the stored piece ``ref`` (:func:`chunk_rows` on its own checksum blocks)."""
         return chunk_rows(ref.box, ref.dtype, self.chunk_bytes, ref.block_bytes)
 
-    def rows(self, tensor: str, box: Box, r0: int, r1: int) -> torch.Tensor:
-        """Rows ``[r0, r1)`` (piece coordinates) of the stored piece ``(tensor, box)``."""
+    def rows(self, tensor: str, box: Box, r0: int, r1: int, *, until: int | None = None) -> torch.Tensor:
+        """Rows ``[r0, r1)`` (piece coordinates) of the stored piece ``(tensor, box)``.
+
+        ``until``: the end of the planned read these rows belong to (``ReadItem.rows[1]``), which asks for its
+        rows in increasing order; the use :meth:`expect` counted for a chunk ends with the request that reaches
+        the last row the read needs of it."""
         ref = self.ref(tensor, box)
         if not box.ndim:
-            return self._chunk(ref, 0, 1)
+            data = self._chunk(ref, 0, 1)
+            if until is not None:
+                self._used(_key(ref, 0, 1))
+            return data
         per = self.chunk_rows(ref)
         parts = []
         last = (r1 - 1) // per
@@ -128,7 +159,53 @@ class ChunkReader:
                 self._start(ref, *self._span(c + 1, per, box.shape[0], r0, r1), background=True)
             data = self._chunk(ref, lo, hi)
             parts.append(data[max(r0, lo) - lo : min(r1, hi) - lo])
+            if until is not None and r0 < min(hi, until) <= r1:
+                self._used(_key(ref, lo, hi))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def expect(self, pieces: Iterable[TargetPiece]) -> None:
+        """Count the planned uses of the chunks ``pieces`` read (whole chunks: not with ``clip``)."""
+        with self._lock:
+            for piece in pieces:
+                for item in piece.reads:
+                    ref = self.ref(item.tensor, item.src_box)
+                    for key in chunk_keys(ref, item.rows, self.chunk_rows(ref)):
+                        self._uses[key] = self._uses.get(key, 0) + 1
+
+    @contextmanager
+    def consumer(self) -> Iterator[None]:
+        """Mark the calling thread as a reader while the block runs (see the class: who waits for whom)."""
+        with self._lock:
+            self._consumers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._consumers -= 1
+                self._freed.notify_all()
+
+    def _used(self, key: tuple) -> None:
+        """One planned use of chunk ``key`` is over; after the last, the chunk leaves the cache."""
+        with self._lock:
+            left = self._uses.get(key)
+            if left is None:
+                return
+            if left > 1:
+                self._uses[key] = left - 1
+                # This reader is ahead of the others on this chunk: they still need it.
+                me = threading.get_ident()
+                self._ahead_of[key] = [*self._ahead_of.get(key, ()), me]
+                self._ahead[me] = self._ahead.get(me, 0) + 1
+                return
+            del self._uses[key]
+            for reader in self._ahead_of.pop(key, ()):
+                self._ahead[reader] -= 1
+            self._freed.notify_all()
+            fut = self._cache.get(key)
+            if fut is None or not fut.done():
+                return
+            del self._cache[key]
+            self._cached -= _size(fut)
 
     def _span(self, c: int, per: int, n: int, r0: int, r1: int) -> tuple[int, int]:
         """The rows chunk ``c`` reads for a request of rows ``[r0, r1)``: all of it, or with ``clip`` the overlap."""
@@ -177,14 +254,32 @@ class ChunkReader:
 
     def _start(self, ref: PieceRef, lo: int, hi: int, *, background: bool) -> Future:
         """The future of the rows ``[lo, hi)`` of ``ref``: cached, in flight, or started now (inline, or in the
-        pool)."""
-        key = (ref.file, ref.start, ref.tensor, lo, hi)
+        pool). With planned uses and the cache over budget, a read ahead is not started (an empty future), and a
+        reader ahead of others (it took chunks they still need) waits before a new read until they caught up,
+        unless every other reader waits too: the reader behind never waits, so they always move."""
+        key = _key(ref, lo, hi)
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
                 self._cache.move_to_end(key)
                 return fut
+            if self._uses and self._cached + self._inflight >= self.cache_bytes:
+                if background:
+                    return Future()
+                me = threading.get_ident()
+                while (
+                    self._cached >= self.cache_bytes and self._ahead.get(me, 0) and self._waiting + 1 < self._consumers
+                ):
+                    self._waiting += 1
+                    self._freed.notify_all()  # a reader that waits may let another one go (see the loop's test)
+                    self._freed.wait(1.0)
+                    self._waiting -= 1
+                fut = self._cache.get(key)
+                if fut is not None:  # another reader started it meanwhile
+                    self._cache.move_to_end(key)
+                    return fut
             fut = self._cache[key] = Future()
+            self._inflight += fetched_bytes(ref, lo, hi)
         if background and self.pool is not None:
             self.pool.submit(self._read_into, fut, key, ref, lo, hi)
         else:
@@ -198,6 +293,7 @@ class ChunkReader:
                 data = self.pieces.read_rows(ref, lo, hi)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the chunk, and raised there
             with self._lock:
+                self._inflight -= fetched_bytes(ref, lo, hi)
                 self._cache.pop(key, None)
             fut.set_exception(e)
             return
@@ -206,18 +302,56 @@ class ChunkReader:
         evicted = []  # freed after the lock is released: freeing a chunk unmaps it, a syscall every thread would wait on
         with self._lock:
             self.bytes_read += fetched_bytes(ref, lo, hi)
+            self._inflight -= fetched_bytes(ref, lo, hi)
             self._cached += nbytes
+            self._largest = max(self._largest, nbytes)
             while self._cached > self.cache_bytes and len(self._cache) > 1:
-                old_key, old = next(iter(self._cache.items()))
-                if not old.done():
+                old_key = self._victim(key)
+                if old_key is None:
                     break
-                del self._cache[old_key]
-                if old.exception() is None:
-                    t = old.result()
-                    self._cached -= t.numel() * t.element_size()
+                old = self._cache.pop(old_key)
+                self._cached -= _size(old)
                 evicted.append(old)
             self.peak_cached = max(self.peak_cached, self._cached)
+            self._freed.notify_all()
         del evicted
+
+    def _victim(self, just_read: tuple) -> tuple | None:
+        """The chunk to evict (caller holds the lock): the least recently used one read and not pinned by a
+        planned use; past twice the budget, the least recently used one read. None: nothing can go."""
+        pinned = None
+        for key, fut in self._cache.items():
+            if not fut.done() or key == just_read:
+                continue
+            if key not in self._uses:
+                return key
+            if pinned is None:
+                pinned = key
+        # Pinned chunks wait for readers that make progress (see _start); only a working set far beyond the
+        # budget and what each reader can hold at once (a chunk being read, one being used) gives them up.
+        hard_cap = 2 * self.cache_bytes + 2 * (self._consumers + 1) * self._largest
+        return pinned if self._cached > hard_cap else None
+
+
+def _key(ref: PieceRef, lo: int, hi: int) -> tuple:
+    return (ref.file, ref.start, ref.tensor, lo, hi)
+
+
+def _size(fut: Future) -> int:
+    """Bytes a finished chunk future holds (0 for a failed read)."""
+    if fut.exception() is not None:
+        return 0
+    t = fut.result()
+    return t.numel() * t.element_size()
+
+
+def chunk_keys(ref: PieceRef, rows: tuple[int, int], per: int) -> list[tuple]:
+    """The cache keys of the whole chunks (``per`` rows each) that rows ``[r0, r1)`` of ``ref`` touch."""
+    if not ref.box.ndim:
+        return [_key(ref, 0, 1)]
+    r0, r1 = rows
+    n = ref.box.shape[0]
+    return [_key(ref, c * per, min((c + 1) * per, n)) for c in range(r0 // per, (r1 - 1) // per + 1)] if r1 > r0 else []
 
 
 def reads_started_ahead(

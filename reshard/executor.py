@@ -25,16 +25,17 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit, discard
 from moeckpt.formats.errors import CheckpointIndexError, DestinationNotEmptyError
 from moeckpt.formats.index import FileEntry, Index
-from moeckpt.formats.pieces import PieceRef
+from moeckpt.formats.pieces import PieceRef, fetched_bytes
 from moeckpt.formats.storage import Storage, is_url, open_storage
 
-from .chunks import ChunkReader, reads_started_ahead
+from .chunks import ChunkReader, chunk_keys, chunk_rows, reads_started_ahead
 from .generic import is_state_dict, sharded_over_writers
 from .layout import Layout
 from .options import ReshardOptions
 from .planner import RankPlan, ReshardPlan, SourcePiece, plan_reshard
 from .processes import balanced_groups, can_fork, run_forked
 from .runtime import paused_gc, single_threaded_torch
+from .sharing import sharing_groups
 from .slabs import slabs
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,7 @@ def _convert(
     # A state dict keeps its (empty) layout: its meshes or listed pieces say where everything is.
     new_index = replace(index, backend=backend, layout={} if is_state_dict(index) else target.to_json(), files={})
     storage = begin_save(dst, overwrite=overwrite)
-    writers = _Writers(index, plan, storage, out_backend, target, options)
+    writers = _Writers(index, plan, storage, out_backend, target, options, by_key)
     forked = (
         options.workers > 1
         and len(plan.ranks) > 1
@@ -263,9 +264,11 @@ class _Writers:
         out_backend: Backend,
         target: Layout,
         options: ReshardOptions,
+        refs: Mapping[tuple[str, Box], PieceRef],
     ):
         self.index, self.plan, self.storage = index, plan, storage
         self.out_backend, self.options = out_backend, options
+        self.refs = refs
         boxes: dict[str, list[Box]] = {name: [] for name in index.tensors}
         for rank_plan in plan.ranks:  # every piece the plan writes, whatever placed it
             for piece in rank_plan.pieces:
@@ -273,10 +276,38 @@ class _Writers:
                     boxes[piece.tensor].append(piece.box)
         out_backend.prepare(storage, index.tensors, boxes)
 
+    def groups(self) -> list[list[RankPlan]]:
+        """The target writers in groups that read common source chunks (:func:`~.sharing.sharing_groups`)."""
+
+        def chunks_of(item) -> list[tuple[tuple, int]]:
+            ref = self.refs.get((item.tensor, item.src_box))
+            if ref is None:
+                return []  # reported by the chunk cache when the writer reads it
+            per = chunk_rows(ref.box, ref.dtype, self.options.chunk_bytes, ref.block_bytes)
+            return [(key, fetched_bytes(ref, key[3], key[4])) for key in chunk_keys(ref, item.rows, per)]
+
+        return sharing_groups(self.plan.ranks, chunks_of, self.options.workers)
+
+    def write_group(
+        self, group: Sequence[RankPlan], chunks: ChunkReader, count: Callable[[int], None]
+    ) -> list[FileEntry]:
+        """Write a group of writers that share source chunks together, one thread each, so that the chunk cache
+        hands each shared chunk to all of them from one read; returns their file entries in group order."""
+
+        def one(rank_plan: RankPlan) -> list[FileEntry]:
+            with chunks.consumer():
+                return self.write(rank_plan, chunks, count)
+
+        if len(group) == 1:
+            return one(group[0])
+        with ThreadPoolExecutor(len(group), thread_name_prefix="moeckpt-writer") as pool:
+            return [e for es in pool.map(one, group) for e in es]
+
     def in_threads(
         self, open_chunks: Callable[[int, int], ChunkReader], on_bytes: Callable[[int], None] | None
     ) -> tuple[list[FileEntry], int]:
-        """``workers`` writer threads sharing one chunk cache and ``workers`` read-ahead threads."""
+        """Groups of writers (:meth:`groups`) run by ``workers`` threads sharing one chunk cache and ``workers``
+        read-ahead threads."""
         written = [0]
         lock = threading.Lock()
         workers = self.options.workers
@@ -287,9 +318,11 @@ class _Writers:
             if on_bytes is not None:
                 on_bytes(n)
 
+        groups = self.groups()
         with open_chunks(workers, self.options.cache_bytes) as chunks, ThreadPoolExecutor(workers) as pool:
+            chunks.expect(p for rp in self.plan.ranks for p in rp.pieces)
             try:
-                entries = [e for es in pool.map(lambda rp: self.write(rp, chunks, count), self.plan.ranks) for e in es]
+                entries = [e for es in pool.map(lambda g: self.write_group(g, chunks, count), groups) for e in es]
             except BaseException:
                 # Before the pool waits for the other writers: their uploads are refused, so they stop soon.
                 self.storage.cancel_uploads()
@@ -300,19 +333,23 @@ class _Writers:
     def in_processes(
         self, open_chunks: Callable[[int, int], ChunkReader], on_bytes: Callable[[int], None] | None
     ) -> tuple[list[FileEntry], int]:
-        """Target writers spread over ``workers`` forked processes (balanced by bytes), each one thread reading
-        with kernel read-ahead, with a share of the cache budget."""
-        groups = balanced_groups(self.plan.ranks, [rp.nbytes for rp in self.plan.ranks], self.options.workers)
+        """Groups of writers (:meth:`groups`) spread over ``workers`` forked processes (balanced by bytes), each
+        group's writers in threads, reading with kernel read-ahead, with a share of the cache budget."""
+        sharing = self.groups()
+        groups = balanced_groups(sharing, [sum(rp.nbytes for rp in g) for g in sharing], self.options.workers)
 
-        def job(group: Sequence[RankPlan], report: Callable[[int], None]) -> dict:
+        def job(bundle: Sequence[Sequence[RankPlan]], report: Callable[[int], None]) -> dict:
             written = [0]
+            lock = threading.Lock()  # a group's writer threads count together
 
             def count(n: int) -> None:
-                written[0] += n
-                report(n)
+                with lock:
+                    written[0] += n
+                    report(n)
 
             with open_chunks(0, self.options.cache_bytes // len(groups)) as chunks:
-                files = [e for rp in group for e in self.write(rp, chunks, count)]
+                chunks.expect(p for g in bundle for rp in g for p in rp.pieces)
+                files = [e for g in bundle for e in self.write_group(g, chunks, count)]
             return {
                 "files": [[e.path, e.size, e.checksum] for e in files],
                 "read": chunks.bytes_read,

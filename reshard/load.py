@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +33,14 @@ from moeckpt.formats.storage import is_url
 from .chunks import ChunkReader, reads_started_ahead
 from .collectives import all_gather_json
 from .group_plan import plan_exchange
+from .inplace import Job, read_in_place
 from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
 from .placement import is_stored
 from .planner import ReshardPlan, SourcePiece, plan_load
 from .runtime import paused_gc, single_threaded_torch
-from .slabs import assemble
+from .slabs import assemble, direct_read, row_spans
 
 RankState = dict[str, list[tuple[Box, torch.Tensor]]]
 
@@ -73,6 +75,8 @@ def load_rank_state(
     stats: LoadStats | None = None,
     options: LoadOptions | None = None,
     readable: Sequence[Collection[int] | None] | None = None,
+    device: torch.device | str | None = None,
+    out: Mapping[tuple[str, Box], torch.Tensor] | None = None,
 ) -> RankState:
     """Every box ``rank`` holds in ``layout``, per tensor, in the order its local tensor concatenates them.
 
@@ -86,10 +90,19 @@ def load_rank_state(
     ``readable`` (collective only; a backend storing one file per writer) lists, per group member, the writer
     ranks whose files that member can read (``None``: all), e.g. node-local memory checkpoints that each node
     holds part of: every piece is then read by a member that can read it and exchanged (implies ``exchange``).
+
+    ``device`` (e.g. ``"cuda"``) puts the boxes in that device's memory: a rank loading alone reads them through
+    reused pinned buffers with host-to-device copies overlapped with the reads (:mod:`.inplace`); a collective
+    load moves them after. ``out`` maps ``(tensor, box)`` to a preallocated destination (the box's shape, the
+    stored dtype, contiguous, on ``device`` if given), filled and returned in place of a new tensor; boxes
+    without a fitting one get new tensors.
     """
     started = time.perf_counter()
     stats = stats if stats is not None else LoadStats()
     options = options or LoadOptions()
+    device = None if device is None else torch.device(device)
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" is the current one: compare as such
     with single_threaded_torch(), paused_gc():  # from the index's parse on: see paused_gc
         reader = location if isinstance(location, CheckpointReader) else CheckpointReader(location)
         index = reader.index
@@ -104,13 +117,15 @@ def load_rank_state(
             failure = None
             try:
                 plan = plan_load(index, layout, [rank], tensors=names, sources=sources)
-                state = _load_alone(reader, plan, stats, options, stored)
+                state = _load_alone(reader, plan, stats, options, stored, device, out)
             except (MoeckptError, OSError) as e:
                 if group is None:
                     raise
                 failure, state = e.with_traceback(None), {}  # raised below on every member alike
             if group is not None:
                 _raise_if_any_failed(failure, group, reader.location)
+    if device is not None and group is not None and (exchange or readable is not None):
+        state = {n: [(box, t.to(device)) for box, t in boxes] for n, boxes in state.items()}
     stats.bytes_needed = sum(t.numel() * t.element_size() for boxes in state.values() for _, t in boxes)
     stats.seconds = time.perf_counter() - started
     log.debug(
@@ -189,11 +204,18 @@ def _refs_for(reader: CheckpointReader, sources: set, stored) -> dict[tuple[str,
 
 
 def _load_alone(
-    reader: CheckpointReader, plan: ReshardPlan, stats: LoadStats, options: LoadOptions, stored
+    reader: CheckpointReader,
+    plan: ReshardPlan,
+    stats: LoadStats,
+    options: LoadOptions,
+    stored,
+    device: torch.device | None = None,
+    out: Mapping[tuple[str, Box], torch.Tensor] | None = None,
 ) -> RankState:
     (rank_plan,) = plan.ranks
     refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads}, stored)
-    state: RankState = {}
+    index = reader.index
+    pieces = rank_plan.pieces
     with ChunkReader(
         reader,
         refs,
@@ -202,11 +224,96 @@ def _load_alone(
         read_threads=options.read_threads,
         clip=True,
     ) as chunks:
-        for _, piece in reads_started_ahead(rank_plan.pieces, reader.index, chunks, options.prefetch_bytes):
-            out = assemble(piece, reader.index.tensors[piece.tensor].dtype, chunks)
-            state.setdefault(piece.tensor, []).append((piece.box, out))
-    stats.bytes_read += chunks.bytes_read
+        dests = [_destination(p, index.tensors[p.tensor].dtype, device, out) for p in pieces]
+        # positions whose destination is a new CPU tensor: the assembled tensor itself can take its place
+        mine = {pos for pos, d in enumerate(dests) if d.device.type == "cpu" and not _given(out, pieces[pos], d)}
+        # Boxes that are full-width rows of one stored piece go straight into their destination (:mod:`.inplace`);
+        # this thread fills the others through the chunk cache meanwhile.
+        jobs: list[Job] = []
+        for pos, p in enumerate(pieces):
+            if (r := direct_read(p)) is not None:
+                jobs.append((pos, r, dests[pos], None))
+            elif (spans := _row_spans(p, refs)) is not None:
+                jobs += [(pos, item, dests[pos], (c0, c1, d0)) for item, c0, c1, d0 in spans]
+        with ThreadPoolExecutor(1) as one:
+            in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
+            direct = {job[0] for job in jobs}
+            try:
+                rest = [pos for pos in range(len(pieces)) if pos not in direct]
+                _assemble_into(chunks, index, pieces, dests, rest, mine, options.prefetch_bytes, options.fill_threads)
+            finally:
+                failed, fetched = in_place.result()
+        # what the session could not read in place after all
+        _assemble_into(chunks, index, pieces, dests, sorted(failed), mine, options.prefetch_bytes, 1)
+    stats.bytes_read += chunks.bytes_read + fetched
+    state: RankState = {}
+    for piece, dest in zip(pieces, dests):
+        state.setdefault(piece.tensor, []).append((piece.box, dest))
     return state
+
+
+def _row_spans(piece, refs):
+    """:func:`~.slabs.row_spans` of ``piece`` where every source row is two checksum blocks or more (so the ranges
+    of different rows do not share blocks: no block is fetched twice), else None."""
+    found = []
+    for item in piece.reads:
+        ref = refs.get((piece.tensor, item.src_box))
+        if ref is None or not ref.block_bytes or not ref.box.ndim or not ref.box.shape[0]:
+            return None
+        if ref.nbytes // ref.box.shape[0] < 2 * ref.block_bytes:
+            return None
+        found.append(ref)
+    return row_spans(piece, dtypes.itemsize(found[0].dtype), found[0].block_bytes) if found else None
+
+
+def _given(out, piece, dest: torch.Tensor) -> bool:
+    return out is not None and out.get((piece.tensor, piece.box)) is dest
+
+
+def _destination(piece, dtype: str, device: torch.device | None, out) -> torch.Tensor:
+    """Where box ``piece`` is loaded: the caller's tensor for it when it fits (its shape, the stored dtype,
+    contiguous), else a new one on ``device`` (the CPU by default)."""
+    torch_dtype = dtypes.to_torch(dtype)
+    given = None if out is None else out.get((piece.tensor, piece.box))
+    if (
+        given is not None
+        and tuple(given.shape) == piece.box.shape
+        and given.dtype == torch_dtype
+        and given.is_contiguous()
+        and (device is None or given.device == device)
+    ):
+        return given
+    return torch.empty(piece.box.shape, dtype=torch_dtype, device=device or "cpu")
+
+
+def _assemble_into(
+    chunks: ChunkReader, index, pieces, dests: list[torch.Tensor], positions, mine: set, window: int, threads: int
+) -> None:
+    """Fill ``dests[pos]`` for ``positions`` through the chunk cache, ``threads`` boxes at a time (the copies
+    release the interpreter lock): a box in a tensor of this load's own on the CPU (``mine``) becomes the
+    assembled tensor itself (the read chunk where it is one), others get a copy."""
+    todo = [pieces[p] for p in positions]
+
+    def one(k: int, piece) -> None:
+        pos = positions[k]
+        data = assemble(piece, index.tensors[piece.tensor].dtype, chunks)
+        if pos in mine:
+            dests[pos] = data
+        else:
+            dests[pos].copy_(data)
+
+    if threads <= 1 or len(todo) <= 1:
+        for k, piece in reads_started_ahead(todo, index, chunks, window):
+            one(k, piece)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-assemble") as pool:
+        running: list = []
+        for k, piece in reads_started_ahead(todo, index, chunks, window):
+            running.append(pool.submit(one, k, piece))
+            if len(running) >= 2 * threads:  # boxes in flight stay few: their chunks stay within the cache
+                running.pop(0).result()
+        for fut in running:
+            fut.result()
 
 
 def _load_collective(

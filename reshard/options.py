@@ -7,6 +7,7 @@ not be read twice; large chunks at load time, where a box that is one whole chun
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 MiB = 1024 * 1024
@@ -33,6 +34,8 @@ LOAD_CHUNK_BYTES = 64 * MiB
 LOAD_CACHE_BYTES = 256 * MiB
 #: load: threads reading ahead of a loading rank.
 LOAD_READ_THREADS = 2
+#: load: threads reading boxes straight into their memory (pread and checksums release the interpreter lock).
+LOAD_FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
 #: load, collective: ranks exchange at most about this many bytes per rank per round.
 ROUND_BYTES = 128 * MiB
 
@@ -79,6 +82,8 @@ class LoadOptions:
     round_bytes: int = ROUND_BYTES
     #: threads reading ahead of the rank.
     read_threads: int = LOAD_READ_THREADS
+    #: threads reading boxes that are full-width rows of one stored piece straight into their memory.
+    fill_threads: int = LOAD_FILL_THREADS
     #: bytes of the next boxes' reads kept in flight by the read-ahead threads.
     prefetch_bytes: int = PREFETCH_BYTES
 

@@ -31,10 +31,10 @@ def fill(out: torch.Tensor, out_box: Box, reads: Sequence[ReadItem], chunks: Chu
         rel = sub.relative_to(item.src_box)
         if out_box.ndim:
             r0 = rel.offsets[0]
-            data = chunks.rows(item.tensor, item.src_box, r0, r0 + rel.shape[0])
+            data = chunks.rows(item.tensor, item.src_box, r0, r0 + rel.shape[0], until=item.rows[1])
             out[sub.relative_to(out_box).slices()] = data[(slice(None),) + rel.slices()[1:]]
         else:
-            out.copy_(chunks.rows(item.tensor, item.src_box, 0, 1))
+            out.copy_(chunks.rows(item.tensor, item.src_box, 0, 1, until=1))
         copied += sub.numel
     return copied
 
@@ -48,6 +48,36 @@ def direct_read(piece: TargetPiece) -> ReadItem | None:
     if r.region != box or src.offsets[1:] != box.offsets[1:] or src.shape[1:] != box.shape[1:]:
         return None
     return r
+
+
+def row_spans(piece: TargetPiece, itemsize: int, min_bytes: int) -> list[tuple[ReadItem, int, int, int]] | None:
+    """Where every read of ``piece`` is, within each row of its stored piece and of the target box, one contiguous
+    byte range of at least ``min_bytes`` (a TP rank's slice of each expert's matrix split along dim 1, or the
+    gate and up halves of a fused one): per read, ``(read, c0, c1, d0)``, bytes ``[c0, c1)`` of each source row
+    landing at byte ``d0`` of the matching target row. None otherwise. Such a box is read one range per row."""
+    box = piece.box
+    if not piece.reads or box.ndim < 2:
+        return None
+    out = []
+    for r in piece.reads:
+        src, region = r.src_box, r.region
+        partial = [d for d in range(1, src.ndim) if region.shape[d] != src.shape[d]]
+        if len(partial) != 1:
+            return None
+        k = partial[0]
+        if any(src.shape[d] != 1 or box.shape[d] != 1 for d in range(1, k)):
+            return None  # the slice is strided within a row
+        if any(region.shape[d] != box.shape[d] for d in range(k + 1, box.ndim)):
+            return None
+        inner = itemsize
+        for d in range(k + 1, src.ndim):
+            inner *= src.shape[d]
+        c0 = (region.offsets[k] - src.offsets[k]) * inner
+        c1 = c0 + region.shape[k] * inner
+        if c1 - c0 < min_bytes:
+            return None
+        out.append((r, c0, c1, (region.offsets[k] - box.offsets[k]) * inner))
+    return out
 
 
 def slabs(
@@ -75,7 +105,7 @@ def slabs(
         lo = r0
         while lo < r1:
             hi = min(r1, (lo // per + 1) * per)  # stay inside one source chunk: a view, not a concatenation
-            yield chunks.rows(direct.tensor, src, lo, hi)
+            yield chunks.rows(direct.tensor, src, lo, hi, until=r1)
             lo = hi
         return
     row = box.numel // box.shape[0] * dtypes.itemsize(dtype)

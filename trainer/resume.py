@@ -70,8 +70,13 @@ def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layo
     """
     keep = set(roles)
     present = sorted(n for n, e in reader.index.tensors.items() if e.role in keep)
+    # The pieces themselves are the destinations where they fit (the stored dtype, contiguous): a rank loading
+    # alone then reads into them, on a GPU through pinned staging with overlapped copies, without a CPU copy.
+    out = {(p.name, p.box): p.tensor for p in pieces}
+    devices = {p.tensor.device for p in pieces}
+    device = devices.pop() if len(devices) == 1 else None
     state = load_rank_state(reader, layout, rank, tensors=present, group=group, stats=stats, exchange=exchange,
-                            readable=readable)
+                            device=device, out=out, readable=readable)
     by_box = {name: dict(boxes) for name, boxes in state.items()}
     for piece in pieces:
         boxes = by_box.get(piece.name)
@@ -82,7 +87,8 @@ def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layo
             raise LayoutError(
                 f"{reader.location}: the load returned no box {piece.box.to_json()} of {piece.name} for rank {rank}"
             )
-        piece.tensor.copy_(data.to(device=piece.tensor.device, dtype=piece.tensor.dtype))
+        if data is not piece.tensor:  # else read into it already
+            piece.tensor.copy_(data.to(device=piece.tensor.device, dtype=piece.tensor.dtype))
     return set(present)
 
 

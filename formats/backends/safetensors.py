@@ -14,11 +14,12 @@ import struct
 from collections.abc import Collection, Iterable, Sequence
 
 import torch
+import xxhash
 
 from .. import dtypes
 from ..box import Box
-from ..checksum import checksum
-from ..errors import DataFileError, StorageError
+from ..checksum import ALGORITHM, checksum
+from ..errors import ChecksumMismatchError, DataFileError, StorageError
 from ..index import FileEntry, Index, TensorEntry
 from ..pieces import Piece, PieceRef, block_span, tensor_bytes, verify_blocks
 from ..storage import Storage, StorageReader
@@ -253,6 +254,33 @@ class SafetensorsBackend(BackendBase):
         return SafetensorsReader(storage)
 
 
+def _verify_parts(parts: Sequence[memoryview], first_block: int, ref: PieceRef, where: str) -> None:
+    """:func:`verify_blocks` over the concatenation of ``parts`` (whole blocks of ``ref`` from ``first_block``)
+    without joining them: a block that spans two parts is hashed in two updates."""
+    size = ref.block_bytes
+    block, filled, h = first_block, 0, xxhash.xxh3_64()
+
+    def check() -> None:
+        got = f"{ALGORITHM}:{h.hexdigest()}"
+        if block >= len(ref.checksums) or got != ref.checksums[block]:
+            verify_blocks(b"".join(bytes(p) for p in parts), first_block, ref, where)  # names the failing block
+            raise ChecksumMismatchError(f"{where}: checksum mismatch in tensor {ref.tensor!r}; the file is corrupt")
+
+    for part in parts:
+        mv = part.cast("B") if part.format != "B" else part
+        off = 0
+        while off < len(mv):
+            take = min(size - filled, len(mv) - off)
+            h.update(mv[off : off + take])
+            off += take
+            filled += take
+            if filled == size:
+                check()
+                block, filled, h = block + 1, 0, xxhash.xxh3_64()
+    if filled:
+        check()
+
+
 class SafetensorsReader:
     """Row reads of safetensors pieces straight into uninitialised tensors (``preadv`` on local disk), or mapped.
 
@@ -285,6 +313,50 @@ class SafetensorsReader:
             raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
         verify_blocks(buf.numpy().data, b0, ref, where)
         return buf[a - read_lo : b - read_lo].view(dtypes.to_torch(ref.dtype)).reshape((hi - lo,) + ref.box.shape[1:])
+
+    def read_rows_into(self, ref: PieceRef, lo: int, hi: int, out: torch.Tensor) -> bool:
+        """Rows ``[lo, hi)`` of ``ref`` read straight into ``out`` (a contiguous CPU tensor of exactly those rows'
+        bytes), verified like :meth:`read_rows`: the bytes of the checksum blocks around the rows that ``out``
+        does not hold are read into small scratch buffers and hashed with it. No copy is made. False (nothing
+        read) where this session cannot: a storage without direct reads, a 0-d or empty piece, another ``out``."""
+        if not ref.box.ndim or hi <= lo:
+            return False
+        row = ref.nbytes // ref.box.shape[0]
+        return self.read_bytes_into(ref, lo * row, hi * row, out)
+
+    def read_bytes_into(self, ref: PieceRef, a: int, b: int, out: torch.Tensor) -> bool:
+        """Bytes ``[a, b)`` of ``ref``'s data straight into ``out`` (contiguous, CPU, ``b - a`` bytes), verified
+        as :meth:`read_rows_into`: a contiguous part of a row (one TP rank's slice of an expert's matrix)."""
+        if not self._files.direct or not ref.box.ndim or b <= a or out.device.type != "cpu":
+            return False
+        if not out.is_contiguous() or out.numel() * out.element_size() != b - a or b > ref.nbytes:
+            return False
+        block = ref.block_bytes
+        b0 = a // block
+        read_lo, read_hi = b0 * block, min(-(-b // block) * block, ref.nbytes)
+        parts = [
+            memoryview(bytearray(a - read_lo)),
+            out.reshape(-1).view(torch.uint8).numpy().data,
+            memoryview(bytearray(read_hi - b)),
+        ]
+        where = self.storage.path(ref.file)
+        offset = ref.start + read_lo
+        for part in parts:
+            if not len(part):
+                continue
+            try:
+                got = self._files.read_into(ref.file, offset, part)
+            except FileNotFoundError:
+                raise DataFileError(
+                    f"{where}: data file is missing (listed in the index); the checkpoint is incomplete"
+                ) from None
+            except StorageError as e:
+                raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
+            if got != len(part):
+                raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
+            offset += len(part)
+        _verify_parts(parts, b0, ref, where)
+        return True
 
     def map_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor | None:
         """Checked like :meth:`read_rows` (whole checksum blocks), but nothing is copied into this process: the
