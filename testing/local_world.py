@@ -46,6 +46,9 @@ def _local_worker(
     failed = False
     try:
         fn(rank, *args)
+        # Every rank finished before any tears its gloo connections down: a peer still in its last collective
+        # when another's process group goes away can abort ("terminate called without an active exception").
+        dist.barrier()
     except BaseException as e:  # noqa: BLE001 - recorded for the parent, then re-raised
         # When one rank fails, its peers fail a moment later in a collective ("connection closed by peer"). Which
         # of them the parent notices first is a race, so each rank records when it failed and the parent reports

@@ -254,6 +254,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     try:
         {"torchtitan": write_torchtitan, "titan-names": write_titan_names, "megatron": write_megatron}[kind](out)
+        dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
     finally:
         dist.destroy_process_group()
 

@@ -259,6 +259,7 @@ def main() -> None:
             save(out, dp, tp, ep, sys.argv[6])
         else:
             load(out, dp, tp, ep, sys.argv[6], sys.argv[7] if len(sys.argv) > 7 else None)
+        dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
     finally:
         dist.destroy_process_group()
 
