@@ -154,3 +154,14 @@ def test_without_restarts_left_a_killed_worker_ends_the_job_in_one_line(tmp_path
     _clean(err)
     assert "no restart is left (--max-restarts 0)" in err and "exited with code 137" in err, err
     assert [s for s, _ in committed_steps(run)] == [2] and job.survivors() == []
+
+
+def test_the_agent_gets_only_options_this_torch_knows():
+    """torch 2.11's elastic agent has no --shutdown-timeout and refuses it (exit 2): it is passed only where known."""
+    from moeckpt.trainer.launch import SHUTDOWN_TIMEOUT_S, agent_options, shutdown_args, torchrun_command
+
+    assert "--nproc-per-node" in agent_options()
+    assert shutdown_args(frozenset({"--nproc-per-node"})) == []
+    assert shutdown_args(frozenset({"--shutdown-timeout"})) == [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"]
+    command = torchrun_command("train", {}, 2)
+    assert (f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}" in command) == ("--shutdown-timeout" in agent_options())

@@ -52,6 +52,25 @@ MAX_NODES = 4096
 SHUTDOWN_TIMEOUT_S = 120
 
 
+def agent_options() -> frozenset[str]:
+    """The options this torch's elastic agent (``torch.distributed.run``) accepts: torch adds some over releases
+    (``--shutdown-timeout`` is newer than torch 2.11), and the agent refuses any it does not know."""
+    global _AGENT_OPTIONS
+    if _AGENT_OPTIONS is None:
+        from torch.distributed.run import get_args_parser
+
+        _AGENT_OPTIONS = frozenset(o for a in get_args_parser()._actions for o in a.option_strings)
+    return _AGENT_OPTIONS
+
+
+_AGENT_OPTIONS: frozenset[str] | None = None
+
+
+def shutdown_args(options: frozenset[str] | None = None) -> list[str]:
+    """``--shutdown-timeout`` where the agent has it; an older agent kills its workers after its own default."""
+    return [f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}"] if "--shutdown-timeout" in (options or agent_options()) else []
+
+
 class LaunchFailedError(MoeckptError, RuntimeError):
     """torchrun exited with an error (a worker failed); the workers' own messages are on stderr above."""
 
@@ -128,7 +147,7 @@ def torchrun_command(job: str, config: dict[str, Any], nproc: int, *, elastic: E
     mode = elastic.torchrun_args() if elastic is not None else ["--standalone", f"--max-restarts={max_restarts}"]
     return [
         sys.executable, "-m", "moeckpt.trainer.agent", *mode, f"--nproc-per-node={nproc}",
-        f"--shutdown-timeout={SHUTDOWN_TIMEOUT_S}", *extra,
+        *shutdown_args(), *extra,
         "-m", "moeckpt.trainer.launch", job, json.dumps(config, separators=(",", ":")),
     ]
 
