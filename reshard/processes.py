@@ -25,6 +25,8 @@ from typing import Any, TypeVar
 
 from moeckpt.formats.errors import MoeckptError
 
+from .runtime import after_fork_in_child
+
 T = TypeVar("T")
 
 #: a child reports written bytes at most this often (bytes), so the pipe carries a few hundred lines per GB.
@@ -102,6 +104,7 @@ def _child(group: Sequence[T], job: Callable, fd: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent handles Ctrl-C and SIGTERM; a child just stops
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         gc.freeze()  # the inherited objects are never collected here: collections would copy their pages
+        after_fork_in_child()
         out = os.fdopen(fd, "w", buffering=1)
         pending = [0]
 

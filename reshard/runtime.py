@@ -40,3 +40,13 @@ def single_threaded_torch() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def after_fork_in_child() -> None:
+    """Called first in a forked writer process, before it starts threads.
+
+    torch replaces its intra-op thread pool in a forked child on first use, and that replacement is not
+    thread-safe: writer threads making their first parallel copies at once can find no pool and abort ("pool
+    INTERNAL ASSERT FAILED ... Invalid thread pool!", seen on 16 cores). One use here, in one thread, replaces it
+    before any writer thread runs."""
+    torch.set_num_threads(torch.get_num_threads())
