@@ -345,11 +345,13 @@ class Trainer:
             if restored is not None:
                 self.resume_tier = "memory"
                 return restored
-        self.resume_tier = "storage"
         for step, location in candidates:
             try:
-                return restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
-                reads=self.config.resume_reads, reset_optimizer=self.config.reset_optimizer)
+                restored = restore(location, self.optimizer, model_json=self.spec.to_json(),
+                                   group=self.checkpoints.group, reads=self.config.resume_reads,
+                                   reset_optimizer=self.config.reset_optimizer)
+                self.resume_tier = "storage"  # only a resume has a tier: a fresh start prints no restart phases
+                return restored
             except DAMAGED_CHECKPOINT_ERRORS as e:
                 # Every rank gets the same error class from a collective load, so all of them fall back together.
                 self._set_aside_damaged(step, location, e)
@@ -385,7 +387,13 @@ class Trainer:
             if tier.is_leader:
                 tier.ensure_index(step, text.encode())
             collectives.barrier(self.checkpoints.group)
-        readable = [choice.writers.get(key, set()) for key in tier.keys]
+        readable: list | None = [choice.writers.get(key, set()) for key in tier.keys]
+        everything = set().union(*readable) if readable else set()
+        if readable and all(r == everything for r in readable):
+            # Every rank's node holds every file (one node, or replicas everywhere): no read needs routing, so the
+            # load takes its usual path (each rank alone, straight into its tensors, on a GPU through pinned
+            # staging) instead of the routed exchange.
+            readable = None
         try:
             return restore(tier.location(step), self.optimizer, model_json=self.spec.to_json(),
                            group=self.checkpoints.group, reset_optimizer=self.config.reset_optimizer,
