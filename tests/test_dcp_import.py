@@ -435,6 +435,7 @@ def torchrun_megatron_like(path: str) -> None:
         "                    ShardMetadata(list(off), list(size), f'rank:{r}/cpu')) for off, size in mine]\n"
         "    sd[k] = init_from_local_shards(shards, list(v.shape))\n"
         "dcp.save(sd, checkpoint_id=sys.argv[1])\n"
+        "dist.barrier()  # every rank done before any tears its gloo connections down\n"
         "dist.destroy_process_group()\n"
     )
     script = path + ".save.py"
