@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import MutableMapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -29,13 +30,14 @@ from moeckpt.formats.errors import (
 
 from . import collectives
 from .chunks import ChunkReader, reads_started_ahead
+from .inplace import Job, read_in_place
 from .load import LoadStats, _refs_for
 from .mesh import local_boxes
 from .options import LoadOptions
 from .placement import is_stored
 from .planner import SourcePiece, plan_boxes
 from .runtime import paused_gc, single_threaded_torch
-from .slabs import fill
+from .slabs import direct_read, fill
 from .state_dict import Leaf, StateDictError, flatten, leaf_of, set_flat
 from .state_save import group_rank_of
 
@@ -228,6 +230,16 @@ def _read_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats, op
             }
         )
     views = [view for _, _, view in wanted]
+    index = reader.index
+    pieces = rank_plan.pieces
+    # A box that is full-width rows of one stored piece, into a CPU tensor of the stored dtype that is contiguous,
+    # is read straight into it by the fill threads (verified as it lands); this thread fills the others meanwhile.
+    jobs: list[Job] = []
+    for pos, piece in enumerate(pieces):
+        out = views[pos]
+        if _takes_bytes(out, index.tensors[piece.tensor].dtype) and (r := direct_read(piece)) is not None:
+            jobs.append((pos, r, out, None))
+    direct = {job[0] for job in jobs}
     with ChunkReader(
         reader,
         refs,
@@ -236,12 +248,31 @@ def _read_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats, op
         read_threads=options.read_threads,
         clip=True,
     ) as chunks:
-        for pos, piece in reads_started_ahead(rank_plan.pieces, reader.index, chunks, options.prefetch_bytes):
-            out = views[pos]
-            if out.device.type == "cpu" and out.dtype == dtypes.to_torch(reader.index.tensors[piece.tensor].dtype):
-                fill(out, piece.box, piece.reads, chunks)
-            else:  # a device tensor: assemble on the host, one copy over
-                host = torch.empty(piece.box.shape, dtype=dtypes.to_torch(reader.index.tensors[piece.tensor].dtype))
-                fill(host, piece.box, piece.reads, chunks)
-                out.copy_(host)
-    stats.bytes_read += chunks.bytes_read
+        with ThreadPoolExecutor(1) as one:
+            in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
+            try:
+                rest = [pos for pos in range(len(pieces)) if pos not in direct]
+                _fill_boxes(chunks, index, pieces, views, rest, options.prefetch_bytes)
+            finally:
+                failed, fetched = in_place.result()
+        _fill_boxes(chunks, index, pieces, views, sorted(failed), options.prefetch_bytes)  # not readable in place
+    stats.bytes_read += chunks.bytes_read + fetched
+
+
+def _takes_bytes(view: torch.Tensor, dtype: str) -> bool:
+    """Whether a stored piece's bytes can land in ``view`` as they are (a contiguous CPU tensor of its dtype)."""
+    return view.device.type == "cpu" and view.dtype == dtypes.to_torch(dtype) and view.is_contiguous()
+
+
+def _fill_boxes(chunks: ChunkReader, index, pieces, views: list[torch.Tensor], positions, window: int) -> None:
+    """Assemble the boxes at ``positions`` through the chunk cache into their views (through a host tensor for a
+    view on a device or of another dtype)."""
+    todo = [pieces[p] for p in positions]
+    for k, piece in reads_started_ahead(todo, index, chunks, window):
+        out = views[positions[k]]
+        if out.device.type == "cpu" and out.dtype == dtypes.to_torch(index.tensors[piece.tensor].dtype):
+            fill(out, piece.box, piece.reads, chunks)
+        else:  # a device tensor: assemble on the host, one copy over
+            host = torch.empty(piece.box.shape, dtype=dtypes.to_torch(index.tensors[piece.tensor].dtype))
+            fill(host, piece.box, piece.reads, chunks)
+            out.copy_(host)

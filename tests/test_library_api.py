@@ -211,3 +211,24 @@ def test_repeated_saves_hold_what_each_saved_and_disagreeing_ranks_fail_together
             assert results[name] is not None and results[name][0] == "StateDictError", results
             assert repr(key) in results[name][1] and "differs between ranks" in results[name][1], results
             assert not (root / f"bad-{name}" / "moeckpt.json").exists()
+
+
+def test_load_reads_whole_boxes_in_place_and_still_verifies_every_block(tmp_path):
+    """A plain tensor's box is read straight into the caller's tensor (no copy through a buffer) and a flipped
+    byte inside it is still caught by its block checksum, naming the tensor; nothing else is needed to detect it."""
+    from moeckpt.formats.checkpoint import CheckpointReader
+    from moeckpt.formats.errors import ChecksumMismatchError
+
+    from .helpers import flip_byte
+
+    path = str(tmp_path / "ck")
+    w = torch.randn(512, 256)
+    moeckpt.save({"w": w, "b": torch.ones(3)}, path)
+    dest = torch.zeros(512, 256)
+    address = dest.data_ptr()
+    moeckpt.load({"w": dest, "b": torch.zeros(3)}, path)
+    assert torch.equal(dest, w) and dest.data_ptr() == address
+    ref = next(p for p in CheckpointReader(path).pieces() if p.tensor == "w")
+    flip_byte(path, ref.file, ref.start + ref.nbytes // 2)
+    with pytest.raises(ChecksumMismatchError, match="'w'"):
+        moeckpt.load({"w": torch.zeros(512, 256), "b": torch.zeros(3)}, path)
