@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -20,6 +21,8 @@ from typing import Any
 import torch.distributed as dist
 
 from moeckpt.trainer.parallel import LaunchError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["free_port", "run_local_world"]
 
@@ -49,6 +52,10 @@ def _local_worker(
         # Every rank finished before any tears its gloo connections down: a peer still in its last collective
         # when another's process group goes away can abort ("terminate called without an active exception").
         dist.barrier()
+        # Past this point every rank has done all its work; run_local_world tells an abort during teardown from
+        # a failure by these marks.
+        with open(os.path.join(error_dir, f"rank{rank}.done"), "w"):
+            pass
     except BaseException as e:  # noqa: BLE001 - recorded for the parent, then re-raised
         # When one rank fails, its peers fail a moment later in a collective ("connection closed by peer"). Which
         # of them the parent notices first is a race, so each rank records when it failed and the parent reports
@@ -123,6 +130,15 @@ def run_local_world(fn: Callable, world: int, *args: Any, timeout_s: float = 120
                 if p.is_alive():
                     p.kill()
                 p.join(5)
+            if (
+                isinstance(e, mp.ProcessExitedException)
+                and e.signal_name == "SIGABRT"
+                and all(os.path.exists(os.path.join(error_dir, f"rank{r}.done")) for r in range(world))
+            ):
+                # Every rank had finished ``fn`` and passed the final barrier: the abort came from torch's
+                # teardown of gloo at exit (seen rarely on loaded machines), after all the work was done.
+                log.warning("%s: rank %d aborted in teardown after every rank finished", fn.__name__, e.error_index)
+                return
             first = _first_failure(error_dir, world)
             if first is None:
                 raise
