@@ -21,10 +21,8 @@ set of chunks; either backend lists the stored pieces of a writer, so one plan s
 from __future__ import annotations
 
 import bisect
-import gc
 import zlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -35,6 +33,7 @@ from moeckpt.formats.index import Index, TensorEntry
 
 from .layout import Layout
 from .placement import Geometry, geometry, is_stored, name_seed, placements, rank_boxes
+from .runtime import paused_gc
 from .tensors import check_layout
 
 
@@ -146,7 +145,7 @@ def plan_reshard(
     ``target``, or a device mesh), except for tensors in ``targets``, whose ``(box, writer)`` pieces are given
     (stored-piece shardings: a DCP checkpoint's chunks kept as they are)."""
     check_layout(index.tensors, target)
-    with _paused_gc():
+    with paused_gc():
         return _plan_writers(index, target, targets, sources)
 
 
@@ -221,7 +220,7 @@ def plan_load(
     for name in names:
         if name not in index.tensors:
             raise CheckpointIndexError(f"no tensor named {name!r} in the checkpoint; it holds {len(index.tensors)}")
-    with _paused_gc():
+    with paused_gc():
         per_rank = {
             r: [(index.tensors[n], b) for n in names for b in rank_boxes(index.tensors[n], target, r)] for r in ranks
         }
@@ -250,7 +249,7 @@ def plan_boxes(
                 )
             out.append((entry, box))
         per_rank[rank] = out
-    with _paused_gc():
+    with paused_gc():
         return _plan(index, source_layout(index), "load", per_rank, sources)
 
 
@@ -472,20 +471,6 @@ def _fixed_writers(geo: Geometry) -> list[int]:
     """Per box of ``geo``: its writer when one rank holds it (the same for every tensor of the structure), else -1
     (a replicated box's writer rotates with the tensor's name)."""
     return [geo.writer(k, 0) if _one_holder(h) else -1 for k, h in enumerate(geo.holders)]
-
-
-@contextmanager
-def _paused_gc() -> Iterator[None]:
-    """The cyclic collector off while a plan is built (restored after): a 1,024-rank plan allocates millions of
-    small objects, each batch of which starts a collection walking every object already made, which took most
-    of its time (docs/reshard.md). Nothing here makes cycles; reference counting frees what is dropped."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _one_holder(holders: tuple[Sequence[int], Sequence[int]]) -> bool:

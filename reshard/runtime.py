@@ -6,8 +6,6 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
@@ -34,6 +32,8 @@ def single_threaded_torch() -> Iterator[None]:
     The resharder parallelises over pieces with its own workers; letting every copy also fan out over torch's
     thread pool oversubscribes the cores, and strided copies then crawl (docs/benchmarks/README.md).
     """
+    import torch  # here, not at import: the pure planner uses paused_gc without torch
+
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -49,4 +49,6 @@ def after_fork_in_child() -> None:
     thread-safe: writer threads making their first parallel copies at once can find no pool and abort ("pool
     INTERNAL ASSERT FAILED ... Invalid thread pool!", seen on 16 cores). One use here, in one thread, replaces it
     before any writer thread runs."""
+    import torch
+
     torch.set_num_threads(torch.get_num_threads())
