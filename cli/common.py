@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import click
 
@@ -38,6 +40,33 @@ def _interrupt(signum, frame) -> None:
     del signum, frame
     INTERRUPTED.set()
     raise KeyboardInterrupt
+
+
+def _exit_interrupted(signum, frame) -> None:  # pragma: no cover - runs in a subprocess, in its last moment
+    del frame
+    sys.stderr.flush()
+    os.write(2, b"moeckpt: interrupted\n")
+    os._exit(128 + signum)
+
+
+@contextlib.contextmanager
+def interrupts_exit_at_once() -> Iterator[None]:
+    """While a command's modules are imported, a Ctrl-C ends the process at once with the one line.
+
+    Nothing has started then that would need cleaning up, and a KeyboardInterrupt raised inside an import is
+    unsafe: native code swallows some, and one that passed through code run by ``PyRun_String`` (as embedded
+    code is, torch's among it) leaves CPython's "unhandled KeyboardInterrupt" mark set, so that ``python -m
+    moeckpt.cli.main`` would end by SIGINT instead of exit code 130 although the interruption was handled.
+    Only where :func:`run_main` handles Ctrl-C in the main thread; elsewhere (a test calling the CLI) nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not _interrupt:
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, _exit_interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def check_interrupted() -> None:

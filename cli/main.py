@@ -22,12 +22,12 @@ def _interrupted_early(signum, frame) -> None:  # pragma: no cover - timing
 
 # Run as the ``moeckpt`` program (not imported by a test or another tool), a Ctrl-C before the first command even
 # starts is one line too; run_main takes over once click is imported.
-if os.path.basename(sys.argv[0]) == "moeckpt" or sys.argv[0] == "-m":
+if os.path.basename(sys.argv[0]) == "moeckpt" or __name__ == "__main__":
     signal.signal(signal.SIGINT, _interrupted_early)
 
 import click  # noqa: E402
 
-from .common import check_interrupted, run_main  # noqa: E402
+from .common import check_interrupted, interrupts_exit_at_once, run_main  # noqa: E402
 
 #: subcommand modules; each defines a click command named ``command`` that is added to the group.
 COMMAND_MODULES = {
@@ -67,8 +67,9 @@ class _LazyGroup(click.Group):
         module = COMMAND_MODULES.get(name)
         if module is None:
             return None
-        command = importlib.import_module(f"{__package__}.{module}").command
-        check_interrupted()  # importing torch swallows a Ctrl-C that arrives meanwhile
+        with interrupts_exit_at_once():
+            command = importlib.import_module(f"{__package__}.{module}").command
+        check_interrupted()  # a Ctrl-C that arrived before (native code may have swallowed its KeyboardInterrupt)
         _freeze_imports()
         check_interrupted()
         return command
