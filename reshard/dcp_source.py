@@ -137,9 +137,9 @@ class DcpPieceReader:
         self.dcp = dcp
         self.index = index
         self.location = dcp.location
-        # Writers share one chunk cache in threads, so each DCP chunk is read once; forked writers would each read
-        # the chunks they touch (and fsspec filesystems hold event-loop threads a fork would inherit dead).
-        self.fork_safe = False
+        # Forked writers (local files only: fsspec filesystems hold event-loop threads a fork would inherit dead)
+        # run in groups that share the DCP chunks they read (reshard/sharing.py), so each chunk is still read once.
+        self.fork_safe = dcp.storage.fork_safe
 
     def _span(self, ref: PieceRef, lo: int, hi: int) -> tuple[tuple[int, ...], int]:
         shape, start = ref.box.shape, ref.start

@@ -214,13 +214,18 @@ def _convert(
     plan = plan_reshard(index, target, sources=sources, targets=targets)
     by_key = {(ref.tensor, ref.box): ref for ref in source.refs}
 
-    def open_chunks(read_threads: int, cache: int) -> ChunkReader:
+    # Forked writers share no cache: where no checksum block widens a read (a DCP source), each process reads only
+    # the rows its writers need, so a chunk that writers of two processes share is still read once in all.
+    unblocked = not any(ref.block_bytes for ref in source.refs)
+
+    def open_chunks(read_threads: int, cache: int, forked: bool = False) -> ChunkReader:
         return ChunkReader(
             source.pieces,
             by_key,
             chunk_bytes=options.chunk_bytes,
             cache_bytes=cache,
             read_threads=read_threads,
+            clip=forked and unblocked,
             map_files=True,
         )
 
@@ -347,7 +352,7 @@ class _Writers:
                     written[0] += n
                     report(n)
 
-            with open_chunks(0, self.options.cache_bytes // len(groups)) as chunks:
+            with open_chunks(0, self.options.cache_bytes // len(groups), True) as chunks:
                 chunks.expect(p for g in bundle for rp in g for p in rp.pieces)
                 files = [e for g in bundle for e in self.write_group(g, chunks, count)]
             return {
