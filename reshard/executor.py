@@ -309,7 +309,7 @@ class _Writers:
             return [e for es in pool.map(one, group) for e in es]
 
     def in_threads(
-        self, open_chunks: Callable[[int, int], ChunkReader], on_bytes: Callable[[int], None] | None
+        self, open_chunks: Callable[..., ChunkReader], on_bytes: Callable[[int], None] | None
     ) -> tuple[list[FileEntry], int]:
         """Groups of writers (:meth:`groups`) run by ``workers`` threads sharing one chunk cache and ``workers``
         read-ahead threads."""
@@ -336,7 +336,7 @@ class _Writers:
         return entries, chunks.bytes_read
 
     def in_processes(
-        self, open_chunks: Callable[[int, int], ChunkReader], on_bytes: Callable[[int], None] | None
+        self, open_chunks: Callable[[int, int, bool], ChunkReader], on_bytes: Callable[[int], None] | None
     ) -> tuple[list[FileEntry], int]:
         """Groups of writers (:meth:`groups`) spread over ``workers`` forked processes (balanced by bytes), each
         group's writers in threads, reading with kernel read-ahead, with a share of the cache budget."""
