@@ -32,6 +32,7 @@ from moeckpt.formats.errors import CheckpointIndexError
 from moeckpt.formats.index import Index, TensorEntry
 
 from .layout import Layout
+from .mesh import MeshGeometry, entry_placements, mesh_geometry
 from .placement import Geometry, geometry, is_stored, name_seed, placements, rank_boxes
 from .runtime import paused_gc
 from .tensors import check_layout
@@ -367,7 +368,7 @@ class _Tensor:
         if w < 0:
             w = self._writers.get(k, -1)
             if w < 0:
-                w = self._writers[k] = cast(Geometry, lk.geo).writer(k, self.seed)
+                w = self._writers[k] = cast("Geometry | _MeshWriters", lk.geo).writer(k, self.seed)
         return w
 
     def reads(self, cover: _Cover, box: Box) -> tuple[ReadItem, ...]:
@@ -394,6 +395,7 @@ class _Tensors:
         self.index, self.layout, self.sources = index, layout, sources
         self.by_name: dict[str, _Tensor] = {}
         self._lookups: dict[int, _Lookup] = {}
+        self._mesh_lookups: dict[tuple, _Lookup] = {}
 
     def of(self, entry: TensorEntry) -> _Tensor:
         found = self.by_name.get(entry.name)
@@ -405,8 +407,16 @@ class _Tensors:
         sources = self.sources
         if sources is not None and (entry.name in sources or is_stored(entry)):
             return _Lookup.of_pieces(sources.get(entry.name, ()))
-        if entry.mesh is not None:  # a device-mesh sharding: its stored boxes and writers come from the mesh
-            return _Lookup.of_pieces(source_pieces(self.index, [entry.name])[entry.name])
+        if entry.mesh is not None:
+            # A device-mesh sharding: tensors of one structure on one mesh share its boxes and their covers (every
+            # layer's weights); only a replicated box's writer differs, rotating with the tensor's name.
+            mesh = entry.mesh
+            geo_m = mesh_geometry(entry.shape, mesh.shape, entry_placements(entry))
+            key = (id(geo_m), tuple(mesh.ranks))
+            found = self._mesh_lookups.get(key)
+            if found is None:
+                found = self._mesh_lookups[key] = _Lookup.of_mesh(geo_m, mesh.ranks)
+            return found
         # From the index alone: tensors of one structure share the source geometry and its sorted lookup.
         geo = geometry(entry, self.layout)
         found = self._lookups.get(id(geo))
@@ -418,14 +428,22 @@ class _Tensors:
 class _Lookup:
     """Source boxes of one tensor (or tensor structure) sorted by box order, to find those a box overlaps quickly."""
 
-    def __init__(self, boxes: Sequence[Box], writers: Sequence[int] | None, geo: Geometry | None):
+    def __init__(
+        self,
+        boxes: Sequence[Box],
+        writers: Sequence[int] | None,
+        geo: Geometry | _MeshWriters | None,
+        fixed: list[int] | None = None,
+    ):
         self.boxes = boxes
         self.writers = writers
         self.geo = geo
         self.starts = [b.offsets[0] if b.ndim else 0 for b in boxes]
         self.span = max((b.shape[0] if b.ndim else 1 for b in boxes), default=0)
         #: a geometry box's writer when one rank holds it (ZeRO parts: the same for every tensor), else -1.
-        self.fixed = [] if geo is None else _fixed_writers(geo)
+        if fixed is None:
+            fixed = [] if not isinstance(geo, Geometry) else _fixed_writers(geo)
+        self.fixed = fixed
         self._memo: dict[tuple, _Cover] = {}
 
     @classmethod
@@ -436,6 +454,12 @@ class _Lookup:
     @classmethod
     def of_geometry(cls, geo: Geometry) -> _Lookup:
         return cls(geo.boxes, None, geo)
+
+    @classmethod
+    def of_mesh(cls, geo: MeshGeometry, ranks: Sequence[int]) -> _Lookup:
+        """The boxes of a mesh geometry (in box order already), the writers of those one rank holds fixed."""
+        fixed = [ranks[h[0]] if len(h) == 1 else -1 for h in geo.holders]
+        return cls(geo.boxes, None, _MeshWriters(geo, ranks), fixed)
 
     def cover(self, entry: TensorEntry, box: Box) -> _Cover:
         key = (box.offsets, box.shape)
@@ -465,6 +489,19 @@ class _Lookup:
             if region is not None:
                 out.append((k, self.boxes[k], region))
         return tuple(out)
+
+
+class _MeshWriters:
+    """A mesh geometry's writers as the planner asks for them (``writer(box position, name seed)``), the same
+    rotation over replicas as :func:`~.mesh.entry_pieces` (what a save wrote)."""
+
+    __slots__ = ("geo", "ranks")
+
+    def __init__(self, geo: MeshGeometry, ranks: Sequence[int]):
+        self.geo, self.ranks = geo, ranks
+
+    def writer(self, k: int, seed: int) -> int:
+        return self.geo.writer(k, self.ranks, seed)
 
 
 def _fixed_writers(geo: Geometry) -> list[int]:
