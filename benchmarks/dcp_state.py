@@ -18,7 +18,7 @@ from moeckpt.reshard.placement import rule_of
 def dcp_state(tensors: dict[str, TensorEntry], layout: Layout, generator: torch.Generator | None):
     """Every logical tensor as a DTensor on an (edp, ep, tp) mesh (rank order matches ``Layout.coords``).
 
-    Local shards are random from ``generator``, or uninitialised when it is ``None`` (a load target).
+    Local shards are random from ``generator``, or zeros when it is ``None`` (a load target).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -37,7 +37,9 @@ def dcp_state(tensors: dict[str, TensorEntry], layout: Layout, generator: torch.
         shape, _ = compute_local_shape_and_global_offset(entry.shape, mesh, place)
         dtype = dtypes.to_torch(entry.dtype)
         if generator is None:
-            local = torch.empty(shape, dtype=dtype)
+            # Zeroed, not left unwritten: a trainer's load target is an initialised model, and a first write to
+            # fresh pages (a page fault per page, slow in a virtual machine) would be timed as the load's.
+            local = torch.zeros(shape, dtype=dtype)
         else:
             local = torch.randn(shape, generator=generator).to(dtype)
         stride = torch.empty(entry.shape, device="meta").stride()
