@@ -375,6 +375,8 @@ def write_file_stream(
 
     def _feed(sink, fd: int | None) -> None:
         pending = 0
+        end = head_len  # where the data written so far ends in the file
+        hinted = [head_len, head_len]  # where the last two writeback hints began
         for pos, data in chunks:
             mv = memoryview(data).cast("B")
             written[pos] += len(mv)
@@ -383,10 +385,14 @@ def write_file_stream(
             hashers[pos].update(mv)
             sink.write(mv)
             pending += len(mv)
+            end += len(mv)
             if fd is not None and pending >= _WRITEBACK_BYTES:
-                # Start writing back what is written so far, so the final fsync waits for the tail only.
+                # Start writing back what was written since the last hint, so the final fsync waits for the tail
+                # only; the window before it, written back by now, is dropped from the page cache by the same
+                # hint. Not the whole file each time: that walks every page written so far again.
                 sink.flush()
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, hinted[0], end - hinted[0], os.POSIX_FADV_DONTNEED)
+                hinted = [hinted[1], end]
                 pending = 0
         for pos, (t, b) in enumerate(layout):
             if written[pos] != sizes[pos]:
