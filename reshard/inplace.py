@@ -26,6 +26,12 @@ from .planner import ReadItem
 ReadInto = Callable[[PieceRef, int, int, torch.Tensor], bool]
 
 
+def _cannot_read(ref: PieceRef, lo: int, hi: int, out: torch.Tensor) -> bool:
+    """The in-place read of a session that has none: reads nothing."""
+    del ref, lo, hi, out
+    return False
+
+
 class Stager:
     """A thread's two reused staging buffers (pinned where the device has a host-to-device path) and its copy
     stream: :meth:`read` fills ``dest`` with bytes read into a buffer, then copied from it asynchronously."""
@@ -72,9 +78,11 @@ def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_
     """Read each job (a read of one stored piece: full-width rows, or one byte range per row) into its destination
     by ``threads`` threads, in parts of the chunk grid (rows) or row by row (byte ranges); returns the positions
     the session could not read in place (the caller assembles them) and the bytes fetched for the others."""
-    rows_into: ReadInto | None = getattr(chunks.pieces, "read_rows_into", None)
-    bytes_into = getattr(chunks.pieces, "read_bytes_into", None)
-    usable = [j for j in jobs if (rows_into if j[3] is None else bytes_into) is not None]
+    # A session that cannot read in place lacks the method: its jobs are handed back (``failed``).
+    no_read: ReadInto = _cannot_read
+    rows_into: ReadInto = getattr(chunks.pieces, "read_rows_into", no_read)
+    bytes_into: ReadInto = getattr(chunks.pieces, "read_bytes_into", no_read)
+    usable = [j for j in jobs if (rows_into if j[3] is None else bytes_into) is not no_read]
     failed = {j[0] for j in jobs} - {j[0] for j in usable}
     if not usable:
         return failed, 0
@@ -89,7 +97,6 @@ def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_
         r0, r1 = item.rows
         row = ref.nbytes // ref.box.shape[0]
         if span is None:
-            assert rows_into is not None
             per = max(1, chunk_rows(ref.box, ref.dtype, chunk_bytes, ref.block_bytes))
             lo = r0
             while lo < r1:  # parts on the chunk grid: every thread gets work, no checksum block is read twice
@@ -99,7 +106,6 @@ def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_
                 part_bytes = max(part_bytes, (hi - lo) * row)
                 lo = hi
         else:
-            assert bytes_into is not None
             c0, c1, d0 = span
             item_bytes = dest.element_size()
             flat = dest.reshape(-1)
