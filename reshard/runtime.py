@@ -15,6 +15,12 @@ def paused_gc() -> Iterator[None]:
     trigger full collections, and each full collection walks every object of the process, torch's included: a
     multi-rank load spent a fifth of its time in them (docs/benchmarks/README.md). The objects are freed by
     reference counting; cycles made meanwhile are collected after.
+
+    The objects made meanwhile leave the pause in the oldest generation, not the youngest: the first collection
+    after the pause would otherwise walk every one of them at once (a plan at 1,024 ranks holds millions, and that
+    one walk took longer than making them). Moving them is a splice of the collector's lists (``gc.freeze`` then
+    ``gc.unfreeze``); where the process froze objects of its own before (the CLI does after its imports), ours are
+    frozen beside them instead, so theirs stay frozen.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -22,6 +28,10 @@ def paused_gc() -> Iterator[None]:
         yield
     finally:
         if enabled:
+            frozen_before = gc.get_freeze_count()
+            gc.freeze()
+            if not frozen_before:
+                gc.unfreeze()
             gc.enable()
 
 
