@@ -32,9 +32,11 @@ Results: ``docs/benchmarks/reshard.json`` and ``reshard.png``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import shutil
 import socket
 import subprocess
@@ -128,7 +130,7 @@ def dcp_save_worker(rank: int, world: int, port: int, gb: float, layout: dict, p
 
 
 def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: str, dcp_path: str, methods: list,
-                reps: int, out: str) -> None:
+                reps: int, out: str, profile: str | None = None) -> None:
     import torch.distributed.checkpoint as dcp
 
     _init(rank, world, port)
@@ -144,6 +146,7 @@ def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: 
             before = rchar()
             t0 = time.perf_counter()
             stats = LoadStats()
+            prof = None
             if method == "raw":
                 state = None
                 needed = raw_read(src, rank, world)
@@ -152,8 +155,14 @@ def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: 
                 dcp.load(state, checkpoint_id=dcp_path)
                 needed = sum(v.to_local().numel() * v.to_local().element_size() for v in state.values())
             else:
+                # --profile: rank 0's last load with its own reads, under cProfile (written after the timing)
+                prof = cProfile.Profile() if profile and rank == 0 and method == "own" and rep == reps - 1 else None
+                if prof is not None:
+                    prof.enable()
                 state = load_rank_state(src, target, rank, group=dist.group.WORLD, exchange=method == "exchange",
                                         stats=stats)
+                if prof is not None:
+                    prof.disable()
                 needed = stats.bytes_needed
             dist.barrier()
             elapsed = time.perf_counter() - t0
@@ -161,6 +170,12 @@ def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: 
                 {"s": elapsed, "rchar": rchar() - before, "needed": needed, "data_read": stats.bytes_read}
             )
             del state
+            if prof is not None:
+                with open(profile, "w") as f:
+                    f.write(f"rank 0, load with own reads, {elapsed:.3f} s (the slowest rank's time, under cProfile)\n")
+                    for order in ("cumulative", "tottime"):
+                        pstats.Stats(prof, stream=f).sort_stats(order).print_stats(40)
+                prof = None
     gathered = all_gather_json(result)  # JSON, not pickled objects
     if rank == 0:
         with open(out, "w") as f:
@@ -201,8 +216,9 @@ def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dc
     """Per method: the median time over ``reps`` repetitions (each the slowest rank's), every repetition's time,
     and the bytes of the first repetition."""
     out = os.path.join(args.dir, f"load-{world}.json")
-    mp.spawn(load_worker, args=(world, free_port(), args.gb, layout.to_json(), src, dcp_path, methods, reps, out),
-             nprocs=world)
+    profile = os.path.join(args.out, "reshard_load_profile.txt") if args.profile else None
+    mp.spawn(load_worker, args=(world, free_port(), args.gb, layout.to_json(), src, dcp_path, methods, reps, out,
+                                profile), nprocs=world)
     with open(out) as f:
         per_rank = json.load(f)
     summary = {}
@@ -367,6 +383,8 @@ def main() -> None:
                     help="repetitions of the 4-rank load comparison, in rotating order (median kept)")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where JSON and PNG go")
     ap.add_argument("--only", choices=["read-sweep", "load"], help="run only this part")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile rank 0's last 4-rank load with its own reads: OUT/reshard_load_profile.txt")
     args = ap.parse_args()
     source, target = parse_layout(args.source), parse_layout(args.target)
     shutil.rmtree(args.dir, ignore_errors=True)
