@@ -216,7 +216,10 @@ def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dc
     """Per method: the median time over ``reps`` repetitions (each the slowest rank's), every repetition's time,
     and the bytes of the first repetition."""
     out = os.path.join(args.dir, f"load-{world}.json")
-    profile = os.path.join(args.out, "reshard_load_profile.txt") if args.profile else None
+    profile = None
+    if args.profile:
+        os.makedirs(args.out, exist_ok=True)
+        profile = os.path.join(args.out, "reshard_load_profile.txt")
     mp.spawn(load_worker, args=(world, free_port(), args.gb, layout.to_json(), src, dcp_path, methods, reps, out,
                                 profile), nprocs=world)
     with open(out) as f:
