@@ -322,6 +322,9 @@ def gather_summaries(summary: Summary, failed: bool, group) -> list[tuple[np.nda
     if any(int(h[1]) for h in heads):
         return None
     longest = max(counts, default=0)
+    if not longest:  # nothing needed anywhere (an empty selection): no second gather of empty tensors
+        empty = np.zeros(0, np.int64)
+        return [(empty, empty, empty) for _ in range(size)]
     buf = torch.zeros((3, longest), dtype=torch.int64)
     n = len(summary.ids)
     for row, column in enumerate((summary.ids, summary.nbytes, summary.tags)):
