@@ -106,6 +106,15 @@ def test_a_file_no_member_can_read_fails_every_member_alike():
     assert str(part.value) == str(whole.value)
 
 
+def test_a_group_needing_nothing_still_agrees_on_one_round():
+    """Every member takes part in every round: with nothing to load, there is one empty round, as before."""
+    import numpy as np
+
+    empty = np.zeros(0, np.int64)
+    decisions = decide([(empty, empty, empty)] * 3, 1 << 20)
+    assert decisions.round_starts.tolist() == [0] and len(decisions.ids) == 0
+
+
 def test_layouts_of_the_benchmark_family_plan_as_the_whole_group_did():
     """tp, ep and dp all change (the 1,024-rank benchmark's change, on 16 ranks), with small chunks and rounds."""
     spec = presets()["zaya-tiny"]
