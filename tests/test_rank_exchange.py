@@ -15,7 +15,7 @@ from moeckpt.reshard.group_plan import ExchangePlan, plan_exchange
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
 from moeckpt.reshard.options import LoadOptions
-from moeckpt.reshard.planner import SourcePositions, plan_load
+from moeckpt.reshard.planner import SourcePositions, plan_load, source_pieces
 from moeckpt.reshard.rank_exchange import decide, rank_exchange, summarize
 from moeckpt.trainer.models import presets
 
@@ -35,12 +35,13 @@ def _view(whole: ExchangePlan, me: int):
     return units, {k: whole.owner[k] for k in keys}, [[k for k in r if k in relevant] for r in whole.rounds]
 
 
-def _per_member(index, target, peers, chunk_bytes, round_bytes, readable=None):
+def _per_member(index, target, peers, chunk_bytes, round_bytes, readable=None, sources=None):
     """Every member's plan as the collective load makes it: its own load plan and summary, everyone's
     summaries (here in one process, as the all_gather gives them), the decisions, its part."""
-    positions = SourcePositions(index)
+    positions = SourcePositions(index, sources)
     summaries = [
-        summarize(index, plan_load(index, target, [r]).ranks[0], chunk_bytes, positions) for r in peers
+        summarize(index, plan_load(index, target, [r], sources=sources).ranks[0], chunk_bytes, positions)
+        for r in peers
     ]
     decisions = decide([(s.ids, s.nbytes, s.tags) for s in summaries], round_bytes, readable=readable)
     return [
@@ -48,9 +49,11 @@ def _per_member(index, target, peers, chunk_bytes, round_bytes, readable=None):
     ]
 
 
-def _check(index, target, peers, chunk_bytes, round_bytes, readable=None) -> None:
-    whole = plan_exchange(index, plan_load(index, target, peers), chunk_bytes, round_bytes, readable=readable)
-    for me, part in enumerate(_per_member(index, target, peers, chunk_bytes, round_bytes, readable)):
+def _check(index, target, peers, chunk_bytes, round_bytes, readable=None, sources=None) -> None:
+    whole = plan_exchange(
+        index, plan_load(index, target, peers, sources=sources), chunk_bytes, round_bytes, readable=readable
+    )
+    for me, part in enumerate(_per_member(index, target, peers, chunk_bytes, round_bytes, readable, sources)):
         units, owner, rounds = _view(whole, me)
         assert part.owner == owner, me
         assert part.units == units, me
@@ -90,6 +93,22 @@ def test_members_that_read_only_some_files_plan_as_the_whole_group_did(data):
     ]
     readable[data.draw(st.integers(0, b.world - 1))] = set(range(a.world))  # some member can read every file
     _check(index, b, list(range(b.world)), data.draw(st.sampled_from([64, 1 << 20])), 1 << 16, readable)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.data())
+def test_explicit_stored_pieces_plan_as_the_whole_group_did(data):
+    """Stored pieces given explicitly (zarr cells, DCP-written pieces: the lookup of pieces, not of a geometry),
+    with members that read only some files (the owner of a unit it does not need decodes its number)."""
+    spec = data.draw(models())
+    a, b = data.draw(layouts(spec)), data.draw(layouts(spec))
+    index = _index(spec, a)
+    readable = None
+    if data.draw(st.booleans()):
+        readable = [data.draw(st.sets(st.integers(0, a.world - 1), max_size=a.world)) for _ in range(b.world)]
+        readable[0] = set(range(a.world))
+    _check(index, b, list(range(b.world)), data.draw(st.sampled_from([64, 4096])), 1 << 14, readable,
+           source_pieces(index))
 
 
 def test_a_file_no_member_can_read_fails_every_member_alike():
