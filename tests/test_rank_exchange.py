@@ -147,11 +147,22 @@ def _collective(rank: int, location: str, layout: dict, peers: list, readable, o
     import torch.distributed as dist
 
     from moeckpt.formats.checkpoint import CheckpointReader
+    from moeckpt.reshard import load as load_module
 
+    planned: list[int] = []  # ranks per load plan this member makes: its own only, whatever the group
+    real = load_module.plan_load
+
+    def counting(index, layout, ranks, **kw):
+        ranks = list(ranks)
+        planned.append(len(ranks))
+        return real(index, layout, ranks, **kw)
+
+    load_module.plan_load = counting
     target = Layout(**layout)
     stats = LoadStats()
     state = load_rank_state(location, target, peers[rank], group=dist.group.WORLD, peers=peers, stats=stats,
                             readable=readable, options=LoadOptions(round_bytes=32 * 1024, chunk_bytes=8 * 1024))
+    load_module.plan_load = real
     reader = CheckpointReader(location)
     alone = load_rank_state(location, target, peers[rank])
     exact = all(torch.equal(t, reader.read_box(n, box)) for n, boxes in state.items() for box, t in boxes)
@@ -159,7 +170,8 @@ def _collective(rank: int, location: str, layout: dict, peers: list, readable, o
         a[0] == b[0] and torch.equal(a[1], b[1]) for n in state for a, b in zip(state[n], alone[n])
     )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"exact": exact, "same": same, "read": stats.bytes_read, "rounds": stats.rounds}, f)
+        json.dump({"exact": exact, "same": same, "read": stats.bytes_read, "rounds": stats.rounds, "planned": planned},
+                  f)
 
 
 @pytest.mark.slow
@@ -177,6 +189,7 @@ def test_a_collective_load_of_permuted_peers_reads_each_byte_about_once(tmp_path
                     timeout_s=120)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r["exact"] and r["same"] for r in results), results
+    assert all(r["planned"] == [1] for r in results), results  # each member planned only its own boxes
     assert all(r["rounds"] == results[0]["rounds"] > 1 for r in results)
     total = sum(e.nbytes for e in tensors.values())
     assert sum(r["read"] for r in results) <= 1.05 * total
