@@ -3,7 +3,7 @@
 :func:`~moeckpt.reshard.group_plan.plan_exchange` builds the whole group's exchange plan from every member's load
 plan; a member that plans every member pays for the whole group, so its time grows with the group. Here each
 member plans only its own boxes and reduces them to a :class:`Summary`: the units it needs (source row chunks,
-see :mod:`.group_plan`) as integers, with their bytes and writers. The members all_gather the summaries
+see :mod:`.group_plan`) as integers, with their bytes, writers and seeds. The members all_gather the summaries
 (:func:`gather_summaries`, a few integers per unit a member needs), and each member derives from them the same
 decisions :func:`~moeckpt.reshard.group_plan.plan_exchange` makes (:func:`decide`: one owner per unit by the same
 least-loaded rule, the same rounds), then keeps only what concerns it (:func:`rank_exchange`): the units it reads
@@ -43,11 +43,12 @@ class Summary:
 
     #: the packed numbers of the units it needs, sorted, each once.
     ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    #: per unit of ``ids``: its bytes, and its writer and seed packed (``writer << 32 | seed``): the source writer
-    #: whose file holds it, and the stable number plan_exchange breaks ties between readers with
+    #: per unit of ``ids``: its bytes.
+    nbytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    #: per unit of ``ids``: its writer and seed packed (``writer << 32 | seed``): the source writer whose file holds
+    #: it, and the stable number plan_exchange breaks ties between readers with
     #: (:func:`~moeckpt.reshard.group_plan._unit_seed`; each member computes it for its own units, so no member
     #: decodes the group's units to strings).
-    nbytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     tags: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: per unit of ``ids`` (same order): its key and ``(piece position, sub-region)`` of each part it needs.
     keys: list[UnitKey] = field(default_factory=list)
