@@ -3,9 +3,17 @@
 No data and no processes: the index is built from the model's plan (one file entry per writer, as a real save
 writes), then the pure planners run, side by side in one process: today's and the one before issue 21 (kept in
 ``tests/planner_reference.py``), on the offline plan of every target writer and on the collective load of a
-group of all 1,024 ranks (every member's load plan, then the exchange plan: units, owners, rounds). Every
-repetition is reported, wall and CPU time (the development machine is shared; CPU time is what the planner
-costs). Writes ``plan_scale.json`` and ``plan_scale.png`` under ``--out``.
+group of all 1,024 ranks planned whole (every member's load plan, then the exchange plan of
+``group_plan.plan_exchange``: units, owners, rounds), which is what every member of a collective load computed
+before :mod:`moeckpt.reshard.rank_exchange`.
+
+Beside them, what one member of that group computes now (``per_rank``): its own load plan and summary, the
+group's decisions from every member's summary, and its own part of the exchange plan. The all_gather of the
+summaries is simulated: every member's summary is computed first, untimed, in this process (what the all_gather
+would deliver: ``per_rank.gathered_bytes``); then each measured member's planning is timed from them, with the
+placement cache of other ranks' boxes emptied first (a member has only planned itself). Every repetition is
+reported, wall and CPU time (the development machine is shared; CPU time is what the planner costs). Writes
+``plan_scale.json`` and ``plan_scale.png`` under ``--out``.
 
     python benchmarks/plan_scale.py --out docs/benchmarks --reps 3 --ref-reps 1
 """
@@ -22,10 +30,12 @@ import sys
 import time
 
 from moeckpt.formats.index import FileEntry, Index
+from moeckpt.reshard import placement
 from moeckpt.reshard.group_plan import plan_exchange
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import LoadOptions
-from moeckpt.reshard.planner import plan_load, plan_reshard
+from moeckpt.reshard.planner import SourcePositions, plan_load, plan_reshard
+from moeckpt.reshard.rank_exchange import decide, rank_exchange, summarize
 from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.models import presets
 
@@ -61,12 +71,61 @@ def collective(planner, index: Index, target: Layout, options: LoadOptions):
     return run
 
 
+def per_rank(index: Index, target: Layout, options: LoadOptions, ranks: list[int], reps: int) -> dict:
+    """One member's planning of a collective load over all ranks of ``target``, from every member's summary (the
+    all_gather simulated: the summaries are computed first, untimed), for each of ``ranks``, ``reps`` times."""
+    positions = SourcePositions(index)
+    whole = plan_load(index, target, range(target.world))
+    summaries = [summarize(index, r, options.chunk_bytes, positions) for r in whole.ranks]
+    gathered = [(s.ids, s.nbytes, s.tags) for s in summaries]
+    del whole, summaries
+    peers = list(range(target.world))
+    rows = []
+    for rank in ranks:
+        for rep in range(reps):
+            placement._RANK_CACHE.clear()  # this member has planned only itself
+            parts: dict = {}
+
+            def run(rank=rank, parts=parts):
+                t0 = time.process_time()
+                pos = SourcePositions(index)
+                own = plan_load(index, target, [rank])
+                mine = summarize(index, own.ranks[0], options.chunk_bytes, pos)
+                t1 = time.process_time()
+                decisions = decide(gathered, options.round_bytes)
+                t2 = time.process_time()
+                part = rank_exchange(index, target, peers, rank, mine, decisions, options.chunk_bytes, pos)
+                t3 = time.process_time()
+                parts.update(own_plan_and_summary_cpu_s=round(t1 - t0, 3), decisions_cpu_s=round(t2 - t1, 3),
+                             own_part_cpu_s=round(t3 - t2, 3))
+                return part
+
+            part, wall, cpu = timed(run)
+            rows.append({"rank": rank, "rep": rep, "wall_s": wall, "cpu_s": cpu, **parts,
+                         "units_of_this_rank": len(part.units), "rounds": len(part.rounds),
+                         "transfers_of_this_rank": sum(len(v) for v in part.units.values())})
+            print("per rank", rows[-1], flush=True)
+            del part
+    pairs = sum(len(g[0]) for g in gathered)
+    return {
+        "simulated": "the all_gather of the members' summaries: every member's summary is computed in this process "
+                     "before the timing; each timed run is one member's own load plan and summary, the decisions "
+                     "from all summaries, and its part of the exchange plan",
+        "gathered_pairs": pairs, "gathered_bytes": 3 * 8 * pairs, "runs": rows,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="docs/benchmarks")
     parser.add_argument("--preset", default="zaya1-8b")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of today's planner")
     parser.add_argument("--ref-reps", type=int, default=1, help="repetitions of the planner before issue 21")
+    parser.add_argument("--rank-reps", type=int, default=3, help="repetitions of each member's own planning")
+    parser.add_argument("--ranks", type=int, nargs="*", default=[0, 777, 1023],
+                        help="members whose own planning is timed")
+    parser.add_argument("--skip-whole", action="store_true",
+                        help="time only the per-member planning (not the whole-group planners)")
     parser.add_argument("--groups", type=int, nargs="*", default=None,
                         help="only time today's collective plan for groups of these sizes (plan_scale_groups.json)")
     args = parser.parse_args()
@@ -95,8 +154,12 @@ def main() -> None:
         "before": {"reshard": reference.plan_reshard, "load": reference.plan_load,
                    "exchange": lambda i, p, c, r: reference.plan_exchange(i, p, c, r), "reps": args.ref_reps},
     }
+    result["per_rank"] = per_rank(index, target, options, args.ranks, args.rank_reps)
+    os.makedirs(args.out, exist_ok=True)
+    save(result, args.out)  # again after every repetition: a long run interrupted keeps what it measured
     runs: dict = {}
-    for name, planner in planners.items():
+    result["runs"] = runs
+    for name, planner in ({} if args.skip_whole else planners).items():
         rows = runs[name] = {"offline_all_writers": [], "collective_1024": [], "collective_load_plans": []}
         for rep in range(planner["reps"]):
             plan, wall, cpu = timed(lambda p=planner: p["reshard"](index, target))
@@ -113,13 +176,17 @@ def main() -> None:
             _, wall, cpu = timed(lambda p=planner: p["load"](index, target, range(target.world)))
             rows["collective_load_plans"].append({"wall_s": wall, "cpu_s": cpu})
             print(name, rep, {k: v[-1] for k, v in rows.items()}, flush=True)
-    result["runs"] = runs
+            save(result, args.out)
     result["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "plan_scale.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    plot(runs, os.path.join(args.out, "plan_scale.png"))
+    save(result, args.out)
+    if runs:
+        plot(runs, result["per_rank"]["runs"], os.path.join(args.out, "plan_scale.png"))
     print(json.dumps(result, indent=1))
+
+
+def save(result: dict, out: str) -> None:
+    with open(os.path.join(out, "plan_scale.json"), "w") as f:
+        json.dump(result, f, indent=1)
 
 
 def groups(args) -> None:
@@ -146,14 +213,14 @@ def groups(args) -> None:
         json.dump(result, f, indent=1)
 
 
-def plot(runs: dict, path: str) -> None:
+def plot(runs: dict, members: list, path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     measures = [("offline_all_writers", "offline plan,\nall 1,024 writers"),
-                ("collective_1024", "collective load plan,\n1,024 members"),
+                ("collective_1024", "collective load plan,\nall 1,024 members"),
                 ("collective_load_plans", "of which: every\nmember's load plan")]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for j, (name, colour) in enumerate([("before", "tab:gray"), ("today", "tab:blue")]):
@@ -162,8 +229,12 @@ def plot(runs: dict, path: str) -> None:
             x = i + (j - 0.5) * 0.35
             ax.bar(x, sorted(cpu)[len(cpu) // 2], 0.33, color=colour, label=name if i == 0 else None)
             ax.scatter([x] * len(cpu), cpu, color="black", s=10, zorder=3)
+    cpu = [r["cpu_s"] for r in members]
+    x = len(measures)
+    ax.bar(x, sorted(cpu)[len(cpu) // 2], 0.33, color="tab:green", label="one member, from the summaries")
+    ax.scatter([x] * len(cpu), cpu, color="black", s=10, zorder=3)
     ax.axhline(5, color="tab:red", linestyle="--", linewidth=1, label="target 5 s")
-    ax.set_xticks(range(len(measures)), [m[1] for m in measures])
+    ax.set_xticks(range(len(measures) + 1), [m[1] for m in measures] + ["collective load plan,\none member (new)"])
     ax.set_ylabel("CPU seconds (median bar, every repetition a dot)")
     ax.set_yscale("log")
     ax.set_title("zaya1-8b, tp1 ep16 dp1024 -> tp2 ep8 dp512: planning on one core")

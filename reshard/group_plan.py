@@ -6,6 +6,10 @@ and splits the source row chunks the members need into units, one reader (owner)
 member among those that need it, then cuts the units' global order into rounds of bounded size. The collective
 load (:mod:`moeckpt.reshard.load`) runs the rounds with ``all_to_all_single``.
 
+This whole-group plan is the definition: a collective load no longer computes it (its cost grows with the
+group), but each member's part of it, from the members' summaries (:mod:`.rank_exchange`, which reuses the
+chunk cutting and the seed here, and whose tests compare it with this plan).
+
 Members of one layout share most target pieces (replicas hold equal boxes, and :func:`plan_load` gives them one
 :class:`~moeckpt.reshard.planner.TargetPiece` value), so the units of a piece are cut once per distinct piece,
 not once per member holding it.

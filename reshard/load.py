@@ -4,11 +4,12 @@ Two modes:
 
 * alone (``group=None``): the rank plans its own boxes (:func:`~moeckpt.reshard.planner.plan_load`), opens only the
   source files that hold them and reads only the rows it needs;
-* collective (``group`` a ``torch.distributed`` process group, gloo on CPU): every rank plans all ranks of the
-  group (pure and deterministic, so they agree without talking), splits the needed source row chunks into
-  disjoint sets, one reader per chunk with the read volume balanced over the ranks, and the ranks exchange
-  what the others need with ``all_to_all_single`` in rounds of bounded size. Replicated tensors are then read
-  from storage once per group, not once per rank, so storage reads stay about the checkpoint's size at any dp.
+* collective (``group`` a ``torch.distributed`` process group, gloo on CPU): every rank plans its own boxes,
+  the ranks all_gather compact summaries of the source row chunks they need (:mod:`.rank_exchange`), and each
+  derives from them the same split of those chunks into disjoint sets, one reader per chunk with the read
+  volume balanced over the ranks, keeping only the chunks it reads or needs; the ranks then exchange what the
+  others need with ``all_to_all_single`` in rounds of bounded size. Replicated tensors are then read from
+  storage once per group, not once per rank, so storage reads stay about the checkpoint's size at any dp.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeckpt.formats import dtypes
+from moeckpt.formats import dtypes, errors
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, LayoutError, MoeckptError, StorageError
@@ -32,13 +33,13 @@ from moeckpt.formats.storage import is_url
 
 from .chunks import ChunkReader, reads_started_ahead
 from .collectives import all_gather_json
-from .group_plan import plan_exchange
 from .inplace import Job, read_in_place
 from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
 from .placement import is_stored
-from .planner import ReshardPlan, SourcePiece, plan_load
+from .planner import ReshardPlan, SourcePiece, SourcePositions, plan_load
+from .rank_exchange import Summary, decide, gather_summaries, rank_exchange, summarize
 from .runtime import paused_gc, single_threaded_torch
 from .slabs import assemble, direct_read, row_spans
 
@@ -329,14 +330,24 @@ def _load_collective(
             f"collective load: group rank {me} of {size} must load layout rank peers[{me}], got rank {rank} and "
             f"peers {peers[:8]}{'...' if len(peers) > 8 else ''}; pass peers= listing each member's layout rank"
         )
-    plan = plan_load(index, layout, peers, tensors=names, sources=sources)
-    exchange = plan_exchange(
-        index, plan, options.chunk_bytes, options.round_bytes, readable=readable, location=reader.location
-    )
+    # Each rank plans its own boxes only; what it reads and exchanges follows from the others' summaries.
+    positions = SourcePositions(index, sources)
+    failure: Exception | None = None
+    try:
+        plan = plan_load(index, layout, [rank], tensors=names, sources=sources)
+        summary = summarize(index, plan.ranks[0], options.chunk_bytes, positions)
+    except Exception as e:  # noqa: BLE001 - every rank must reach the gather, then all raise alike
+        failure, summary = e, Summary()
+    gathered = gather_summaries(summary, failure is not None, group)
+    if gathered is None:
+        _raise_planning_failure(failure, group)
+    assert gathered is not None and failure is None
+    decisions = decide(gathered, options.round_bytes, readable=readable, location=reader.location)
+    exchange = rank_exchange(index, layout, peers, me, summary, decisions, options.chunk_bytes, positions)
     owner, units, rounds = exchange.owner, exchange.units, exchange.rounds
     order = [key for keys in rounds for key in keys]
 
-    mine = plan.ranks[me]
+    mine = plan.ranks[0]
     state_list = [torch.empty(p.box.shape, dtype=dtypes.to_torch(index.tensors[p.tensor].dtype)) for p in mine.pieces]
     owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
     extract = _GuardedExtract(index)
@@ -359,6 +370,22 @@ def _load_collective(
     for piece, t in zip(mine.pieces, state_list):
         state.setdefault(piece.tensor, []).append((piece.box, t))
     return state
+
+
+def _raise_planning_failure(failure: Exception | None, group) -> None:
+    """Collective, once some rank's planning failed: every rank raises the error of the lowest group rank that
+    failed, its class (one of :mod:`moeckpt.formats.errors`) and message, as when every rank planned every rank.
+    An error of another kind is re-raised as it is where it happened (a bug to see), the others raise
+    :class:`LoadFailedError`."""
+    note = None if failure is None else {"type": type(failure).__name__, "message": str(failure)}
+    notes = all_gather_json(note, group)
+    g, first = next((g, n) for g, n in enumerate(notes) if n is not None)
+    if failure is not None and not isinstance(failure, MoeckptError) and note == first:
+        raise failure
+    cls = _ERROR_CLASSES.get(first["type"])
+    if cls is None:
+        raise LoadFailedError(f"collective load: group rank {g} could not plan its part: {first['message']}")
+    raise cls(first["message"])
 
 
 class LoadFailedError(MoeckptError, RuntimeError):
@@ -390,6 +417,13 @@ class _GuardedExtract:
                 self.failure = e.with_traceback(None)
         return torch.zeros(sub.shape, dtype=dtypes.to_torch(self.index.tensors[tensor].dtype))
 
+
+#: the typed errors, by class name: a rank's failed planning is raised as its class on every rank.
+_ERROR_CLASSES = {
+    name: cls
+    for name, cls in vars(errors).items()
+    if isinstance(cls, type) and issubclass(cls, MoeckptError) and cls.__name__ == name
+}
 
 #: errors a failed collective read is raised as, on every rank; others become :class:`LoadFailedError`.
 _SHARED_ERRORS = {cls.__name__: cls for cls in (ChecksumMismatchError, DataFileError, StorageError)}

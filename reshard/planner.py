@@ -525,3 +525,34 @@ def _union_length(spans: list[tuple[int, int]]) -> int:
             total += b - end
             end = b
     return total
+
+
+class SourcePositions:
+    """Numbers for the stored source pieces of each tensor that every member of a group agrees on without talking:
+    a piece's position in the planner's sorted lookup of its tensor (box order, the order the exchange plan sorts
+    units in). A collective load names the units it needs by these numbers (:mod:`.rank_exchange`), and decodes
+    the ones it reads for others back to boxes and writers."""
+
+    def __init__(self, index: Index, sources: Mapping[str, Sequence[SourcePiece]] | None = None):
+        self._index = index
+        self._tensors = _Tensors(index, source_layout(index), sources)
+        self._numbers: dict[int, dict[tuple, int]] = {}  # by id of a lookup: (offsets, shape) -> position
+        #: the checkpoint's tensor names, sorted, and each name's position among them.
+        self.names = sorted(index.tensors)
+        self.numbers = {name: t for t, name in enumerate(self.names)}
+
+    def _lookup(self, name: str) -> _Lookup:
+        return self._tensors.of(self._index.tensors[name]).lookup
+
+    def position(self, name: str, box: Box) -> int:
+        """The position of stored piece ``box`` of tensor ``name``."""
+        lk = self._lookup(name)
+        numbers = self._numbers.get(id(lk))
+        if numbers is None:
+            numbers = self._numbers[id(lk)] = {(b.offsets, b.shape): k for k, b in enumerate(lk.boxes)}
+        return numbers[(box.offsets, box.shape)]
+
+    def piece(self, name: str, k: int) -> tuple[Box, int]:
+        """The box and writer of stored piece ``k`` of tensor ``name``."""
+        t = self._tensors.of(self._index.tensors[name])
+        return t.lookup.boxes[k], t.writer(k)
