@@ -221,10 +221,12 @@ def plot(doc: dict, path: str) -> None:
     a.set_title(f"resume of {doc['resume']['state_mb']} MB, every repetition")
     for row, d in enumerate(doc["drills"]):
         prev = 0.0
-        for name, t in sorted(d["phases_since_kill_s"].items(), key=lambda kv: kv[1]):
+        # in the phases' order (a process start read from /proc has 10 ms resolution: it can precede the
+        # agent's record of the rendezvous that started it by a few ms)
+        for name, t in sorted(d["phases_since_kill_s"].items(), key=lambda kv: list(PHASE_NAMES).index(kv[0])):
             j = list(PHASE_NAMES).index(name)
-            b.barh(row, t - prev, left=prev, color=f"C{j}", edgecolor="white", label=PHASE_NAMES[name])
-            prev = t
+            b.barh(row, max(0.0, t - prev), left=prev, color=f"C{j}", edgecolor="white", label=PHASE_NAMES[name])
+            prev = max(prev, t)
         b.text(prev + 0.05, row, f"{d['failure_to_first_step_s']} s, {d['steps_lost']} step(s) lost", va="center",
                fontsize=8)
     b.set_yticks(range(len(doc["drills"])), [_label(d).replace(", ", "\n") for d in doc["drills"]], fontsize=7)
