@@ -200,8 +200,10 @@ def _last_call_after_the_first_round(seconds: float) -> None:
 
 def _poll_rendezvous_every(poll: float) -> None:
     """torch's c10d rendezvous looks at the shared state once a second while it waits (for a dead node's heartbeat
-    to expire, for the last call to end): a restart takes whole seconds more than its timeouts. Make that wait
-    ``poll`` seconds (each look is one compare-and-set of the state on the store: keep it near 1 s for many nodes)."""
+    to expire, for the last call to end): it sleeps 1 s between looks, and serves a look from its copy of the
+    state while that is less than 1 s old (a dead node is found only on a fresh read). A restart so takes up to
+    whole seconds more than its timeouts. Make both ``poll`` seconds (each look then reads the state from the
+    store: keep it near 1 s for many nodes)."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
 
     original = utils._delay
@@ -210,6 +212,14 @@ def _poll_rendezvous_every(poll: float) -> None:
         original(poll if seconds == 1 else seconds)  # the state poll; the first round's random skew stays
 
     dynamic_rendezvous._delay = delay
+    holder = getattr(dynamic_rendezvous, "_BackendRendezvousStateHolder", None)
+    if holder is not None:
+        init = holder.__init__
+
+        def __init__(self, backend, settings, cache_duration=1) -> None:
+            init(self, backend, settings, cache_duration=min(cache_duration, poll))  # type: ignore[arg-type]
+
+        holder.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _die_with_parent() -> None:
