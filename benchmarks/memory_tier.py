@@ -5,14 +5,15 @@
    in its own process), the tiers interleaved in every repetition; each repetition reported.
 2. The elastic drill (2 local nodes x 2 workers, zaya-tiny, a persistent save every 5 steps), node B killed at
    step 17: with the memory tier (a memory checkpoint every step, each node its own memory directory, B's
-   deleted with it), without, and with the memory tier and a 1 s rendezvous last call (the drill's is 3 s);
-   for each, the steps lost, the time from the kill to the first resumed step
-   with its phases (the agent's failure record, process start, process-group init, model build, load, first step)
-   and the bytes the resume read from storage (0 from memory).
+   deleted with it; ``--drill-reps`` times), without it, and with the memory tier as the drill restarted before
+   its restart was cut (a 3 s last call, torch's 1 s rendezvous poll, workers started as new interpreters); for
+   each, the steps lost, the time from the kill to the first resumed step with its phases (the agent's failure
+   record, its teardown and rendezvous, the worker's process start, imports, process-group init, model build,
+   load, first step) and the bytes the resume read from storage (0 from memory).
 
 Writes ``OUT/memory_tier.json`` and ``OUT/memory_tier.png`` (resume times; the restart timelines).
 
-Usage: ``python benchmarks/memory_tier.py --out docs/benchmarks`` (about 5 minutes on 2 cores).
+Usage: ``python benchmarks/memory_tier.py --out docs/benchmarks`` (about 8 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -122,11 +123,12 @@ def resume_side_by_side(work: str, reps: int) -> dict:
     return {"state_mb": round(out["memory"][0]["bytes_read"] / 1e6, 1), "reps": out}
 
 
-#: the drill's rendezvous with a 1 s last call instead of 3 s: a round closes 1 s after its minimum of nodes joined.
-FAST_RDZV = "join_timeout=300,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3"
+#: the drill as it was before its restart was cut: a 3 s last call, torch's 1 s look at the rendezvous state, and
+#: each worker started as a new interpreter that imports torch (``MOECKPT_AGENT_FORKSERVER=0``).
+BEFORE_RDZV = "join_timeout=300,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"
 
 
-def drill(work: str, memory: bool, rdzv_conf: str | None = None) -> dict:
+def drill(work: str, memory: bool, rdzv_conf: str | None = None, *, warm: bool = True) -> dict:
     from moeckpt.testing.elastic_drill import (
         CPU_DRILL_KILL_AT,
         DRILL_RDZV_CONF,
@@ -135,30 +137,36 @@ def drill(work: str, memory: bool, rdzv_conf: str | None = None) -> dict:
     )
 
     conf = rdzv_conf or DRILL_RDZV_CONF
-    root = os.path.join(work, f"drill-{'memory' if memory else 'storage'}-{'fast' if rdzv_conf else 'default'}")
+    root = os.path.join(work, f"drill-{'memory' if memory else 'storage'}-{'before' if rdzv_conf else 'default'}")
     shutil.rmtree(root, ignore_errors=True)
     run, mem = os.path.join(root, "run"), os.path.join(root, "memory")
     os.makedirs(root)
     events = {n: os.path.join(root, f"agent-{n}.jsonl") for n in "ABC"}
     result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=CPU_DRILL_KILL_AT, timeout_s=600,
                                    memory_root=mem if memory else None,
-                                   node_env=lambda n: {"MOECKPT_AGENT_EVENTS": events[n]},
+                                   node_env=lambda n: {"MOECKPT_AGENT_EVENTS": events[n],
+                                                       **({} if warm else {"MOECKPT_AGENT_FORKSERVER": "0"})},
                                    progress=lambda line: print(line, flush=True), rdzv_conf=conf)
     kill_rel = next(t for t, what in result.timeline if what.startswith("killed node B"))
     kill = result.started_at + kill_rel
     shrink = result.shrink_resume() or {}
     phases_event = next((e for e in result.events() if e.get("event") == "restart_phases" and e["time"] > kill), {})
-    first = min((r["time"] for r in result.steps() if r["time"] > kill and r["world"] == 2), default=None)
+    first_step = min((r["time"] for r in result.steps() if r["time"] > kill and r["world"] == 2), default=None)
     agent = []
     if os.path.exists(events["A"]):
         with open(events["A"]) as f:
             agent = [json.loads(line) for line in f if line.strip()]
-    detected = min((e["time"] for e in agent if e["time"] > kill), default=None)
+    def first(what: str) -> float | None:
+        return min((e["time"] for e in agent if e["time"] > kill and e["what"] == what), default=None)
+
     marks = phases_event.get("marks", {})
-    timeline = [("failure detected by the agent", detected)] + [(k, v) for k, v in marks.items() if v]
+    timeline = [("failure detected by the agent", first("worker_failed")),
+                ("old workers stopped", first("workers_stopped")), ("rendezvous done", first("rendezvous_done"))]
+    timeline += [(k, v) for k, v in marks.items() if v]
     return {
         "memory_tier": memory,
         "rdzv_conf": conf,
+        "warm_workers": warm,
         "exit_codes": result.exit_codes,
         "worlds": result.worlds(),
         "kill_step": result.kill_step(),
@@ -167,7 +175,7 @@ def drill(work: str, memory: bool, rdzv_conf: str | None = None) -> dict:
         "steps_lost": result.steps_lost(),
         "storage_bytes_read": shrink.get("storage_bytes_read", shrink.get("bytes_read")),
         "memory_bytes_read": shrink.get("memory_bytes_read", 0),
-        "failure_to_first_step_s": None if first is None else round(first - kill, 3),
+        "failure_to_first_step_s": None if first_step is None else round(first_step - kill, 3),
         "phases_since_kill_s": {name: round(t - kill, 3) for name, t in timeline if t is not None},
         "phase_seconds": phases_event.get("seconds", {}),
         "agent_events": [{**e, "since_kill_s": round(e["time"] - kill, 3)} for e in agent],
@@ -176,13 +184,18 @@ def drill(work: str, memory: bool, rdzv_conf: str | None = None) -> dict:
 
 def _label(d: dict) -> str:
     tier = "memory tier" if d["memory_tier"] else "storage only"
-    return f"{tier}, last call {d['rdzv_conf'].split('last_call_timeout=')[1].split(',')[0]} s"
+    conf = dict(item.split("=", 1) for item in d["rdzv_conf"].split(",") if "=" in item)
+    last_call = conf.get("restart_last_call_timeout", conf.get("last_call_timeout"))
+    start = "forked workers" if d.get("warm_workers", False) else "new interpreters"
+    return f"{tier}, restart last call {last_call} s, poll {conf.get('poll_interval', '1')} s, {start}"
 
 
 #: each mark of a restart's timeline, and the phase that ends at it.
 PHASE_NAMES = {
     "failure detected by the agent": "failure detection",
-    "process_start": "agent teardown, rendezvous, spawn",
+    "old workers stopped": "agent teardown",
+    "rendezvous done": "rendezvous",
+    "process_start": "worker start (spawn or fork)",
     "entered": "interpreter and imports",
     "world_joined": "device and process-group init",
     "model_built": "model build",
@@ -208,10 +221,12 @@ def plot(doc: dict, path: str) -> None:
     a.set_title(f"resume of {doc['resume']['state_mb']} MB, every repetition")
     for row, d in enumerate(doc["drills"]):
         prev = 0.0
-        for name, t in sorted(d["phases_since_kill_s"].items(), key=lambda kv: kv[1]):
+        # in the phases' order (a process start read from /proc has 10 ms resolution: it can precede the
+        # agent's record of the rendezvous that started it by a few ms)
+        for name, t in sorted(d["phases_since_kill_s"].items(), key=lambda kv: list(PHASE_NAMES).index(kv[0])):
             j = list(PHASE_NAMES).index(name)
-            b.barh(row, t - prev, left=prev, color=f"C{j}", edgecolor="white", label=PHASE_NAMES[name])
-            prev = t
+            b.barh(row, max(0.0, t - prev), left=prev, color=f"C{j}", edgecolor="white", label=PHASE_NAMES[name])
+            prev = max(prev, t)
         b.text(prev + 0.05, row, f"{d['failure_to_first_step_s']} s, {d['steps_lost']} step(s) lost", va="center",
                fontsize=8)
     b.set_yticks(range(len(doc["drills"])), [_label(d).replace(", ", "\n") for d in doc["drills"]], fontsize=7)
@@ -230,6 +245,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "moeckpt-memory-tier"))
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--drill-reps", type=int, default=3, help="repetitions of the drill with the memory tier")
     ap.add_argument("--no-drill", action="store_true", help="only the side-by-side resume")
     ap.add_argument("--replot", action="store_true", help="only redraw OUT/memory_tier.png from its JSON")
     args = ap.parse_args()
@@ -242,8 +258,9 @@ def main() -> None:
     doc = {"command": "python benchmarks/memory_tier.py " + " ".join(sys.argv[1:]), "cores": os.cpu_count(),
            "resume": resume_side_by_side(args.dir, args.reps), "drills": []}
     if not args.no_drill:
-        for memory, conf in ((True, None), (False, None), (True, FAST_RDZV)):
-            doc["drills"].append(drill(args.dir, memory, conf))
+        variants = [(True, None, True)] * args.drill_reps + [(False, None, True), (True, BEFORE_RDZV, False)]
+        for memory, conf, warm in variants:
+            doc["drills"].append(drill(args.dir, memory, conf, warm=warm))
             print(json.dumps({k: v for k, v in doc["drills"][-1].items() if k != "agent_events"}), flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "memory_tier.json"), "w") as f:

@@ -1,11 +1,12 @@
 """Issue 16 on one GPU: a worker killed mid-run and restarted by its torchrun agent resumes from the memory tier.
 
 Two runs side by side, the same model and fault (``--inject kill:rank=0,step=K``, between two persistent saves):
-with ``--memory-tier --memory-every 1`` (a memory checkpoint whenever the previous save is done: the ones due
-while a save is in flight are left out) and without. For each: the tier and step the restarted worker resumed
-from, the steps lost, the time from the kill to its first new step, with the phases (the agent's failure record,
-process start, imports, device and process-group init, model build, load, first step); and, for the memory run,
-the time each save blocked training against a bare device-to-host copy of the same bytes into pinned memory.
+with ``--memory-tier --memory-every 1`` (a memory checkpoint whenever the previous memory checkpoint is written,
+beside a persistent save in flight: the ones due while a memory write is in flight are left out) and without.
+For each: the tier and step the restarted worker resumed from, the steps lost, the time from the kill to its
+first new step, with the phases (the agent's failure record, process start, imports, device and process-group
+init, model build, load, first step); and, for the memory run, the time each save blocked training against a
+bare device-to-host copy of the same bytes into pinned memory.
 
 Writes ``OUT/memory_tier_gpu.json`` and ``OUT/memory_tier_gpu.png``.
 

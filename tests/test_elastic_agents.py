@@ -113,3 +113,31 @@ def test_every_world_an_elastic_job_may_reach_is_checked_before_it_starts(tmp_pa
         check_launch(TrainConfig(model="zaya-tiny", run_dir=run, ep=2), 1)
     code, _, err = moeckpt_cli("train", "--model", "zaya-tiny", "--run-dir", run, "--ep", "two")
     assert code == 2 and "auto" in err
+
+
+def test_the_agents_own_rendezvous_keys_are_taken_out_before_torch_reads_the_rest():
+    import argparse
+
+    from moeckpt.trainer import agent
+
+    args = argparse.Namespace(rdzv_conf="join_timeout=300,poll_interval=0.1,last_call_timeout=3,"
+                                        "restart_last_call_timeout=1")
+    assert agent._take_own_keys(args) == {"poll_interval": 0.1, "restart_last_call_timeout": 1.0}
+    assert args.rdzv_conf == "join_timeout=300,last_call_timeout=3"
+    args = argparse.Namespace(rdzv_conf="")
+    assert agent._take_own_keys(args) == {} and args.rdzv_conf == ""
+    for bad in ("poll_interval=fast", "poll_interval=0", "restart_last_call_timeout=-1"):
+        with pytest.raises(SystemExit, match="--rdzv-conf"):
+            agent._take_own_keys(argparse.Namespace(rdzv_conf=bad))
+
+
+def test_workers_are_forked_from_the_warm_server_unless_a_start_method_or_the_opt_out_is_given(monkeypatch):
+    from moeckpt.trainer import agent
+
+    monkeypatch.delenv("MOECKPT_AGENT_FORKSERVER", raising=False)
+    monkeypatch.delenv("PET_START_METHOD", raising=False)
+    assert agent._warm_workers(["--nproc-per-node=2", "-m", "moeckpt.trainer.launch", "train", "{}"])
+    assert not agent._warm_workers(["--start-method=spawn", "-m", "moeckpt.trainer.launch", "train", "{}"])
+    assert not agent._warm_workers(["--start_method", "fork", "-m", "moeckpt.trainer.launch", "train", "{}"])
+    monkeypatch.setenv("MOECKPT_AGENT_FORKSERVER", "0")
+    assert not agent._warm_workers(["-m", "moeckpt.trainer.launch", "train", "{}"])

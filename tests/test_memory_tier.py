@@ -12,7 +12,7 @@ from moeckpt.testing import run_local_world
 from moeckpt.trainer import memory_tier
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig, train
-from tests.train_workers import memory_run, train_on_nodes, train_runs
+from tests.train_workers import memory_run, slow_persist_run, train_on_nodes, train_runs
 
 BASE = {"model": "zaya-tiny", "steps": 6, "seq_len": 32, "global_batch": 4, "warmup_steps": 2, "cpu": True}
 
@@ -275,3 +275,45 @@ def test_a_memory_only_save_due_while_a_save_is_in_flight_is_left_out_not_waited
         trainer.close()
     done = [(s.step, s.skipped, s.memory is not None and s.memory.committed) for s in trainer.checkpoints.history]
     assert done == [(1, False, True), (2, True, False), (3, False, True)]
+
+
+def test_memory_checkpoints_land_every_step_while_a_slow_persistent_save_is_written(tmp_path, monkeypatch):
+    """A persistent save that takes longer than several steps (every file written to slow:// sleeps 2 s, a step
+    takes 0.2 s) does not hold the memory tier back: each step's memory checkpoint is taken from its own snapshot
+    and committed beside it, so a kill while that save is still being written loses at most the memory interval
+    (1 step)."""
+    import json
+
+    import moeckpt.testing.slow  # noqa: F401 - registers slow:// here too, for the resume below
+    from moeckpt.trainer.train import Trainer
+
+    monkeypatch.setenv("MOECKPT_SLOW_WRITE_S", "2")
+    run_dir = f"slow://{tmp_path / 'run'}"
+    cfg = TrainConfig(run_dir=run_dir, memory_tier=True, memory_dir=str(tmp_path / "shm"), memory_every=1,
+                      memory_keep=3, **{**BASE, "steps": 20})
+    kill_at, out = 10, str(tmp_path / "at-kill.json")
+    run_local_world(slow_persist_run, 2, cfg.to_json(), (3,), kill_at, 0.2, out, timeout_s=240)
+    with open(out) as f:
+        at_kill = json.load(f)
+    # the persistent save of step 3 was still being written when step 10 was done, and it is the only one started
+    assert at_kill["persisting"] and at_kill["persisted"] == [] and min(at_kill["persist_s"]) > 2
+    saves = at_kill["history"]
+    assert [(s["step"], s["persisted"]) for s in saves] == [(n, n == 3) for n in range(1, kill_at + 1)]
+    assert not any(s["skipped"] for s in saves), saves
+    # a memory-only save blocked training for its snapshot only, never for the persistent write (seconds)
+    assert max(s["blocked_s"] for s in saves if not s["persisted"]) < 0.5, saves
+    newest = max(at_kill["memory_steps"])
+    assert newest >= kill_at - cfg.memory_every, at_kill
+    # What the kill leaves: the memory checkpoints committed then, and no persisted step (step 3 committed later).
+    node = _node_dir(tmp_path)
+    for name in os.listdir(node):
+        if name.startswith("step-") and int(name.split("-")[1]) > newest:
+            shutil.rmtree(os.path.join(node, name))
+    for step, _ in committed_steps(run_dir):
+        shutil.rmtree(os.path.join(str(tmp_path / "run"), f"step-{step:08d}"))
+    trainer = Trainer(cfg)  # one rank now: dp 2 -> 1
+    try:
+        assert (trainer.resume_tier, trainer.step) == ("memory", newest)
+    finally:
+        trainer.close()
+    assert kill_at - newest <= cfg.memory_every

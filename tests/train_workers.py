@@ -113,3 +113,48 @@ def train_on_nodes(rank: int, config: dict, nodes: tuple[str, ...]) -> None:
     torch.set_num_threads(1)
     os.environ["MOECKPT_NODE"] = nodes[rank]
     train(TrainConfig.from_json(config))
+
+
+def slow_persist_run(rank: int, config: dict, persist_at: tuple[int, ...], kill_at: int, step_s: float,
+                     out: str) -> None:
+    """Train to ``kill_at`` on a ``slow://`` run directory, each step taking at least ``step_s`` seconds (a real
+    model's step is longer than a memory save; zaya-tiny's is not), saving persistently after the steps in
+    ``persist_at`` and into the memory tier every ``memory_every`` steps (as :meth:`Trainer.run` does); at
+    ``kill_at`` (every rank at once) record what a kill would find committed, into ``out`` (rank 0): the memory
+    checkpoints of this node and the persisted steps, whether the persistent save is still being written, and every
+    save's step, blocked seconds and whether it was left out. Then wait for the saves in flight."""
+    import json
+    import time
+
+    import torch.distributed as dist
+
+    import moeckpt.testing.slow  # noqa: F401 - registers slow://
+    from moeckpt.formats.checkpoint import committed_steps
+    from moeckpt.trainer.train import TrainConfig, Trainer
+
+    torch.set_num_threads(1)
+    cfg = TrainConfig.from_json(config)
+    trainer = Trainer(cfg)
+    while trainer.step < kill_at:
+        t0 = time.perf_counter()
+        trainer.train_step()
+        time.sleep(max(0.0, step_s - (time.perf_counter() - t0)))
+        persist = trainer.step in persist_at
+        memory = trainer.step % cfg.memory_every == 0
+        if persist or memory:
+            trainer.save(persist=persist, memory=memory)
+    # The kill: what is committed now, on every rank at the same moment, is all a new world could resume from.
+    dist.barrier(group=trainer.checkpoints.decide_group)
+    memory_steps = [s for s, _ in committed_steps(trainer.memory.node_dir)]
+    persisted = [s for s, _ in committed_steps(cfg.run_dir)]
+    inflight = trainer.checkpoints._inflight
+    persisting = inflight is not None and inflight.thread.is_alive()
+    history = [{"step": s.step, "persisted": s.persisted, "skipped": s.skipped, "blocked_s": s.blocked_s,
+                "memory_s": s.memory.seconds if s.memory is not None else None} for s in trainer.checkpoints.history]
+    trainer.checkpoints.wait()
+    trainer.metrics.flush()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"memory_steps": memory_steps, "persisted": persisted, "persisting": persisting,
+                       "history": history, "persist_s": [s.persist_s for s in trainer.checkpoints.history
+                                                         if s.persisted]}, f)

@@ -13,8 +13,18 @@ terminal and what happens around the edges:
 * on Linux it dies with its parent (the ``moeckpt`` launcher), so a launcher killed outright leaves no agent
   behind; the agent's own shutdown then stops the workers;
 * with ``MOECKPT_AGENT_EVENTS=PATH`` it appends one JSON line per such event to PATH (``{"what": "worker_failed"
-  | "restart" | "node_joined", "time": ...}``, wall clock): the failure detection and teardown phases of a
-  restart, which the workers cannot see (:mod:`moeckpt.trainer.phases`).
+  | "restart" | "node_joined" | "workers_stopped" | "rendezvous_done", "time": ...}``, wall clock): the
+  failure detection, teardown and rendezvous phases of a restart, which the workers cannot see
+  (:mod:`moeckpt.trainer.phases`);
+* workers of moeckpt's own entry point (``-m moeckpt.trainer.launch JOB CONFIG``) are *forked from a warm
+  server* instead of started as new interpreters: torch's agent runs the same entry point as a Python function
+  (:func:`moeckpt.trainer.launch.forked_main`) with its ``forkserver`` start method, and the fork server,
+  started as the agent starts, has imported torch and the trainer once (:data:`moeckpt.trainer.launch.WARM_MODULES`).
+  A new world's workers, after a failure or a node joining, then start in milliseconds instead of seconds of
+  imports (all of a node's workers at once on its cores). Everything else is torch's agent as before: the
+  rendezvous, restarts, the signals passed on to the workers and the exit codes. ``--start-method`` given (or
+  ``PET_START_METHOD``), another entry point, or ``MOECKPT_AGENT_FORKSERVER=0`` keeps torch's own way (a
+  ``python`` subprocess per worker).
 """
 
 from __future__ import annotations
@@ -31,7 +41,15 @@ __all__ = ["main"]
 #: the log record templates of torch's agent (torch 2.13) that become a line of ours; any other torch version
 #: simply prints fewer lines.
 _FAILED = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+#: the same, of a worker forked from the warm server (a Python-function entry point).
+_FAILED_FN = "failed (exitcode: %s) local_rank: %s (pid: %s) of fn: %s (start_method: %s)"
 _RESTART = "will restart worker group"
+#: the records that end the agent's phases of a (re)start: the old workers stopped (the rendezvous begins), the
+#: rendezvous done, the new workers being started.
+_PHASE_RECORDS = {
+    "[%s] Rendezvous'ing worker group": "workers_stopped",
+    "[%s] Starting worker group": "rendezvous_done",
+}
 
 
 class _AgentLines(logging.Handler):
@@ -46,7 +64,7 @@ class _AgentLines(logging.Handler):
         msg = str(record.msg)
         if self.verbose:
             line = f"torchrun: {record.getMessage()}"
-        elif msg == _FAILED and len(record.args or ()) >= 3:
+        elif msg in (_FAILED, _FAILED_FN) and len(record.args or ()) >= 3:
             code, local_rank, pid = record.args[:3]  # type: ignore[index]
             line = f"moeckpt: worker local rank {local_rank} (pid {pid}) exited with {_describe_exit(code)}"
             what = "worker_failed"
@@ -58,6 +76,8 @@ class _AgentLines(logging.Handler):
         elif _RESTART in msg and "new nodes" in msg:
             line = "moeckpt: a node joined; restarting the workers in the larger world"
             what = "node_joined"
+        elif msg in _PHASE_RECORDS:
+            what = _PHASE_RECORDS[msg]  # the agent's phases of a (re)start, recorded only
         if what is not None:
             _record_event(what, record.created)
         if line is not None:
@@ -89,6 +109,117 @@ def _describe_exit(code) -> str:
     if code == 124:
         return "code 124 (its hang watchdog fired)"
     return f"code {code}"
+
+
+#: the entry point whose workers the agent forks from its warm server.
+_OUR_WORKER = ("-u", "-m", "moeckpt.trainer.launch")
+
+
+def _warm_workers(argv: Sequence[str]) -> bool:
+    """Whether to fork the workers from a warm server (see the module's doc)."""
+    import multiprocessing
+
+    if os.environ.get("MOECKPT_AGENT_FORKSERVER", "1") == "0" or os.environ.get("PET_START_METHOD"):
+        return False
+    if any(a in ("--start-method", "--start_method") or a.startswith(("--start-method=", "--start_method="))
+           for a in argv):
+        return False
+    return "forkserver" in multiprocessing.get_all_start_methods()
+
+
+def _use_warm_workers(run_module) -> None:
+    """Make torch's ``run`` start moeckpt's worker entry point as a function forked from a warm fork server, and
+    start that server now (it imports torch while the rendezvous waits for the other nodes)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
+    from .launch import WARM_MODULES, forked_main
+
+    original = run_module.config_from_args
+
+    def config_from_args(args):
+        config, cmd, cmd_args = original(args)
+        if (isinstance(cmd, str) and os.path.realpath(cmd) == os.path.realpath(sys.executable)
+                and tuple(cmd_args[:3]) == _OUR_WORKER and len(cmd_args) == 5):
+            config.start_method = "forkserver"
+            return config, forked_main, list(cmd_args[3:])
+        return config, cmd, cmd_args
+
+    run_module.config_from_args = config_from_args
+    multiprocessing.set_forkserver_preload(list(WARM_MODULES))
+    multiprocessing.forkserver.ensure_running()
+
+
+#: moeckpt's own ``--rdzv-conf`` keys (taken out before torch reads the rest), in seconds: ``poll_interval``, how
+#: often a waiting agent looks at the rendezvous state (torch's c10d rendezvous: every second);
+#: ``restart_last_call_timeout``, the last call of every round after the first (torch's ``last_call_timeout`` is
+#: then the first round's only, when the nodes start and must find each other).
+OWN_KEYS = ("poll_interval", "restart_last_call_timeout")
+
+
+def _take_own_keys(args) -> dict[str, float]:
+    """Remove moeckpt's keys (:data:`OWN_KEYS`) from ``args.rdzv_conf`` and return their values."""
+    conf = getattr(args, "rdzv_conf", "") or ""
+    kept, own = [], {}
+    for item in conf.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key in OWN_KEYS:
+            try:
+                own[key] = float(value)
+            except ValueError:
+                raise SystemExit(f"moeckpt: --rdzv-conf {key}={value!r}: expected seconds, e.g. 1") from None
+            low = 0.01 if key == "poll_interval" else 0.0
+            if not low <= own[key] <= 3600:
+                raise SystemExit(f"moeckpt: --rdzv-conf {key}={value}: expected {low:g} to 3600 seconds")
+        elif item:
+            kept.append(item)
+    args.rdzv_conf = ",".join(kept)
+    return own
+
+
+def _last_call_after_the_first_round(seconds: float) -> None:
+    """Every rendezvous round after this agent's first gets a last call of ``seconds``: a restart after a lost
+    node waits that long for more survivors (a node joining a full world does not wait: the round closes when
+    ``--nnodes``' maximum joined)."""
+    from datetime import timedelta
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+
+    original = DynamicRendezvousHandler.next_rendezvous
+
+    def next_rendezvous(self):
+        info = original(self)
+        timeout = getattr(getattr(self, "_settings", None), "timeout", None)
+        if timeout is not None and hasattr(timeout, "_last_call"):  # torch 2.x; another torch keeps its own
+            timeout._last_call = timedelta(seconds=seconds)
+        return info
+
+    DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+
+
+def _poll_rendezvous_every(poll: float) -> None:
+    """torch's c10d rendezvous looks at the shared state once a second while it waits (for a dead node's heartbeat
+    to expire, for the last call to end): it sleeps 1 s between looks, and serves a look from its copy of the
+    state while that is less than 1 s old (a dead node is found only on a fresh read). A restart so takes up to
+    whole seconds more than its timeouts. Make both ``poll`` seconds (each look then reads the state from the
+    store: keep it near 1 s for many nodes)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
+
+    original = utils._delay
+
+    def delay(seconds: float | tuple[float, float]) -> None:  # torch calls it with seconds=...
+        original(poll if seconds == 1 else seconds)  # the state poll; the first round's random skew stays
+
+    dynamic_rendezvous._delay = delay
+    holder = getattr(dynamic_rendezvous, "_BackendRendezvousStateHolder", None)
+    if holder is not None:
+        init = holder.__init__
+
+        def __init__(self, backend, settings, cache_duration=1) -> None:
+            init(self, backend, settings, cache_duration=min(cache_duration, poll))  # type: ignore[arg-type]
+
+        holder.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _die_with_parent() -> None:
@@ -135,15 +266,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         del os.environ["LOGLEVEL"]
         # torch._logging gives "torch.distributed" and some loggers below it handlers of their own: ours replaces
         # them, and every record of the agent (run, launcher, elastic, rendezvous) ends there.
+        # torch.multiprocessing's records ("Terminating process ... via signal SIGTERM") are the agent's too, with
+        # workers forked from the warm server.
+        import torch.multiprocessing.spawn  # noqa: F401 - its logger exists before the handlers are replaced
+
+        ours = ("torch.distributed.", "torch.multiprocessing.")
         for name, lg in list(logging.Logger.manager.loggerDict.items()):
-            if isinstance(lg, logging.Logger) and (name + ".").startswith("torch.distributed."):
+            if isinstance(lg, logging.Logger) and (name + ".").startswith(ours):
                 for h in list(lg.handlers):
                     lg.removeHandler(h)
                 lg.propagate = True
-        agent_logs = logging.getLogger("torch.distributed")
-        agent_logs.addHandler(_AgentLines(verbose))
-        agent_logs.propagate = False
-        args = parse_args(list(sys.argv[1:] if argv is None else argv))
+        lines = _AgentLines(verbose)
+        for top in ("torch.distributed", "torch.multiprocessing"):
+            agent_logs = logging.getLogger(top)
+            agent_logs.addHandler(lines)
+            agent_logs.propagate = False
+        argv = list(sys.argv[1:] if argv is None else argv)
+        args = parse_args(argv)
+        own = _take_own_keys(args)
+        if "poll_interval" in own:
+            _poll_rendezvous_every(own["poll_interval"])
+        if "restart_last_call_timeout" in own:
+            _last_call_after_the_first_round(own["restart_last_call_timeout"])
+        if _warm_workers(argv):
+            import torch.distributed.run as run_module
+
+            _use_warm_workers(run_module)
         try:
             run(args)
         except SignalException as e:

@@ -4,7 +4,16 @@ A save has two phases. The *snapshot* copies the bytes this rank writes (only th
 replicated pieces are written by one replica) into reused host buffers, pinned when the tensors live on a GPU;
 training is blocked only for that copy. The *persist* phase runs in a background thread: the rank writes its file,
 the ranks exchange what they wrote over a dedicated gloo group, and rank 0 commits the index only if every rank
-succeeded. At most one save is in flight; the next save, ``wait()`` and ``close()`` wait for it.
+succeeded. At most one persistent save is in flight; the next persistent save, ``wait()`` and ``close()`` wait
+for it.
+
+With the memory tier (:mod:`.memory_tier`) a save that goes to both tiers writes the memory checkpoint from its
+snapshot first, then the persistent one. A *memory-only* save never waits behind a persistent write (a large
+state, a slow disk or bucket): it takes its own snapshot into a second set of host buffers (the same bytes as the
+first: the host-memory cost of the tier's snapshots is at most twice this rank's written share, the second set
+made only once a memory-only save is due) and commits it in its own thread, over the memory tier's own gloo group,
+after the memory write before it. Only a memory-only save due while the previous memory-only one is still being
+written (the memory tier cannot keep up with ``--memory-every``) is left out, on every rank alike.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ class SaveStats:
     persisted: bool = True
     #: the memory tier's save of the same snapshot, if any (written before the persistent one).
     memory: MemoryStats | None = None
-    #: a memory-only save left out because the previous save was still in flight on some rank.
+    #: a memory-only save left out because the previous memory-only save was still being written on some rank.
     skipped: bool = False
 
 
@@ -104,12 +113,19 @@ class CheckpointManager:
             views = [v for v in local_views(e, layout, self.rank) if v[0] in wanted]
             self._plan[name] = (local_shape(e, layout, self.rank), views)
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
+        #: the memory-only saves' snapshot buffers: a persistent write in flight keeps ``_buffers`` busy.
+        self._memory_buffers: dict[tuple[str, Box], torch.Tensor] = {}
         self._inflight: _InFlight | None = None
+        #: the memory-only save in flight (its own thread and buffers).
+        self._memory_inflight: _InFlight | None = None
+        #: set when the memory write scheduled last has ended: memory writes commit in step order, one at a time.
+        self._memory_done: threading.Event | None = None
         self.history: list[SaveStats] = []
         #: the in-memory tier (:mod:`.memory_tier`), set by the trainer with ``--memory-tier``.
         self.memory: MemoryTier | None = None
         #: a gloo group of the whole world for the training thread's one question before a memory-only save
-        #: (is a save still in flight anywhere?), set with :attr:`memory`.
+        #: (is the previous memory-only save still being written anywhere?), set with :attr:`memory`. The memory
+        #: tier's own group must not be :attr:`group` either: its writes run beside a persistent one.
         self.decide_group = None
 
     # -- saving ---------------------------------------------------------------------------------------------
@@ -122,22 +138,19 @@ class CheckpointManager:
         saving asynchronously, after the commit(s) otherwise.
         """
         to_memory = to_memory and self.memory is not None
-        if to_memory and not persist and self._busy_anywhere():
-            # A memory checkpoint is worth having only if it costs no training time: while the previous save is
-            # still being written (a large state, a slow persistent save), this one is left out on every rank.
-            stats = SaveStats(step=step, persisted=False, skipped=True)
-            self.history.append(stats)
-            log.debug("memory checkpoint of step %d left out: the previous save is still in flight", step)
-            return stats
-        self.wait()
+        if to_memory and not persist:
+            return self._save_memory_only(step, local_state, train_state)
+        self._wait_persistent()
         t0 = time.perf_counter()
-        pieces = self._snapshot(local_state)
+        pieces = self._snapshot(local_state, self._buffers)
         stats = SaveStats(step=step, blocked_s=0.0, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
                           persisted=persist)
+        memory_turn = self._memory_turn() if to_memory else None
         if self.async_save:
             errors: list[BaseException] = []
             thread = threading.Thread(
-                target=self._persist_guarded, args=(step, pieces, dict(train_state), stats, errors, to_memory),
+                target=self._persist_guarded,
+                args=(step, pieces, dict(train_state), stats, errors, to_memory, memory_turn),
                 daemon=True,
                 name=f"moeckpt-save-{step}",
             )
@@ -145,14 +158,71 @@ class CheckpointManager:
             stats.blocked_s = time.perf_counter() - t0
             thread.start()
         else:
-            self._write(step, pieces, dict(train_state), stats, to_memory)
+            self._write(step, pieces, dict(train_state), stats, to_memory, memory_turn)
             stats.blocked_s = time.perf_counter() - t0
         self.history.append(stats)
         return stats
 
+    def _save_memory_only(self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any]) -> SaveStats:
+        """A memory checkpoint from a fresh snapshot into the memory-only buffers, written in its own thread: a
+        persistent write in flight is not waited for (its memory part, if any, is: memory commits stay in order)."""
+        if self._busy_anywhere():
+            # A memory checkpoint is worth having only if it costs no training time: while the previous memory-only
+            # save is still being written (the tier is slower than --memory-every), this one is left out on every
+            # rank.
+            stats = SaveStats(step=step, persisted=False, skipped=True)
+            self.history.append(stats)
+            log.debug("memory checkpoint of step %d left out: the previous memory save is still being written", step)
+            return stats
+        self._wait_memory()
+        if not self._memory_buffers and self.rank == 0:
+            share = sum(e.nbytes for e in self.tensors.values()) / max(1, self.layout.world)
+            log.info("memory-only saves take their own snapshot (host buffers of about %.1f MB per rank, beside the "
+                     "persistent save's), so they need not wait for a persistent save being written", share / 1e6)
+        t0 = time.perf_counter()
+        pieces = self._snapshot(local_state, self._memory_buffers)
+        stats = SaveStats(step=step, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
+                          persisted=False)
+        memory_turn = self._memory_turn()
+        if self.async_save:
+            errors: list[BaseException] = []
+            thread = threading.Thread(
+                target=self._persist_guarded, args=(step, pieces, dict(train_state), stats, errors, True, memory_turn),
+                daemon=True,
+                name=f"moeckpt-memory-save-{step}",
+            )
+            self._memory_inflight = _InFlight(thread, stats, errors)
+            stats.blocked_s = time.perf_counter() - t0
+            thread.start()
+        else:
+            self._write(step, pieces, dict(train_state), stats, True, memory_turn)
+            stats.blocked_s = time.perf_counter() - t0
+        self.history.append(stats)
+        return stats
+
+    def _memory_turn(self) -> tuple[threading.Event | None, threading.Event]:
+        """The memory write scheduled before this one (to wait for) and this one's end (for the next)."""
+        previous, self._memory_done = self._memory_done, threading.Event()
+        return previous, self._memory_done
+
     def wait(self) -> SaveStats | None:
-        """Wait for the save in flight; raise :class:`SaveFailedError` if it failed."""
+        """Wait for the saves in flight (the persistent one and a memory-only one); raise
+        :class:`SaveFailedError` if one failed. Returns the persistent save's stats, if one was in flight."""
+        try:
+            stats = self._wait_persistent()
+        finally:
+            self._wait_memory()
+        return stats
+
+    def _wait_persistent(self) -> SaveStats | None:
         inflight, self._inflight = self._inflight, None
+        return self._join(inflight)
+
+    def _wait_memory(self) -> SaveStats | None:
+        inflight, self._memory_inflight = self._memory_inflight, None
+        return self._join(inflight)
+
+    def _join(self, inflight: _InFlight | None) -> SaveStats | None:
         if inflight is None:
             return None
         inflight.thread.join()
@@ -164,15 +234,15 @@ class CheckpointManager:
         self.wait()
 
     def _busy_anywhere(self) -> bool:
-        """Whether a save is still in flight on any rank (collective over :attr:`decide_group`)."""
-        busy = self._inflight is not None and self._inflight.thread.is_alive()
+        """Whether a memory-only save is still being written on any rank (collective over :attr:`decide_group`)."""
+        busy = self._memory_inflight is not None and self._memory_inflight.thread.is_alive()
         if self.decide_group is None:
             return busy
         flag = torch.tensor([int(busy)], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.decide_group)
         return bool(flag.item())
 
-    def _snapshot(self, local_state: dict[str, torch.Tensor]) -> list[Piece]:
+    def _snapshot(self, local_state: dict[str, torch.Tensor], buffers: dict[tuple[str, Box], torch.Tensor]) -> list[Piece]:
         missing = set(self.tensors) - set(local_state)
         if missing:
             raise MoeckptError(f"save: the state lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -187,11 +257,11 @@ class CheckpointManager:
                 )
             for box, dim, start, length in views:
                 view = local.narrow(dim, start, length) if box.ndim else local
-                buf = self._buffers.get((name, box))
+                buf = buffers.get((name, box))
                 if buf is None:
                     pin = view.device.type != "cpu" and torch.cuda.is_available()
                     buf = torch.empty(box.shape, dtype=view.dtype, pin_memory=pin)
-                    self._buffers[(name, box)] = buf
+                    buffers[(name, box)] = buf
                 buf.copy_(view, non_blocking=True)
                 copies.append(view.device)
                 pieces.append(Piece(name, box, buf))
@@ -200,24 +270,32 @@ class CheckpointManager:
         return pieces
 
     def _persist_guarded(self, step, pieces, train_state, stats: SaveStats, errors: list[BaseException],
-                         to_memory: bool = False) -> None:
+                         to_memory: bool = False, memory_turn=None) -> None:
         try:
-            self._write(step, pieces, train_state, stats, to_memory)
+            self._write(step, pieces, train_state, stats, to_memory, memory_turn)
         except BaseException as e:  # noqa: BLE001 - reported to the training thread by wait()
             errors.append(e)
             stats.error = str(e)
 
     def _write(self, step: int, pieces: list[Piece], train_state: dict[str, Any], stats: SaveStats,
-               to_memory: bool) -> None:
+               to_memory: bool, memory_turn: tuple[threading.Event | None, threading.Event] | None = None) -> None:
         """The memory tier first (seconds of host memory, the likelier one to be resumed from), then the run
         directory. A failed memory save is logged and costs only that memory checkpoint, never the run."""
         if to_memory and self.memory is not None:
+            previous, done = memory_turn or (None, None)
             try:
+                if previous is not None:
+                    previous.wait()  # the memory write before this one (a thread of its own) has ended
                 stats.memory = self.memory.save(step, pieces, tensors=self.tensors, layout_json=self.layout.to_json(),
                                                 model=self.model, train_state=train_state)
             except MoeckptError as e:  # every rank raises it alike (agreed inside), none is left in a collective
                 stats.memory = MemoryStats(step=step, error=str(e))
                 log.warning("memory checkpoint of step %d not committed: %s", step, e)
+            finally:
+                if done is not None:
+                    done.set()
+        elif memory_turn is not None:
+            memory_turn[1].set()
         if stats.persisted:
             self._persist(step, pieces, train_state, stats)
         else:

@@ -191,8 +191,8 @@ class TrainConfig:
                                 "node and run) that outlives the workers; a restart resumes from it when it is at "
                                 "least as new as the newest persisted one (docs/fault-tolerance.md)", "checkpointing")
     memory_every: int = setting(0, "with --memory-tier: a memory checkpoint every K steps (0: at every save); one "
-                                "due while a save is in flight is left out", "checkpointing", min=0, max=_BIG,
-                                metavar="K")
+                                "due while the previous memory checkpoint is still being written is left out",
+                                "checkpointing", min=0, max=_BIG, metavar="K")
     memory_dir: str | None = setting(None, "with --memory-tier: the node-local parent directory of the memory "
                                      "checkpoints (the run's are in moeckpt-<run id> below it)  [default: /dev/shm]",
                                      "checkpointing", metavar="PATH", nonempty=True)

@@ -311,6 +311,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+#: what the agent's fork server imports once, so that a worker forked from it after a restart (or at the first
+#: start) pays no interpreter start and no torch import (:mod:`moeckpt.trainer.agent`).
+WARM_MODULES = ("torch", "torch.distributed", "moeckpt.trainer.launch", "moeckpt.trainer.train",
+                "moeckpt.formats.storages.local", "moeckpt.trainer.models.zaya.model",
+                "moeckpt.trainer.models.qwen3_moe.model")
+
+
+def forked_main(job: str, config_json: str) -> None:
+    """The worker entry point when the agent forks its workers from its warm fork server instead of starting
+    ``python -u -m moeckpt.trainer.launch JOB CONFIG``: the same :func:`main`, its exit code the process's."""
+    for stream in (sys.stdout, sys.stderr):  # as ``python -u``: nothing waits in a buffer for the exit
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(write_through=True, line_buffering=True)
+    code = main([job, config_json])
+    if code:
+        sys.exit(code)
+
+
 def _tear_down() -> None:
     """Free what garbage cycles still hold (a caught error's frames can reference process groups) while
     torch.distributed is intact: left to interpreter shutdown, tearing down a gloo group can abort the process

@@ -261,7 +261,10 @@ class Trainer:
         """Join the memory tier (collective): the run's id from its run directory, the budget checked."""
         rid = collectives.broadcast_json(run_id(config.run_dir, create=True) if self.rank == 0 else None, 0,
                                          self.checkpoints.group)
-        tier = MemoryTier(run_root(config.memory_dir, rid), group=self.checkpoints.group, keep=config.memory_keep,
+        # Its own gloo group: a memory-only save is written beside a persistent one still in flight (which talks
+        # over the checkpoint manager's group), never behind it.
+        group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        tier = MemoryTier(run_root(config.memory_dir, rid), group=group, keep=config.memory_keep,
                           replicas=config.memory_replicas, state_bytes=sum(e.nbytes for e in self.tensors.values()))
         tier.check_budget()
         return tier
