@@ -190,7 +190,10 @@ class Trainer:
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         check_shape(config, self.spec, layout, dataset, ranks_here=local_ranks, device_type=device.type)
 
-        self.model = build_parallel_model(self.spec, self.groups).to(device=device, dtype=dtype)
+        # Made where it trains: the plan's initial fill runs on the device, and nothing is copied there after.
+        with torch.device(device):
+            model = build_parallel_model(self.spec, self.groups)
+        self.model = model.to(device=device, dtype=dtype)
         self.model.train()
         params = self.spec.param_specs()
         self.optimizer = build_optimizer(
@@ -198,7 +201,7 @@ class Trainer:
             AdamWConfig(weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm or None),
             muon=MuonConfig(momentum=config.muon_momentum, ns_steps=config.muon_ns_steps, scheme=config.muon_scheme),
         )
-        self._init_weights(params)
+        self._params = params
         warmup = min(config.warmup_steps, config.steps)
         self.schedule = LRSchedule(
             ScheduleConfig(lr=config.lr, warmup_steps=warmup, decay_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
@@ -272,6 +275,9 @@ class Trainer:
     def _resume(self) -> None:
         restored = self._restore_newest_intact()
         if restored is None:
+            # Only a fresh start needs the layout-free initial values: a resume overwrites every tensor they set,
+            # and making them (one full tensor of every parameter, on the CPU) took seconds of each restart.
+            self._init_weights(self._params)
             if self.config.init_from:
                 self._start_from(self.config.init_from)
             return
