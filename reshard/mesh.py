@@ -86,8 +86,25 @@ class MeshPlacement:
 _PLACEMENT = re.compile(r"(SS|S)\((\d{1,4})(?:,(\d{1,9}))?\)")
 
 
+#: parsed placements by (strings, tensor rank, mesh rank): every layer's tensors repeat a few placement lists.
+_PARSED: dict[tuple, tuple[MeshPlacement, ...]] = {}
+
+
 def parse_placements(values: object, ndim: int, mesh_ndim: int, where: str) -> tuple[MeshPlacement, ...]:
     """Validate a list of placement strings against a tensor's rank and its mesh's."""
+    key = (tuple(values), ndim, mesh_ndim) if isinstance(values, list) and all(type(v) is str for v in values) else None
+    found = _PARSED.get(key) if key is not None else None
+    if found is not None:
+        return found
+    out = _parse_placements(values, ndim, mesh_ndim, where)
+    if key is not None:
+        if len(_PARSED) > 10_000:
+            _PARSED.clear()
+        _PARSED[key] = out
+    return out
+
+
+def _parse_placements(values: object, ndim: int, mesh_ndim: int, where: str) -> tuple[MeshPlacement, ...]:
     if not isinstance(values, list) or len(values) != mesh_ndim:
         raise LayoutError(
             f"{where}: 'placements' must list one placement per mesh dimension ({mesh_ndim}), got {values!r}"
