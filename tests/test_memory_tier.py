@@ -277,6 +277,42 @@ def test_a_memory_only_save_due_while_a_save_is_in_flight_is_left_out_not_waited
     assert done == [(1, False, True), (2, True, False), (3, False, True)]
 
 
+def test_a_persistent_save_due_while_a_memory_write_is_in_flight_is_not_held_back(tmp_path, monkeypatch):
+    """A memory write slower than the steps (a large state on one node) must not delay the persistent save that
+    comes due meanwhile: that save commits to the run directory alone, without its memory part, while the memory
+    write is still in flight."""
+    import threading
+
+    from moeckpt.trainer.train import Trainer
+
+    cfg = _config(tmp_path, memory_every=1)
+    trainer = Trainer(cfg)
+    release = threading.Event()
+    original = memory_tier.MemoryTier.save
+
+    def slow_save(self, *args, **kwargs):
+        release.wait(60)  # a large state still being written into memory
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(memory_tier.MemoryTier, "save", slow_save)
+    try:
+        trainer.train_step()
+        trainer.save(persist=False, memory=True)  # its memory write now hangs until released
+        trainer.train_step()
+        trainer.save(persist=True, memory=True)
+        persisted = threading.Thread(target=trainer.checkpoints._wait_persistent)
+        persisted.start()
+        persisted.join(20)
+        assert not persisted.is_alive(), "the persistent save waited for the memory write"
+        assert [s for s, _ in committed_steps(cfg.run_dir)] == [2]
+        assert trainer.last_save.persisted and trainer.last_save.memory is None
+    finally:
+        release.set()
+        trainer.close()
+    first = trainer.checkpoints.history[0]
+    assert first.step == 1 and first.memory is not None and first.memory.committed
+
+
 def test_memory_checkpoints_land_every_step_while_a_slow_persistent_save_is_written(tmp_path, monkeypatch):
     """A persistent save that takes longer than several steps (every file written to slow:// sleeps 2 s, a step
     takes 0.2 s) does not hold the memory tier back: each step's memory checkpoint is taken from its own snapshot

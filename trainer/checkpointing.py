@@ -141,6 +141,13 @@ class CheckpointManager:
         if to_memory and not persist:
             return self._save_memory_only(step, local_state, train_state)
         self._wait_persistent()
+        if to_memory and self._busy_anywhere():
+            # The memory tier never delays a persistent save: while a memory-only write is still in flight (on any
+            # rank: all decide alike), this save goes to the run directory alone instead of queueing behind it, so
+            # a memory tier slower than --memory-every cannot leave the newest persisted step older than it would
+            # be without one.
+            log.debug("memory part of the save of step %d left out: a memory write is still in flight", step)
+            to_memory = False
         t0 = time.perf_counter()
         pieces = self._snapshot(local_state, self._buffers)
         stats = SaveStats(step=step, blocked_s=0.0, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
