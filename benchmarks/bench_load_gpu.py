@@ -22,9 +22,11 @@ Times end after ``torch.cuda.synchronize()``. Results: ``docs/benchmarks/gpu/loa
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
 import platform
+import pstats
 import shutil
 import sys
 import time
@@ -101,6 +103,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="fill threads (default: LoadOptions' default)")
     ap.add_argument("--dir", default="/tmp/moeckpt-bench-load-gpu", help="scratch directory (local disk)")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks", "gpu"), help="where JSON and PNG go")
+    ap.add_argument("--profile", action="store_true",
+                    help="cProfile moeckpt's last load (the calling thread's calls; the fill threads' work shows as "
+                         "waits): OUT/load_gpu_profile.txt")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -144,8 +149,18 @@ def main() -> None:
             extra: dict = {}
             if method == "moeckpt":
                 stats = LoadStats()
+                prof = cProfile.Profile() if args.profile and rep == args.reps - 1 else None
+                if prof is not None:
+                    prof.enable()
                 state = load_rank_state(src, ONE, 0, device=device, out=out, stats=stats, options=options)
                 sync(device)
+                if prof is not None:
+                    prof.disable()
+                    os.makedirs(args.out, exist_ok=True)
+                    with open(os.path.join(args.out, "load_gpu_profile.txt"), "w") as f:
+                        f.write(f"load_rank_state(device={device}, out=...), the last repetition, under cProfile\n")
+                        for order in ("cumulative", "tottime"):
+                            pstats.Stats(prof, stream=f).sort_stats(order).print_stats(35)
                 extra = {"bytes_read": stats.bytes_read, "in_place": all(
                     t is out[(n, b)] for n, boxes in state.items() for b, t in boxes)}
             elif method == "moeckpt_then_to":
