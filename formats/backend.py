@@ -77,9 +77,16 @@ class Backend(Protocol):
         ...
 
     def write(
-        self, storage: Storage, writer: int, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]
+        self,
+        storage: Storage,
+        writer: int,
+        pieces: Sequence[Piece],
+        tensors: dict[str, TensorEntry],
+        *,
+        threads: int = 1,
     ) -> list[FileEntry]:
-        """Store one writer's pieces (durably, on local disk) and return the index entries of what it wrote."""
+        """Store one writer's pieces (durably, on local disk) and return the index entries of what it wrote;
+        ``threads``: how many threads may write them at once (a hint a backend may ignore)."""
         ...
 
     def write_stream(

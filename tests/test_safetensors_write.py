@@ -6,6 +6,7 @@ larger than a checksum block, scalars and bf16; the bytes on disk must not depen
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from moeckpt.formats.backends import safetensors as st
@@ -60,6 +61,26 @@ def test_local_write_equals_reference_encoding(tmp_path):
     assert entry.size == len(data)
     head_len = 8 + int.from_bytes(data[:8], "little")
     assert entry.checksum == checksum(data[:head_len])
+
+
+@pytest.mark.parametrize("threads", [2, 5])
+def test_parallel_local_write_equals_reference_encoding(tmp_path, threads):
+    """The memory tier's write: every piece hashed and written at its offset by its own thread, same bytes."""
+    pieces, tensors = _pieces()
+    storage = Storage(str(tmp_path))
+    entry = st.SafetensorsBackend().write(storage, 0, pieces, tensors, threads=threads)[0]
+    data = (tmp_path / "rank-00000.safetensors").read_bytes()
+    assert data == _reference(pieces, tensors)
+    assert entry.size == len(data) and entry.path == "rank-00000.safetensors"
+    assert entry.checksum == checksum(data[: 8 + int.from_bytes(data[:8], "little")])
+
+
+def test_parallel_write_elsewhere_is_the_streamed_one():
+    pieces, tensors = _pieces()
+    storage = Storage("memory://moeckpt-tests/parallel-write")
+    st.write_file_parallel(storage, "rank-00000.safetensors", pieces, tensors, threads=4)
+    assert storage.read_bytes("rank-00000.safetensors") == _reference(pieces, tensors)
+    storage.remove()
 
 
 def test_remote_write_equals_reference_encoding():

@@ -89,7 +89,13 @@ class BackendBase:
         raise NotImplementedError
 
     def write(
-        self, storage: Storage, writer: int, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]
+        self,
+        storage: Storage,
+        writer: int,
+        pieces: Sequence[Piece],
+        tensors: dict[str, TensorEntry],
+        *,
+        threads: int = 1,
     ) -> list[FileEntry]:
         raise NotImplementedError
 

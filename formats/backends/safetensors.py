@@ -37,6 +37,7 @@ from .safetensors_write import (
     parse_piece_key,
     piece_key,
     write_file,
+    write_file_parallel,
     write_file_stream,
 )
 
@@ -58,6 +59,7 @@ __all__ = [
     "read_header",
     "read_piece",
     "write_file",
+    "write_file_parallel",
     "write_file_stream",
 ]
 
@@ -208,8 +210,16 @@ class SafetensorsBackend(BackendBase):
         del storage, tensors, boxes  # nothing shared to set up: every writer owns its file
 
     def write(
-        self, storage: Storage, writer: int, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]
+        self,
+        storage: Storage,
+        writer: int,
+        pieces: Sequence[Piece],
+        tensors: dict[str, TensorEntry],
+        *,
+        threads: int = 1,
     ) -> list[FileEntry]:
+        if threads > 1:
+            return [write_file_parallel(storage, file_name(writer), pieces, tensors, threads)]
         return [write_file(storage, file_name(writer), pieces, tensors)]
 
     def write_stream(

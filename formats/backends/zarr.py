@@ -504,10 +504,18 @@ class ZarrBackend(BackendBase):
         return known
 
     def write(
-        self, storage: Storage, writer: int, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]
+        self,
+        storage: Storage,
+        writer: int,
+        pieces: Sequence[Piece],
+        tensors: dict[str, TensorEntry],
+        *,
+        threads: int = 1,
     ) -> list[FileEntry]:
         """Write every grid cell of ``pieces`` as its own object; the index lists none of them (see finish)."""
-        del writer  # objects are named by tensor and cell, not by writer: the grid already keeps writers apart
+        # Objects are named by tensor and cell, not by writer: the grid already keeps writers apart. The cells are
+        # written one after another whatever ``threads`` says (their uploads have their own concurrency).
+        del writer, threads
         live = [p for p in pieces if not p.box.is_empty()]
         plans = self._plans_for(storage, tensors, {p.tensor for p in live})
         jobs: list[tuple[ArrayPlan, Box, torch.Tensor]] = []
