@@ -141,3 +141,20 @@ def test_workers_are_forked_from_the_warm_server_unless_a_start_method_or_the_op
     assert not agent._warm_workers(["--start_method", "fork", "-m", "moeckpt.trainer.launch", "train", "{}"])
     monkeypatch.setenv("MOECKPT_AGENT_FORKSERVER", "0")
     assert not agent._warm_workers(["-m", "moeckpt.trainer.launch", "train", "{}"])
+
+
+@pytest.mark.parametrize(
+    ("error", "line"),
+    [("FileNotFoundError(2, 'No such file or directory')", ""),
+     ("EOFError()", ""),
+     ("ValueError('bad start')", "moeckpt: a worker could not start: ValueError: bad start\n")],
+)
+def test_a_worker_the_warm_server_cannot_start_ends_without_a_traceback(error, line):
+    """The fork server's hook (trainer/warm_server.py): a start that fails because the agent is already gone (its
+    semaphores and pipes removed by a signal) prints nothing, any other failure one line; never a traceback."""
+    import subprocess
+    import sys
+
+    code = f"import moeckpt.trainer.warm_server\nraise {error}"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and run.stderr == line, run.stderr

@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 #: start) pays no interpreter start and no torch import (:mod:`moeckpt.trainer.agent`).
 WARM_MODULES = ("torch", "torch.distributed", "moeckpt.trainer.launch", "moeckpt.trainer.train",
                 "moeckpt.formats.storages.local", "moeckpt.trainer.models.zaya.model",
-                "moeckpt.trainer.models.qwen3_moe.model")
+                "moeckpt.trainer.models.qwen3_moe.model", "moeckpt.trainer.warm_server")
 
 
 def forked_main(job: str, config_json: str) -> None:
