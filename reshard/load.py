@@ -20,6 +20,7 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -341,7 +342,6 @@ def _load_collective(
     gathered = gather_summaries(summary, failure is not None, group)
     if gathered is None:
         _raise_planning_failure(failure, group)
-    assert gathered is not None and failure is None
     decisions = decide(gathered, options.round_bytes, readable=readable, location=reader.location)
     exchange = rank_exchange(index, layout, peers, me, summary, decisions, options.chunk_bytes, positions)
     owner, units, rounds = exchange.owner, exchange.units, exchange.rounds
@@ -372,7 +372,7 @@ def _load_collective(
     return state
 
 
-def _raise_planning_failure(failure: Exception | None, group) -> None:
+def _raise_planning_failure(failure: Exception | None, group) -> NoReturn:
     """Collective, once some rank's planning failed: every rank raises the error of the lowest group rank that
     failed, its class (one of :mod:`moeckpt.formats.errors`) and message, as when every rank planned every rank.
     An error of another kind is re-raised as it is where it happened (a bug to see), the others raise
