@@ -78,9 +78,7 @@ def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors:
     keys = [k for k in doc if k != "__metadata__"]
 
     def header(sums: Sequence[Sequence[str]]) -> bytes:
-        for key, s in zip(keys, sums):
-            doc["__metadata__"][key] = ",".join(s)
-        return _dump_header(doc)
+        return _final_header(doc, keys, sums)
 
     with storage.open_write(relpath) as f:
         if storage.is_local:
@@ -89,12 +87,7 @@ def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors:
             sink = _Coalescer(f.write, _WritebackKick(f, len(placeholder)))
             sums = [_stream_piece(p.data, sink.write) for p in plan]
             sink.flush()
-            head = header(sums)
-            if len(head) != len(placeholder):
-                raise DataFileError(
-                    f"{storage.path(relpath)}: header length changed from {len(placeholder)} to {len(head)} bytes "
-                    "after hashing; the checksum algorithm must produce fixed-length digests"
-                )
+            head = _final_header(doc, keys, sums, placeholder, storage.path(relpath))
             f.seek(0)
             f.write(head)
             f.seek(0, 2)
@@ -146,19 +139,28 @@ def write_file_parallel(
 
         with ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-write") as pool:
             sums = list(pool.map(one, range(len(plan))))
-        for key, piece_sums in zip(keys, sums):
-            doc["__metadata__"][key] = ",".join(piece_sums)
-        head = _dump_header(doc)
-        if len(head) != len(placeholder):
-            raise DataFileError(
-                f"{storage.path(relpath)}: header length changed from {len(placeholder)} to {len(head)} bytes after "
-                "hashing; the checksum algorithm must produce fixed-length digests"
-            )
+        head = _final_header(doc, keys, sums, placeholder, storage.path(relpath))
         f.seek(0)
         f.write(head)
         f.seek(0, 2)
     data_bytes = doc[keys[-1]]["data_offsets"][1] if keys else 0
     return FileEntry(path=relpath, size=len(head) + data_bytes, checksum=checksum(head))
+
+
+def _final_header(
+    doc: dict, keys: Sequence[str], sums: Sequence[Sequence[str]], placeholder: bytes | None = None, where: str = ""
+) -> bytes:
+    """The header with the pieces' block checksums filled in; the same length as ``placeholder`` when given (the
+    header is written over it)."""
+    for key, piece_sums in zip(keys, sums):
+        doc["__metadata__"][key] = ",".join(piece_sums)
+    head = _dump_header(doc)
+    if placeholder is not None and len(head) != len(placeholder):
+        raise DataFileError(
+            f"{where}: header length changed from {len(placeholder)} to {len(head)} bytes after hashing; the checksum "
+            "algorithm must produce fixed-length digests"
+        )
+    return head
 
 
 def _plan(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> list[Piece]:
