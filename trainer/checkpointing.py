@@ -153,21 +153,7 @@ class CheckpointManager:
         stats = SaveStats(step=step, blocked_s=0.0, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
                           persisted=persist)
         memory_turn = self._memory_turn() if to_memory else None
-        if self.async_save:
-            errors: list[BaseException] = []
-            thread = threading.Thread(
-                target=self._persist_guarded,
-                args=(step, pieces, dict(train_state), stats, errors, to_memory, memory_turn),
-                daemon=True,
-                name=f"moeckpt-save-{step}",
-            )
-            self._inflight = _InFlight(thread, stats, errors)
-            stats.blocked_s = time.perf_counter() - t0
-            thread.start()
-        else:
-            self._write(step, pieces, dict(train_state), stats, to_memory, memory_turn)
-            stats.blocked_s = time.perf_counter() - t0
-        self.history.append(stats)
+        self._inflight = self._start(step, pieces, train_state, stats, to_memory, memory_turn, t0, "save")
         return stats
 
     def _save_memory_only(self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any]) -> SaveStats:
@@ -191,21 +177,30 @@ class CheckpointManager:
         stats = SaveStats(step=step, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
                           persisted=False)
         memory_turn = self._memory_turn()
+        self._memory_inflight = self._start(step, pieces, train_state, stats, True, memory_turn, t0, "memory-save")
+        return stats
+
+    def _start(self, step, pieces, train_state, stats: SaveStats, to_memory: bool, memory_turn, t0: float,
+               what: str) -> _InFlight | None:
+        """Write the snapshot ``pieces``: in a thread of its own when saving asynchronously (returned, to be
+        joined), else here; ``stats.blocked_s`` is the time since ``t0`` that training waited."""
+        inflight = None
         if self.async_save:
             errors: list[BaseException] = []
             thread = threading.Thread(
-                target=self._persist_guarded, args=(step, pieces, dict(train_state), stats, errors, True, memory_turn),
+                target=self._persist_guarded,
+                args=(step, pieces, dict(train_state), stats, errors, to_memory, memory_turn),
                 daemon=True,
-                name=f"moeckpt-memory-save-{step}",
+                name=f"moeckpt-{what}-{step}",
             )
-            self._memory_inflight = _InFlight(thread, stats, errors)
+            inflight = _InFlight(thread, stats, errors)
             stats.blocked_s = time.perf_counter() - t0
             thread.start()
         else:
-            self._write(step, pieces, dict(train_state), stats, True, memory_turn)
+            self._write(step, pieces, dict(train_state), stats, to_memory, memory_turn)
             stats.blocked_s = time.perf_counter() - t0
         self.history.append(stats)
-        return stats
+        return inflight
 
     def _memory_turn(self) -> tuple[threading.Event | None, threading.Event]:
         """The memory write scheduled before this one (to wait for) and this one's end (for the next)."""
