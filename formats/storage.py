@@ -87,6 +87,11 @@ class StorageReader(Protocol):
         the end of the file)."""
         ...
 
+    def read_into_parts(self, relpath: str, offset: int, parts: Sequence[memoryview]) -> int:
+        """Read the bytes of ``relpath`` from ``offset`` into ``parts`` one after another (a vectored read:
+        ``len(parts[0])`` bytes into the first, the next ones into the second, ...); returns the bytes read."""
+        ...
+
     def map(self, relpath: str, offset: int, length: int) -> tuple[Any, int] | None:
         """A private read-only mapping covering bytes ``[offset, offset + length)`` and where ``offset`` lies in
         it, or ``None`` where files cannot be mapped. Raises ``EOFError`` if the file is shorter (touching a
@@ -291,6 +296,15 @@ class CopyingReader:
         data = self.storage.read_range(relpath, offset, offset + len(out))
         out[: len(data)] = data
         return len(data)
+
+    def read_into_parts(self, relpath: str, offset: int, parts: Sequence[memoryview]) -> int:
+        data = memoryview(self.storage.read_range(relpath, offset, offset + sum(len(p) for p in parts)))
+        at = 0
+        for part in parts:
+            take = min(len(part), len(data) - at)
+            part[:take] = data[at : at + take]
+            at += take
+        return at
 
     def map(self, relpath: str, offset: int, length: int) -> None:
         return None

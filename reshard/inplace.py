@@ -13,22 +13,33 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
+from moeckpt.formats import dtypes
+from moeckpt.formats.box import Box
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
 
 from .chunks import ChunkReader, chunk_rows
-from .planner import ReadItem
+from .planner import ReadItem, TargetPiece
+from .slabs import RowSpan, row_spans, thread_buffer
 
 ReadInto = Callable[[PieceRef, int, int, torch.Tensor], bool]
+SegmentsInto = Callable[[PieceRef, list[tuple[int, memoryview]]], bool]
 
 
 def _cannot_read(ref: PieceRef, lo: int, hi: int, out: torch.Tensor) -> bool:
     """The in-place read of a session that has none: reads nothing."""
     del ref, lo, hi, out
+    return False
+
+
+def _cannot_read_segments(ref: PieceRef, segments: list[tuple[int, memoryview]]) -> bool:
+    """The vectored read of a session that has none: reads nothing."""
+    del ref, segments
     return False
 
 
@@ -69,9 +80,193 @@ class Stager:
             self.stream.synchronize()
 
 
-#: a job: (position, the read, its destination, and None for whole rows, or (c0, c1, d0): bytes [c0, c1) of
-#: each source row, landing at byte d0 of the matching row of the destination).
-Job = tuple[int, ReadItem, torch.Tensor, "tuple[int, int, int] | None"]
+#: a job: (position, the read, its destination, and None for whole rows, or where the read's bytes lie in each
+#: row of its stored piece and of the destination).
+Job = tuple[int, ReadItem, torch.Tensor, "RowSpan | None"]
+
+
+#: a span whose every range is at least this long is read by vectored reads straight into place; shorter ones
+#: are read into a reused buffer and copied (strided) into place, as a range per row would cost more than a copy.
+VECTORED_RANGE_BYTES = 64 * 1024
+#: a part of a span read through a buffer covers about this many bytes of file (cut at checksum blocks).
+COPY_PART_BYTES = 8 * 1024 * 1024
+
+
+def spans_in_place(
+    piece: TargetPiece, refs: Mapping[tuple[str, Box], PieceRef], dest: torch.Tensor
+) -> list[tuple[ReadItem, RowSpan]] | None:
+    """:func:`~.slabs.row_spans` of ``piece`` where :func:`read_in_place` can read them into ``dest``, else None.
+
+    Into CPU memory, long ranges are read straight into place and short ones through a buffer, unless the bytes
+    between them hold a whole checksum block (the rows would be read for a small part of each: the chunk cache
+    does that better). Into a device each range goes through a staging buffer on its own, so every source row
+    must be two checksum blocks or more (the ranges of different rows share no block: none is fetched twice)."""
+    if not dest.is_contiguous():
+        return None
+    refs_of = []
+    for item in piece.reads:
+        ref = refs.get((piece.tensor, item.src_box))
+        if ref is None or not ref.block_bytes or not ref.box.ndim or not ref.box.shape[0]:
+            return None
+        refs_of.append(ref)
+    if not refs_of:
+        return None
+    spans = row_spans(piece, dtypes.itemsize(refs_of[0].dtype))
+    if spans is None:
+        return None
+    for ref, (_, span) in zip(refs_of, spans):
+        row = ref.nbytes // ref.box.shape[0]
+        if dest.device.type != "cpu":
+            if span.sub != 1 or row < 2 * ref.block_bytes:
+                return None
+        elif span.c1 - span.c0 < VECTORED_RANGE_BYTES and row // span.sub - (span.c1 - span.c0) >= ref.block_bytes:
+            return None
+    return spans
+
+
+def _vectored_parts(
+    ref: PieceRef,
+    item: ReadItem,
+    dest: torch.Tensor,
+    span: RowSpan,
+    chunk_bytes: int,
+    bytes_into: ReadInto,
+    segments_into: SegmentsInto,
+) -> list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]]:
+    """The parts of a span of long ranges, each ``(fetched bytes, fill(target) -> bool, target)``.
+
+    The (sub-)rows' ranges (merged where they run on in the file and in ``dest``, cut at checksum blocks about every
+    ``chunk_bytes``) are read in groups: ranges that share a checksum block or lie in neighbouring blocks go
+    together, up to about ``chunk_bytes`` of file a group (never splitting a shared block), each group one
+    vectored read into every range's place; a range with an unneeded whole block before the next is read on its
+    own. Into a device every range is a part of its own (it goes through a staging buffer)."""
+    c0, c1, d0, sub = span
+    r0, r1 = item.rows
+    src_sub = ref.nbytes // ref.box.shape[0] // sub
+    block = ref.block_bytes
+    step = max(block, chunk_bytes // block * block)
+    flat = dest.reshape(-1).view(torch.uint8)
+    dest_sub = flat.numel() // (dest.shape[0] * sub)
+    t0 = (item.region.offsets[0] - item.target_box.offsets[0]) * sub  # target sub-row of source sub-row r0 * sub
+    merged: list[list[int]] = []  # [source byte, destination byte, length]
+    for s in range(r0 * sub, r1 * sub):
+        a, t = s * src_sub + c0, (t0 + s - r0 * sub) * dest_sub + d0
+        last = merged[-1] if merged else None
+        if last is not None and last[0] + last[2] == a and last[1] + last[2] == t:
+            last[2] += c1 - c0
+        else:
+            merged.append([a, t, c1 - c0])
+    ranges = []
+    for a, t, n in merged:
+        while n > 0:
+            cut = min(n, (a // step + 1) * step - a)
+            ranges.append((a, t, cut))
+            a, t, n = a + cut, t + cut, n - cut
+    cpu = dest.device.type == "cpu"
+    out: list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]] = []
+    group: list[tuple[int, int, int]] = []
+
+    def flush() -> None:
+        start, end = group[0][0], group[-1][0] + group[-1][2]
+        fetched = min(-(-end // block) * block, ref.nbytes) - start // block * block
+        fill: Callable[[torch.Tensor], bool]
+        if len(group) == 1:
+            a, t, n = group[0]
+            fill, target = functools.partial(bytes_into, ref, a, a + n), flat[t : t + n]
+        else:
+            views = [(a, flat[t : t + n].numpy().data) for a, t, n in group]
+            fill, target = functools.partial(_fill_segments, segments_into, ref, views), flat
+        out.append((fetched, fill, target))
+
+    for a, t, n in ranges:
+        if group:
+            start, end = group[0][0], group[-1][0] + group[-1][2]
+            last_block = (end - 1) // block
+            joins = a // block == last_block or (a // block == last_block + 1 and end - start < chunk_bytes)
+            if not cpu or not joins:
+                flush()
+                group = []
+        group.append((a, t, n))
+    if group:
+        flush()
+    return out
+
+
+def _fill_segments(segments_into: SegmentsInto, ref: PieceRef, views: list[tuple[int, memoryview]], target) -> bool:
+    """A part of scattered ranges: read into ``views`` (of ``target``, the whole destination)."""
+    del target
+    return segments_into(ref, views)
+
+
+def _copied_parts(
+    ref: PieceRef, item: ReadItem, dest: torch.Tensor, span: RowSpan, bytes_into: ReadInto
+) -> list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]]:
+    """The parts of a span of short ranges (CPU only): the file bytes from the first range to the last, cut at
+    checksum blocks about every :data:`COPY_PART_BYTES`, each part read (verified) into the thread's reused
+    buffer and copied from it into every range's place, one strided copy for the rows it holds whole."""
+    c0, c1, d0, sub = span
+    r0, r1 = item.rows
+    src_sub = ref.nbytes // ref.box.shape[0] // sub
+    flat = dest.reshape(-1).view(torch.uint8)
+    dest_sub = flat.numel() // (dest.shape[0] * sub)
+    s0, s1 = r0 * sub, r1 * sub  # source sub-rows
+    t0 = (item.region.offsets[0] - item.target_box.offsets[0]) * sub  # target sub-row of source sub-row s0
+    block = ref.block_bytes
+    step = max(block, COPY_PART_BYTES // block * block)
+    geometry = _Strided(src_sub, c0, c1, dest_sub, d0, s0, s1, t0)
+    lo, hi = s0 * src_sub + c0, (s1 - 1) * src_sub + c1
+    out: list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]] = []
+    a = lo
+    while a < hi:
+        b = min(hi, (a // step + 1) * step)
+        fetched = min(-(-b // block) * block, ref.nbytes) - a // block * block
+        out.append((fetched, functools.partial(_copy_through_buffer, bytes_into, ref, a, b, geometry), flat))
+        a = b
+    return out
+
+
+class _Strided(NamedTuple):
+    """Sub-row geometry of a span read through a buffer: bytes ``[c0, c1)`` of source sub-row ``s`` (of
+    ``src_sub`` bytes; ``[s0, s1)`` read) land at byte ``d0`` of target sub-row ``t0 + s - s0`` (of ``dest_sub``)."""
+
+    src_sub: int
+    c0: int
+    c1: int
+    dest_sub: int
+    d0: int
+    s0: int
+    s1: int
+    t0: int
+
+
+def _copy_through_buffer(bytes_into: ReadInto, ref: PieceRef, a: int, b: int, g: _Strided, flat: torch.Tensor) -> bool:
+    """Read bytes ``[a, b)`` of ``ref`` into this thread's buffer (verified), then copy every range they hold
+    into ``flat`` (the destination's bytes)."""
+    buf = thread_buffer(b - a)
+    if not bytes_into(ref, a, b, buf):
+        return False
+    seg = g.c1 - g.c0
+
+    def dest_at(s: int) -> int:
+        return (g.t0 + s - g.s0) * g.dest_sub + g.d0
+
+    # sub-rows overlapping [a, b), and those inside it whole
+    first = max(g.s0, (a - g.c1) // g.src_sub + 1)
+    last = min(g.s1, -(-(b - g.c0) // g.src_sub))
+    whole_lo = max(first, -(-(a - g.c0) // g.src_sub))
+    whole_hi = min(last, (b - g.c1) // g.src_sub + 1)
+    if whole_hi > whole_lo:
+        n = whole_hi - whole_lo
+        src = buf.as_strided((n, seg), (g.src_sub, 1), buf.storage_offset() + whole_lo * g.src_sub + g.c0 - a)
+        dst = flat.as_strided((n, seg), (g.dest_sub, 1), flat.storage_offset() + dest_at(whole_lo))
+        dst.copy_(src)
+    for s in {first, last - 1}:
+        if whole_lo <= s < whole_hi or not first <= s < last:
+            continue
+        x, y = max(a, s * g.src_sub + g.c0), min(b, s * g.src_sub + g.c1)
+        at = dest_at(s) + x - (s * g.src_sub + g.c0)
+        flat[at : at + y - x].copy_(buf[x - a : y - a])
+    return True
 
 
 def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_bytes: int) -> tuple[set[int], int]:
@@ -82,7 +277,9 @@ def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_
     no_read: ReadInto = _cannot_read
     rows_into: ReadInto = getattr(chunks.pieces, "read_rows_into", no_read)
     bytes_into: ReadInto = getattr(chunks.pieces, "read_bytes_into", no_read)
-    usable = [j for j in jobs if (rows_into if j[3] is None else bytes_into) is not no_read]
+    segments_into: SegmentsInto = getattr(chunks.pieces, "read_segments_into", _cannot_read_segments)
+    spans_ok = bytes_into is not no_read and segments_into is not _cannot_read_segments
+    usable = [j for j in jobs if (rows_into is not no_read if j[3] is None else spans_ok)]
     failed = {j[0] for j in jobs} - {j[0] for j in usable}
     if not usable:
         return failed, 0
@@ -106,19 +303,14 @@ def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_
                 part_bytes = max(part_bytes, (hi - lo) * row)
                 lo = hi
         else:
-            c0, c1, d0 = span
-            item_bytes = dest.element_size()
-            flat = dest.reshape(-1)
-            dest_row = dest.numel() // dest.shape[0] * item_bytes
-            first = item.region.offsets[0] - item.target_box.offsets[0]  # target row of source row r0
-            for r in range(r0, r1):
-                a, b = r * row + c0, r * row + c1
-                start = ((first + r - r0) * dest_row + d0) // item_bytes
-                block = ref.block_bytes
-                fetched = min(-(-b // block) * block, ref.nbytes) - a // block * block
-                target = flat[start : start + (c1 - c0) // item_bytes]
-                parts.append((pos, fetched, functools.partial(bytes_into, ref, a, b), target))
-                part_bytes = max(part_bytes, c1 - c0)
+            if span.c1 - span.c0 >= VECTORED_RANGE_BYTES or dest.device.type != "cpu":
+                found = _vectored_parts(ref, item, dest, span, chunk_bytes, bytes_into, segments_into)
+            else:
+                found = _copied_parts(ref, item, dest, span, bytes_into)
+            for fetched, fill_part, target in found:
+                parts.append((pos, fetched, fill_part, target))
+                if target.device.type != "cpu":  # the staging buffers' size
+                    part_bytes = max(part_bytes, target.numel() * target.element_size())
 
     def run(fill: Callable[[torch.Tensor], bool], dest: torch.Tensor) -> bool:
         if dest.device.type == "cpu":

@@ -34,7 +34,7 @@ from moeckpt.formats.storage import is_url
 
 from .chunks import ChunkReader, reads_started_ahead
 from .collectives import all_gather_json
-from .inplace import Job, read_in_place
+from .inplace import Job, read_in_place, spans_in_place
 from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
@@ -42,7 +42,7 @@ from .placement import is_stored
 from .planner import ReshardPlan, SourcePiece, SourcePositions, plan_load
 from .rank_exchange import Summary, decide, gather_summaries, rank_exchange, summarize
 from .runtime import paused_gc, single_threaded_torch
-from .slabs import assemble, direct_read, row_spans
+from .slabs import assemble, direct_read
 
 RankState = dict[str, list[tuple[Box, torch.Tensor]]]
 
@@ -235,8 +235,8 @@ def _load_alone(
         for pos, p in enumerate(pieces):
             if (r := direct_read(p)) is not None:
                 jobs.append((pos, r, dests[pos], None))
-            elif (spans := _row_spans(p, refs)) is not None:
-                jobs += [(pos, item, dests[pos], (c0, c1, d0)) for item, c0, c1, d0 in spans]
+            elif (spans := spans_in_place(p, refs, dests[pos])) is not None:
+                jobs += [(pos, item, dests[pos], span) for item, span in spans]
         with ThreadPoolExecutor(1) as one:
             in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
             direct = {job[0] for job in jobs}
@@ -252,20 +252,6 @@ def _load_alone(
     for piece, dest in zip(pieces, dests):
         state.setdefault(piece.tensor, []).append((piece.box, dest))
     return state
-
-
-def _row_spans(piece, refs):
-    """:func:`~.slabs.row_spans` of ``piece`` where every source row is two checksum blocks or more (so the ranges
-    of different rows do not share blocks: no block is fetched twice), else None."""
-    found = []
-    for item in piece.reads:
-        ref = refs.get((piece.tensor, item.src_box))
-        if ref is None or not ref.block_bytes or not ref.box.ndim or not ref.box.shape[0]:
-            return None
-        if ref.nbytes // ref.box.shape[0] < 2 * ref.block_bytes:
-            return None
-        found.append(ref)
-    return row_spans(piece, dtypes.itemsize(found[0].dtype), found[0].block_bytes) if found else None
 
 
 def _given(out, piece, dest: torch.Tensor) -> bool:

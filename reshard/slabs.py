@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -50,33 +51,60 @@ def direct_read(piece: TargetPiece) -> ReadItem | None:
     return r
 
 
-def row_spans(piece: TargetPiece, itemsize: int, min_bytes: int) -> list[tuple[ReadItem, int, int, int]] | None:
-    """Where every read of ``piece`` is, within each row of its stored piece and of the target box, one contiguous
-    byte range of at least ``min_bytes`` (a TP rank's slice of each expert's matrix split along dim 1, or the
-    gate and up halves of a fused one): per read, ``(read, c0, c1, d0)``, bytes ``[c0, c1)`` of each source row
-    landing at byte ``d0`` of the matching target row. None otherwise. Such a box is read one range per row."""
+def row_bytes_of(region: Box, box: Box, itemsize: int, depth: int = 1) -> tuple[int, int] | None:
+    """Bytes ``[c0, c1)`` that ``region`` takes within each sub-row of ``box`` (which it lies in), a sub-row being
+    the slice at one index of dims ``[0, depth)``, where they are one contiguous range (row-major: every dim after
+    the first partial one whole, every one before it of size one); None where they are not."""
+    n = box.ndim
+    k = next((d for d in range(depth, n) if region.shape[d] != 1), n - 1)
+    if any(region.shape[d] != box.shape[d] for d in range(k + 1, n)):
+        return None
+    stride, c0 = itemsize, 0
+    for d in reversed(range(depth, n)):
+        c0 += (region.offsets[d] - box.offsets[d]) * stride
+        stride *= box.shape[d]
+    inner = itemsize
+    for d in range(depth, n):
+        inner *= region.shape[d]
+    return c0, c0 + inner
+
+
+class RowSpan(NamedTuple):
+    """Where a read's bytes lie in the rows of its stored piece and of the target box: bytes ``[c0, c1)`` of
+    each source sub-row land at byte ``d0`` of the matching target sub-row; a row (dim 0) is ``sub`` sub-rows
+    (the slices at one index of its first dims that both boxes hold whole)."""
+
+    c0: int
+    c1: int
+    d0: int
+    sub: int = 1
+
+
+def row_spans(piece: TargetPiece, itemsize: int) -> list[tuple[ReadItem, RowSpan]] | None:
+    """Where every read of ``piece`` is, within each (sub-)row of its stored piece and of the target box, one
+    contiguous byte range (a TP rank's slice of each expert's matrix split along dim 1; the TP halves of a matrix
+    loaded whole, split along its last dim or not; row ranges of several stored pieces): per read, its
+    :class:`RowSpan` at the shallowest sub-row depth where there is one. None otherwise. Such a box is read
+    straight into its place (:mod:`.inplace`), without assembly."""
     box = piece.box
-    if not piece.reads or box.ndim < 2:
+    if not piece.reads or box.ndim < 1 or box.is_empty():
         return None
     out = []
     for r in piece.reads:
         src, region = r.src_box, r.region
-        partial = [d for d in range(1, src.ndim) if region.shape[d] != src.shape[d]]
-        if len(partial) != 1:
+        for depth in range(1, max(2, box.ndim)):
+            if any(region.shape[d] != src.shape[d] or region.shape[d] != box.shape[d] for d in range(1, depth)):
+                return None  # a deeper sub-row would not map source sub-rows onto target sub-rows one to one
+            in_src = row_bytes_of(region, src, itemsize, depth)
+            in_box = row_bytes_of(region, box, itemsize, depth)
+            if in_src is not None and in_box is not None:
+                sub = 1
+                for d in range(1, depth):
+                    sub *= box.shape[d]
+                out.append((r, RowSpan(in_src[0], in_src[1], in_box[0], sub)))
+                break
+        else:
             return None
-        k = partial[0]
-        if any(src.shape[d] != 1 or box.shape[d] != 1 for d in range(1, k)):
-            return None  # the slice is strided within a row
-        if any(region.shape[d] != box.shape[d] for d in range(k + 1, box.ndim)):
-            return None
-        inner = itemsize
-        for d in range(k + 1, src.ndim):
-            inner *= src.shape[d]
-        c0 = (region.offsets[k] - src.offsets[k]) * inner
-        c1 = c0 + region.shape[k] * inner
-        if c1 - c0 < min_bytes:
-            return None
-        out.append((r, c0, c1, (region.offsets[k] - box.offsets[k]) * inner))
     return out
 
 
@@ -114,7 +142,7 @@ def slabs(
         n = min(per, box.shape[0] - lo)
         sbox = Box((box.offsets[0] + lo,) + box.offsets[1:], (n,) + box.shape[1:])
         if reuse:
-            out = _buffer(sbox.numel * dtypes.itemsize(dtype)).view(torch_dtype).reshape(sbox.shape)
+            out = thread_buffer(sbox.numel * dtypes.itemsize(dtype)).view(torch_dtype).reshape(sbox.shape)
         else:
             out = torch.empty(sbox.shape, dtype=torch_dtype)
         if fill(out, sbox, piece.reads, chunks) != sbox.numel:
@@ -152,7 +180,7 @@ def assemble(piece: TargetPiece, dtype: str, chunks: ChunkReader) -> torch.Tenso
 _local = threading.local()
 
 
-def _buffer(nbytes: int) -> torch.Tensor:
+def thread_buffer(nbytes: int) -> torch.Tensor:
     """A per-thread byte buffer of at least ``nbytes``, reused across slabs."""
     buf = getattr(_local, "buf", None)
     if buf is None or buf.numel() < nbytes:

@@ -30,7 +30,7 @@ from moeckpt.formats.errors import (
 
 from . import collectives
 from .chunks import ChunkReader, reads_started_ahead
-from .inplace import Job, read_in_place
+from .inplace import Job, read_in_place, spans_in_place
 from .load import LoadStats, _refs_for
 from .mesh import local_boxes
 from .options import LoadOptions
@@ -232,13 +232,19 @@ def _read_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats, op
     views = [view for _, _, view in wanted]
     index = reader.index
     pieces = rank_plan.pieces
-    # A box that is full-width rows of one stored piece, into a CPU tensor of the stored dtype that is contiguous,
-    # is read straight into it by the fill threads (verified as it lands); this thread fills the others meanwhile.
+    # A box whose every stored source row lands in one contiguous range of each of its rows (full-width rows of
+    # one stored piece, TP halves of a matrix loaded whole, an expert's TP slice), into a CPU tensor of the stored
+    # dtype that is contiguous, is read straight into it by the fill threads (verified as it lands); this thread
+    # assembles the others through the chunk cache meanwhile.
     jobs: list[Job] = []
     for pos, piece in enumerate(pieces):
         out = views[pos]
-        if _takes_bytes(out, index.tensors[piece.tensor].dtype) and (r := direct_read(piece)) is not None:
+        if not _takes_bytes(out, index.tensors[piece.tensor].dtype):
+            continue
+        if (r := direct_read(piece)) is not None:
             jobs.append((pos, r, out, None))
+        elif (spans := spans_in_place(piece, refs, out)) is not None:
+            jobs += [(pos, item, out, span) for item, span in spans]
     direct = {job[0] for job in jobs}
     with ChunkReader(
         reader,

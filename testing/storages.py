@@ -148,6 +148,23 @@ class StorageTests:
         finally:
             session.close()
 
+    def test_read_session_reads_into_parts_in_order(self, storage):
+        """A vectored read fills the buffers one after another, past the most buffers one system call takes, and
+        stops at the end of the file."""
+        data = _payload(10_000, seed=4)
+        storage.write_bytes("v.bin", data)
+        session = storage.open_reader()
+        try:
+            sizes = [1, 0, 7, 3] * 700  # 2,800 buffers, 7,700 bytes
+            parts = [memoryview(bytearray(n)) for n in sizes]
+            assert session.read_into_parts("v.bin", 1000, parts) == sum(sizes)
+            assert b"".join(bytes(p) for p in parts) == data[1000 : 1000 + sum(sizes)]
+            tail = [memoryview(bytearray(30)), memoryview(bytearray(30))]
+            assert session.read_into_parts("v.bin", 9950, tail) == 50
+            assert bytes(tail[0]) + bytes(tail[1][:20]) == data[9950:]
+        finally:
+            session.close()
+
     # -- commits -----------------------------------------------------------------------------------------
     def test_commit_strategy_publishes_the_index_last(self, storage):
         location = storage.path("ckpt")

@@ -337,34 +337,49 @@ class SafetensorsReader:
     def read_bytes_into(self, ref: PieceRef, a: int, b: int, out: torch.Tensor) -> bool:
         """Bytes ``[a, b)`` of ``ref``'s data straight into ``out`` (contiguous, CPU, ``b - a`` bytes), verified
         as :meth:`read_rows_into`: a contiguous part of a row (one TP rank's slice of an expert's matrix)."""
-        if not self._files.direct or not ref.box.ndim or b <= a or out.device.type != "cpu":
+        if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() != b - a:
             return False
-        if not out.is_contiguous() or out.numel() * out.element_size() != b - a or b > ref.nbytes:
+        return self.read_segments_into(ref, [(a, out.reshape(-1).view(torch.uint8).numpy().data)])
+
+    def read_segments_into(self, ref: PieceRef, segments: Sequence[tuple[int, memoryview]]) -> bool:
+        """Each ``(offset, buffer)`` of ``segments`` (sorted, not overlapping) filled with ``len(buffer)`` bytes of
+        ``ref``'s data from ``offset``, in one vectored read of the checksum blocks around them, every block
+        verified: the bytes between and around the segments land in scratch and are hashed with them. What a box
+        made of several stored pieces (a TP-split matrix loaded whole) is read with, each source row straight
+        into its place in the destination row. False (nothing read) where this session cannot: a storage
+        without direct reads, a 0-d or empty piece, segments out of the piece."""
+        if not self._files.direct or not ref.box.ndim or not segments or not ref.block_bytes:
+            return False
+        a, b = segments[0][0], segments[-1][0] + len(segments[-1][1])
+        if a < 0 or b > ref.nbytes or b <= a:
             return False
         block = ref.block_bytes
         b0 = a // block
         read_lo, read_hi = b0 * block, min(-(-b // block) * block, ref.nbytes)
-        parts = [
-            memoryview(bytearray(a - read_lo)),
-            out.reshape(-1).view(torch.uint8).numpy().data,
-            memoryview(bytearray(read_hi - b)),
-        ]
+        gaps = [off - end for (off, _), end in zip(segments, [read_lo] + [o + len(m) for o, m in segments[:-1]])]
+        if min(gaps) < 0:
+            return False
+        scratch = torch.empty(sum(gaps) + read_hi - b, dtype=torch.uint8).numpy().data
+        parts: list[memoryview] = []
+        at = 0
+        for gap, (_, buf) in zip(gaps, segments):
+            if gap:
+                parts.append(scratch[at : at + gap])
+                at += gap
+            parts.append(buf.cast("B") if buf.format != "B" else buf)
+        if read_hi > b:
+            parts.append(scratch[at:])
         where = self.storage.path(ref.file)
-        offset = ref.start + read_lo
-        for part in parts:
-            if not len(part):
-                continue
-            try:
-                got = self._files.read_into(ref.file, offset, part)
-            except FileNotFoundError:
-                raise DataFileError(
-                    f"{where}: data file is missing (listed in the index); the checkpoint is incomplete"
-                ) from None
-            except StorageError as e:
-                raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
-            if got != len(part):
-                raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
-            offset += len(part)
+        try:
+            got = self._files.read_into_parts(ref.file, ref.start + read_lo, parts)
+        except FileNotFoundError:
+            raise DataFileError(
+                f"{where}: data file is missing (listed in the index); the checkpoint is incomplete"
+            ) from None
+        except StorageError as e:
+            raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
+        if got != read_hi - read_lo:
+            raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
         _verify_parts(parts, b0, ref, where)
         return True
 

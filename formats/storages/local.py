@@ -158,6 +158,10 @@ class LocalStorage(Storage):
             os.close(fd)
 
 
+#: the most buffers one ``preadv`` call takes.
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
 class LocalFiles:
     """The read session of local disk: files kept open for ``preadv`` (thread-safe on one descriptor), private
     mappings, and kernel read-ahead hints.
@@ -196,6 +200,24 @@ class LocalFiles:
             raise
         except OSError as e:
             raise storage_error(e, f"reading bytes {offset}..{offset + len(out)}", self.storage.path(relpath)) from e
+
+    def read_into_parts(self, relpath: str, offset: int, parts: Sequence[memoryview]) -> int:
+        fd = self.fd(relpath)
+        got = 0
+        for i in range(0, len(parts), _IOV_MAX):  # preadv takes at most IOV_MAX buffers a call
+            batch = parts[i : i + _IOV_MAX]
+            want = sum(len(p) for p in batch)
+            try:
+                n = os.preadv(fd, batch, offset + got)
+            except FileNotFoundError:
+                raise
+            except OSError as e:
+                where = self.storage.path(relpath)
+                raise storage_error(e, f"reading bytes {offset + got}..{offset + got + want}", where) from e
+            got += n
+            if n < want:  # the end of the file
+                break
+        return got
 
     def map(self, relpath: str, offset: int, length: int) -> tuple[mmap.mmap, int]:
         """A private (copy-on-write) mapping: nothing written through it reaches the file; its pages are unmapped
