@@ -142,19 +142,18 @@ class StorageWriter(_DcpWriter):
             tensors[fqn] = entry
             data = data.detach()
             pieces.append(Piece(fqn, box, data if data.device.type == "cpu" else data.cpu()))
-            results.append(WriteResult(item.index, box.numel * dtypes.itemsize(entry.dtype), {"writer": writer}))
+            # The writer alone: the coordinator unpickles every rank's results, and a dict per item (with the
+            # file list) made that several times slower.
+            results.append(WriteResult(item.index, box.numel * dtypes.itemsize(entry.dtype), writer))
         files = get_backend(self.format).write(staging_storage(self._where()), writer, pieces, tensors)
-        for r in results:
-            if "writer" in r.storage_data:
-                r.storage_data["files"] = [[f.path, f.size, f.checksum] for f in files]
-        if not results:  # a rank with nothing to write still reports its (empty) file
-            results.append(
-                WriteResult(
-                    MetadataIndex(f"__moeckpt_empty_rank_{writer}"),
-                    0,
-                    {"writer": writer, "files": [[f.path, f.size, f.checksum] for f in files]},
-                )
+        # The rank's files (an empty one for a rank with nothing to write) travel in one result of their own.
+        results.append(
+            WriteResult(
+                MetadataIndex(f"__moeckpt_rank_{writer}_files"),
+                0,
+                {"writer": writer, "files": [[f.path, f.size, f.checksum] for f in files]},
             )
+        )
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -164,7 +163,7 @@ class StorageWriter(_DcpWriter):
         values: dict[str, Any] = {}
         for rank_results in results:
             for r in rank_results:
-                data = r.storage_data or {}
+                data = r.storage_data if isinstance(r.storage_data, dict) else {}
                 if "value" in data:
                     values[r.index.fqn] = data["value"]
                 for path, size, checksum in data.get("files", []):
