@@ -24,6 +24,7 @@ from ..errors import DataFileError, MoeckptError, StorageError
 from ..index import FileEntry, TensorEntry
 from ..pieces import CHECKSUM_BLOCK_BYTES, Piece, block_checksums, tensor_bytes
 from ..storage import Storage
+from ..writeback import start_writeback
 
 NAME = "safetensors"
 #: header size limit, as in the safetensors reference implementation (100 MB): refuses hostile lengths early.
@@ -296,13 +297,8 @@ class _Coalescer:
 
 
 class _WritebackKick:
-    """Starts the disk writeback of what was written so far, every ``EVERY`` bytes, without waiting for it.
-
-    The kernel would otherwise keep a checkpoint's pages dirty until the final fsync and only then write them, so
-    the disk idles while we hash and copy and the CPU idles while the disk works. ``POSIX_FADV_DONTNEED`` on a
-    written range submits it for writeback at once (asynchronously); the closing fsync then finds most of the
-    file already on disk. It is only a hint: where it is unavailable the save is merely slower.
-    """
+    """Starts the disk writeback of what was written so far, every ``EVERY`` bytes, without waiting for it
+    (:func:`~moeckpt.formats.writeback.start_writeback`): the closing fsync then finds most of the file on disk."""
 
     EVERY = 32 << 20
 
@@ -310,18 +306,15 @@ class _WritebackKick:
         self._f = f
         self._done = start  # bytes already handed to the kernel for writeback (the header placeholder is not)
         self._pos = start
-        self._on = hasattr(os, "posix_fadvise")
+        self._on = True
 
     def wrote(self, n: int) -> None:
         self._pos += n
         if not self._on or self._pos - self._done < self.EVERY:
             return
         self._f.flush()
-        try:
-            os.posix_fadvise(self._f.fileno(), self._done, self._pos - self._done, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            self._on = False  # a filesystem that refuses the hint: keep saving, just without the overlap
-            return
+        # where no hint works for this file: keep saving, just without the overlap
+        self._on = start_writeback(self._f.fileno(), self._done, self._pos - self._done)
         self._done = self._pos
 
 
@@ -429,7 +422,7 @@ def write_file_stream(
     def _feed(sink, fd: int | None) -> None:
         pending = 0
         end = head_len  # where the data written so far ends in the file
-        hinted = [head_len, head_len]  # where the last two writeback hints began
+        hinted = head_len  # where the data not yet handed to the writeback begins
         for pos, data in chunks:
             mv = memoryview(data).cast("B")
             written[pos] += len(mv)
@@ -441,11 +434,11 @@ def write_file_stream(
             end += len(mv)
             if fd is not None and pending >= _WRITEBACK_BYTES:
                 # Start writing back what was written since the last hint, so the final fsync waits for the tail
-                # only; the window before it, written back by now, is dropped from the page cache by the same
-                # hint. Not the whole file each time: that walks every page written so far again.
+                # only. Not the whole file each time: that walks every page written so far again.
                 sink.flush()
-                os.posix_fadvise(fd, hinted[0], end - hinted[0], os.POSIX_FADV_DONTNEED)
-                hinted = [hinted[1], end]
+                if not start_writeback(fd, hinted, end - hinted):
+                    fd = None
+                hinted = end
                 pending = 0
         for pos, (t, b) in enumerate(layout):
             if written[pos] != sizes[pos]:
@@ -496,8 +489,8 @@ _WRITEBACK_BYTES = 64 * 1024 * 1024
 
 
 def _writeback_fd(sink) -> int | None:
-    """The descriptor of a local file to start writeback on, or None (platforms without fadvise)."""
-    if not hasattr(os, "posix_fadvise") or not hasattr(sink, "fileno"):
+    """The descriptor of a local file to start writeback on, or None."""
+    if not hasattr(sink, "fileno"):
         return None
     try:
         return sink.fileno()

@@ -1,0 +1,63 @@
+"""Starting a save's writeback early: sync_file_range on Linux, the fadvise fallback, and files that take neither."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moeckpt.formats import writeback
+from moeckpt.formats.backends.safetensors_write import write_file
+from moeckpt.formats.box import Box
+from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.pieces import Piece
+from moeckpt.formats.storages.local import LocalStorage
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux's")
+def test_linux_starts_writeback_with_sync_file_range(tmp_path):
+    assert writeback._SYNC is not None
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, b"x" * 100_000)
+        assert writeback.start_writeback(fd, 0, 100_000)
+    finally:
+        os.close(fd)
+
+
+def test_without_sync_file_range_fadvise_starts_it_and_a_pipe_takes_no_hint(tmp_path, monkeypatch):
+    monkeypatch.setattr(writeback, "_SYNC", None)
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, b"x" * 10_000)
+        assert writeback.start_writeback(fd, 0, 10_000) == hasattr(os, "posix_fadvise")
+    finally:
+        os.close(fd)
+    r, w = os.pipe()
+    try:
+        assert not writeback.start_writeback(w, 0, 10)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_file_that_refuses_the_hint_is_still_saved(tmp_path, monkeypatch):
+    """Every hint failing (a filesystem that supports neither): the save goes on, the same bytes."""
+    calls = []
+
+    def refused(fd, offset, length):
+        calls.append(length)
+        return False
+
+    monkeypatch.setattr("moeckpt.formats.backends.safetensors_write.start_writeback", refused)
+    data = torch.arange(24 << 20, dtype=torch.float32)  # 96 MiB: past the first hint
+    entry = TensorEntry(name="t", shape=tuple(data.shape), dtype="float32", role="param", param="t", sharding={})
+    storage = LocalStorage(str(tmp_path))
+    got = write_file(storage, "a.safetensors", [Piece("t", Box.full(entry.shape), data)], {"t": entry})
+    assert len(calls) == 1  # asked once, then no more
+    assert got.size == os.path.getsize(tmp_path / "a.safetensors")
+    (stored,) = load_file(str(tmp_path / "a.safetensors")).values()  # the one piece, under its piece key
+    assert torch.equal(stored, data)
