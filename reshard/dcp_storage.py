@@ -57,6 +57,7 @@ from moeckpt.formats.pieces import Piece
 
 from .placement import STORED, is_stored, placements
 from .planner import source_layout
+from .runtime import paused_gc
 from .state_dict import StateDictError, leaf_of
 from .state_save import GENERIC_MODEL
 
@@ -115,6 +116,10 @@ class StorageWriter(_DcpWriter):
         return dataclasses.replace(plan, storage_data=self.rank)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        with paused_gc():
+            return self._prepare_global_plan(plans)
+
+    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator prepares the destination before any rank writes (DCP runs this between the local plans
         # and the writes; an error here reaches every rank through DCP).
         tensors, boxes = _tensors_of(plans)
@@ -123,6 +128,12 @@ class StorageWriter(_DcpWriter):
         return [dataclasses.replace(p, storage_data=i) for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        # Without the collector's pauses, as moeckpt.save: the objects DCP's planning made just before would
+        # otherwise be walked by full collections here (see paused_gc), and leave the pause in the oldest generation.
+        with paused_gc():
+            return self._write_data(plan, planner)
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         writer = int(plan.storage_data if plan.storage_data is not None else self.rank)
         pieces, tensors, results, values = [], {}, [], {}
         for item in plan.items:
@@ -159,6 +170,10 @@ class StorageWriter(_DcpWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        with paused_gc():
+            self._finish(metadata, results)
+
+    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         files: dict[str, FileEntry] = {}
         values: dict[str, Any] = {}
         for rank_results in results:
@@ -277,6 +292,10 @@ class StorageReader(_DcpReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        with paused_gc():
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         reader = self._open()
         refs = {(r.tensor, r.box.offsets): r for r in reader.pieces(tensors={i.storage_index.fqn for i in plan.items})}
         for item in plan.items:
