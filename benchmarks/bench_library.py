@@ -2,7 +2,8 @@
 
 CPU mode (default): four gloo processes hold a ZAYA training state (bf16 parameters, fp32 master and AdamW
 moments) as DTensors on a (edp, ep, tp) mesh of layout ``--save-layout`` (``benchmarks/dcp_state.py``), built
-before any timing. Each repetition (method order rotated) times, from a barrier to a barrier:
+before any timing. After ``--warmup`` untimed rounds (kept apart in the JSON), each repetition (method order
+rotated) times, from a barrier to a barrier, each method starting from a collected heap:
 
 * ``save``: ``moeckpt.save(sd)`` vs ``dcp.save(sd)`` (DCP's FileSystemWriter, fsynced) vs
   ``dcp.save(sd, storage_writer=moeckpt.dcp.StorageWriter(...))``;
@@ -23,6 +24,7 @@ Results (every repetition and the medians) go to ``docs/benchmarks/library.json`
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -53,6 +55,9 @@ def _layout(text: str) -> Layout:
 
 
 def _timed(fn) -> float:
+    # Every method starts from a collected heap: DCP's planning leaves many objects behind, and the full
+    # collection they trigger would otherwise fall on whichever method runs next.
+    gc.collect()
     dist.barrier()
     t0 = time.perf_counter()
     fn()
@@ -88,7 +93,9 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         "dcp": lambda: dcp.load(target, checkpoint_id=paths["dcp"]),
     }
     times: dict[str, dict[str, list[float]]] = {"save": {m: [] for m in SAVES}, "load": {m: [] for m in LOADS}}
-    for rep in range(args.reps):
+    warmup: dict[str, dict[str, list[float]]] = {"save": {m: [] for m in SAVES}, "load": {m: [] for m in LOADS}}
+    for rep in range(-args.warmup, args.reps):
+        into = warmup if rep < 0 else times
         order = SAVES[rep % len(SAVES):] + SAVES[: rep % len(SAVES)]
         for m in order:
             # Every method starts from nothing on disk and no dirty pages: the previous output is removed (and
@@ -97,14 +104,19 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
                 if os.path.exists(paths[m]):
                     shutil.rmtree(paths[m])
                 os.sync()
+                time.sleep(args.settle)
             dist.barrier()
-            times["save"][m].append(_timed(savers[m]))
+            into["save"][m].append(_timed(savers[m]))
         lorder = LOADS[rep % len(LOADS):] + LOADS[: rep % len(LOADS)]
         for m in lorder:
-            times["load"][m].append(_timed(loaders[m]))
+            if rank == 0:  # the saves' writeback done, as before each save (the files stay in the page cache)
+                os.sync()
+                time.sleep(args.settle)
+            dist.barrier()
+            into["load"][m].append(_timed(loaders[m]))
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"times": times, "state_bytes": state_bytes}, f)
+            json.dump({"times": times, "warmup": warmup, "state_bytes": state_bytes}, f)
     dist.destroy_process_group()
 
 
@@ -125,6 +137,7 @@ def cpu_main(args) -> dict:
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "ranks": world, "save_layout": args.save_layout, "load_layout": args.load_layout,
         "state_bytes": nbytes, "reps": args.reps, "times_s": times, "median_s": med,
+        "warmup_s": raw["warmup"],
         "ratios": {
             "save_vs_dcp": med["save"]["dcp"] / med["save"]["moeckpt"],
             "load_vs_dcp": med["load"]["dcp"] / med["load"]["moeckpt"],
@@ -202,14 +215,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gb", type=float, default=1.07, help="state size in GB")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds first (CPU mode; their times are kept apart in the JSON): a fresh process "
+                        "and a fresh virtual machine pay first-touch page faults that later saves do not")
     p.add_argument("--save-layout", default="2,2,2", help="tp,ep,dp of the saving mesh")
     p.add_argument("--load-layout", default="1,2,4", help="tp,ep,dp of the loading mesh")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds to wait after flushing the page cache before each save and load (CPU mode): a "
+                        "virtual disk keeps writing the last save back for a while after the guest's sync returns, "
+                        "on host cores the guest's share")
     p.add_argument("--gpu", action="store_true", help="the GPU async-save comparison instead")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where results go")
     args = p.parse_args()
-    if args.gb <= 0 or args.reps < 1:
-        raise SystemExit("--gb must be positive and --reps at least 1")
+    if args.gb <= 0 or args.reps < 1 or args.warmup < 0 or args.settle < 0:
+        raise SystemExit("--gb must be positive, --reps at least 1, --warmup and --settle not negative")
     scratch = args.dir or tempfile.mkdtemp(prefix="moeckpt-bench-library-")
     args.dir = scratch
     try:
