@@ -4,7 +4,8 @@
 The checkpoint is a torchtitan-named Qwen3-MoE (``qwen3moe-30b-a3b``'s proportions, widened to ``--gb``) with fp32
 parameters and AdamW moments (``optimizer.state.<fqn>.exp_avg``...), written by ``dcp.save`` from 4 gloo ranks as
 DTensors on a (fsdp 2, tp 2) mesh: ``Shard(0)`` over fsdp, torchtitan's TP splits, one ``__R_0.distcp`` file per
-rank. Then, each in a fresh process with the page cache dropped before it (``--reps`` rounds, median kept):
+rank. Then, each in a fresh process with the page cache dropped before it and ``--settle`` seconds of quiet
+(``--reps`` rounds, median kept):
 
 1. ``cp -r`` of the DCP directory followed by ``sync`` (target: import >= 0.8x its throughput);
 2. ``import-dcp --mapping torchtitan`` into ``--target`` (default tp=2, ep=2, dp=2), safetensors, with its peak RSS
@@ -104,13 +105,16 @@ def write_worker(rank: int, world: int, port: int, gb: float, path: str) -> None
     dist.destroy_process_group()
 
 
-def settle() -> None:
+def settle(seconds: float) -> None:
+    """Flush and drop the page cache, then wait: a virtual disk keeps writing the previous method's output back
+    for a while after the guest's sync returns, on host cores the guest shares."""
     os.sync()
     try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
     except OSError:
         pass
+    time.sleep(seconds)
 
 
 def free_port() -> int:
@@ -159,7 +163,7 @@ def run_once(method: str, args, src: str, spec: ModelSpec) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     if os.path.exists(out + ".pt"):
         os.remove(out + ".pt")
-    settle()
+    settle(args.settle)
     t0 = time.perf_counter()
     if method == "cp":
         subprocess.run(["cp", "-r", src, out], check=True)
@@ -207,6 +211,8 @@ def main() -> None:
     ap.add_argument("--target", default="tp=2,ep=2,dp=2", help="layout import-dcp writes")
     ap.add_argument("--workers", type=int, default=4, help="import-dcp's writer threads")
     ap.add_argument("--reps", type=int, default=3, help="rounds of the three methods; the median of each is kept")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait after dropping the page cache before "
+                    "each method")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where JSON and PNG go")
     args = ap.parse_args()
     if args.gb <= 0 or args.reps < 1 or args.workers < 1:

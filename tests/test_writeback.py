@@ -52,7 +52,7 @@ def test_a_file_that_refuses_the_hint_is_still_saved(tmp_path, monkeypatch):
         calls.append(length)
         return False
 
-    monkeypatch.setattr("moeckpt.formats.backends.safetensors_write.start_writeback", refused)
+    monkeypatch.setattr(writeback, "start_writeback", refused)
     data = torch.arange(24 << 20, dtype=torch.float32)  # 96 MiB: past the first hint
     entry = TensorEntry(name="t", shape=tuple(data.shape), dtype="float32", role="param", param="t", sharding={})
     storage = LocalStorage(str(tmp_path))
@@ -61,3 +61,15 @@ def test_a_file_that_refuses_the_hint_is_still_saved(tmp_path, monkeypatch):
     assert got.size == os.path.getsize(tmp_path / "a.safetensors")
     (stored,) = load_file(str(tmp_path / "a.safetensors")).values()  # the one piece, under its piece key
     assert torch.equal(stored, data)
+
+
+def test_ranges_are_started_in_the_background_in_order_and_close_waits_for_them(monkeypatch):
+    seen = []
+    monkeypatch.setattr(writeback, "start_writeback", lambda fd, offset, length: seen.append((fd, offset, length)) or True)
+    with writeback.Writeback(7) as wb:
+        for k in range(5):
+            wb.start(k * 10, 10)
+    assert seen == [(7, k * 10, 10) for k in range(5)]  # all of them started before the block was left
+    with writeback.Writeback(None) as idle:  # no file: nothing runs
+        idle.start(0, 10)
+    assert idle._thread is None and len(seen) == 5

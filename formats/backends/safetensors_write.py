@@ -24,7 +24,7 @@ from ..errors import DataFileError, MoeckptError, StorageError
 from ..index import FileEntry, TensorEntry
 from ..pieces import CHECKSUM_BLOCK_BYTES, Piece, block_checksums, tensor_bytes
 from ..storage import Storage
-from ..writeback import start_writeback
+from ..writeback import Writeback
 
 NAME = "safetensors"
 #: header size limit, as in the safetensors reference implementation (100 MB): refuses hostile lengths early.
@@ -85,9 +85,10 @@ def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors:
         if storage.is_local:
             placeholder = _dump_header(doc)
             f.write(placeholder)
-            sink = _Coalescer(f.write, _WritebackKick(f, len(placeholder)))
-            sums = [_stream_piece(p.data, sink.write) for p in plan]
-            sink.flush()
+            with Writeback(_writeback_fd(f)) as writeback:
+                sink = _Coalescer(f.write, _WritebackKick(f, len(placeholder), writeback))
+                sums = [_stream_piece(p.data, sink.write) for p in plan]
+                sink.flush()
             head = _final_header(doc, keys, sums, placeholder, storage.path(relpath))
             f.seek(0)
             f.write(head)
@@ -298,23 +299,22 @@ class _Coalescer:
 
 class _WritebackKick:
     """Starts the disk writeback of what was written so far, every ``EVERY`` bytes, without waiting for it
-    (:func:`~moeckpt.formats.writeback.start_writeback`): the closing fsync then finds most of the file on disk."""
+    (:class:`~moeckpt.formats.writeback.Writeback`): the closing fsync then finds most of the file on disk."""
 
     EVERY = 32 << 20
 
-    def __init__(self, f, start: int):
+    def __init__(self, f, start: int, writeback: Writeback):
         self._f = f
         self._done = start  # bytes already handed to the kernel for writeback (the header placeholder is not)
         self._pos = start
-        self._on = True
+        self._writeback = writeback
 
     def wrote(self, n: int) -> None:
         self._pos += n
-        if not self._on or self._pos - self._done < self.EVERY:
+        if self._pos - self._done < self.EVERY:
             return
         self._f.flush()
-        # where no hint works for this file: keep saving, just without the overlap
-        self._on = start_writeback(self._f.fileno(), self._done, self._pos - self._done)
+        self._writeback.start(self._done, self._pos - self._done)
         self._done = self._pos
 
 
@@ -420,6 +420,10 @@ def write_file_stream(
             failed.append(e)
 
     def _feed(sink, fd: int | None) -> None:
+        with Writeback(fd) as writeback:
+            _feed_into(sink, writeback if fd is not None else None)
+
+    def _feed_into(sink, writeback: Writeback | None) -> None:
         pending = 0
         end = head_len  # where the data written so far ends in the file
         hinted = head_len  # where the data not yet handed to the writeback begins
@@ -432,12 +436,11 @@ def write_file_stream(
             sink.write(mv)
             pending += len(mv)
             end += len(mv)
-            if fd is not None and pending >= _WRITEBACK_BYTES:
+            if writeback is not None and pending >= _WRITEBACK_BYTES:
                 # Start writing back what was written since the last hint, so the final fsync waits for the tail
                 # only. Not the whole file each time: that walks every page written so far again.
                 sink.flush()
-                if not start_writeback(fd, hinted, end - hinted):
-                    fd = None
+                writeback.start(hinted, end - hinted)
                 hinted = end
                 pending = 0
         for pos, (t, b) in enumerate(layout):
