@@ -14,6 +14,7 @@ A failure on any rank fails the save on every rank with the same error, and noth
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -26,7 +27,7 @@ from moeckpt.formats.pieces import Piece
 
 from . import collectives
 
-__all__ = ["SaveFailedError", "save_collective"]
+__all__ = ["SaveFailedError", "save_collective", "write_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ def save_collective(
     if error:
         raise _typed(error)
     try:
-        written = backend.write(staging_storage(location), rank, list(pieces), index.tensors)
+        written = backend.write(
+            staging_storage(location), rank, list(pieces), index.tensors, threads=write_threads(group)
+        )
         if after_write is not None:
             after_write()
         mine: dict = {"ok": True, "files": [[f.path, f.size, f.checksum] for f in written]}
@@ -93,6 +96,22 @@ def save_collective(
     if outcome:
         raise SaveFailedError(f"{location}: {outcome}")
     return final
+
+
+#: the most threads one rank writes its file with.
+MAX_WRITE_THREADS = 3
+
+
+def write_threads(group=None) -> int:
+    """Threads each saving rank writes its own file with: this host's cores shared by the ranks on it
+    (``LOCAL_WORLD_SIZE`` where torchrun sets it, else every rank of ``group``), at most :data:`MAX_WRITE_THREADS`.
+
+    One thread hashing and copying is the limit of a save where cores are spare (4 ranks on 16 cores); where
+    ranks outnumber cores, more threads only take turns."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() and int(local) > 0 else collectives.world_size(group)
+    return max(1, min(MAX_WRITE_THREADS, cores // max(1, ranks)))
 
 
 def _typed(error: dict) -> MoeckptError:

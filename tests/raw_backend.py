@@ -41,8 +41,15 @@ class RawBackend(BackendBase):
         del storage, tensors, boxes
 
     def write(
-        self, storage: Storage, writer: int, pieces: Sequence[Piece], tensors: dict[str, TensorEntry]
+        self,
+        storage: Storage,
+        writer: int,
+        pieces: Sequence[Piece],
+        tensors: dict[str, TensorEntry],
+        *,
+        threads: int = 1,
     ) -> list[FileEntry]:
+        del threads  # one object per piece, written one after another
         listed = []
         for i, p in enumerate(q for q in pieces if not q.box.is_empty()):
             if dtypes.from_torch(p.data.dtype) != tensors[p.tensor].dtype:

@@ -73,3 +73,32 @@ def test_ranges_are_started_in_the_background_in_order_and_close_waits_for_them(
     with writeback.Writeback(None) as idle:  # no file: nothing runs
         idle.start(0, 10)
     assert idle._thread is None and len(seen) == 5
+
+
+def test_write_threads_share_the_hosts_cores_between_its_ranks(monkeypatch):
+    from moeckpt.reshard.commit import MAX_WRITE_THREADS, write_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert write_threads() == min(MAX_WRITE_THREADS, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert write_threads() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")  # more ranks than cores: one each
+    assert write_threads() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert write_threads() == MAX_WRITE_THREADS  # one process alone
+
+
+def test_a_parallel_write_is_the_same_file_as_a_streamed_one(tmp_path):
+    from moeckpt.formats.backends.safetensors_write import write_file_parallel
+
+    pieces, tensors = [], {}
+    for i, n in enumerate([3 << 20, 10, 2 << 20, 5]):  # large pieces (their writeback started) and small ones
+        t = torch.randn(n, generator=torch.Generator().manual_seed(i))
+        tensors[f"t{i}"] = TensorEntry(name=f"t{i}", shape=(n,), dtype="float32", role="param", param=f"t{i}", sharding={})
+        pieces.append(Piece(f"t{i}", Box.full((n,)), t))
+    storage = LocalStorage(str(tmp_path))
+    a = write_file(storage, "a.safetensors", pieces, tensors)
+    b = write_file_parallel(storage, "b.safetensors", pieces, tensors, 3)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
+    assert (a.size, a.checksum) == (b.size, b.checksum)

@@ -109,9 +109,10 @@ def write_file_parallel(
     storage: Storage, relpath: str, pieces: Sequence[Piece], tensors: dict[str, TensorEntry], threads: int
 ) -> FileEntry:
     """:func:`write_file`'s bytes, written by ``threads`` threads at once: each piece is hashed and written at its
-    own offset (``os.pwrite``), then the header over its placeholder. Local files only (elsewhere, or with one
-    thread, it is :func:`write_file`): for a store in memory (``/dev/shm``), where one thread copying and hashing
-    the whole state, a page fault per new page, is the limit rather than a disk."""
+    own offset (``os.pwrite``), its writeback started as soon as it is written, then the header over its
+    placeholder. Local files only (elsewhere, or with one thread, it is :func:`write_file`): for a store in memory
+    (``/dev/shm``), where one thread copying and hashing the whole state, a page fault per new page, is the limit
+    rather than a disk, and for a machine with cores to spare per saving rank."""
     if threads <= 1 or not storage.is_local or len(pieces) < 2:
         return write_file(storage, relpath, pieces, tensors)
     from concurrent.futures import ThreadPoolExecutor
@@ -127,8 +128,9 @@ def write_file_parallel(
         f.flush()  # the pieces go around the file object's buffer
         fd = f.fileno()
 
-        def one(i: int) -> list[str]:
-            at = [len(placeholder) + doc[keys[i]]["data_offsets"][0]]
+        def one(i: int, writeback: Writeback) -> list[str]:
+            start = len(placeholder) + doc[keys[i]]["data_offsets"][0]
+            at = [start]
 
             def write(mv: memoryview) -> None:
                 mv = memoryview(mv).cast("B")
@@ -137,10 +139,13 @@ def write_file_parallel(
                     done += os.pwrite(fd, mv[done:], at[0] + done)
                 at[0] += len(mv)
 
-            return _stream_piece(plan[i].data, write)
+            sums = _stream_piece(plan[i].data, write)
+            if at[0] - start >= _WritebackKick.EVERY // 8:  # small pieces are left to the closing fsync
+                writeback.start(start, at[0] - start)
+            return sums
 
-        with ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-write") as pool:
-            sums = list(pool.map(one, range(len(plan))))
+        with Writeback(fd) as writeback, ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-write") as pool:
+            sums = list(pool.map(lambda i: one(i, writeback), range(len(plan))))
         head = _final_header(doc, keys, sums, placeholder, storage.path(relpath))
         f.seek(0)
         f.write(head)
