@@ -310,17 +310,7 @@ class SafetensorsReader:
             return read_piece(self.storage, ref, (lo, hi) if ref.box.ndim else None)
         a, b, b0, read_lo, read_hi = block_span(ref, lo, hi)
         buf = torch.empty(read_hi - read_lo, dtype=torch.uint8)
-        where = self.storage.path(ref.file)
-        try:
-            got = self._files.read_into(ref.file, ref.start + read_lo, buf.numpy().data) if len(buf) else 0
-        except FileNotFoundError:
-            raise DataFileError(
-                f"{where}: data file is missing (listed in the index); the checkpoint is incomplete"
-            ) from None
-        except StorageError as e:
-            raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
-        if got != read_hi - read_lo:
-            raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
+        where = self._read_whole(ref, read_lo, [buf.numpy().data] if len(buf) else [])
         verify_blocks(buf.numpy().data, b0, ref, where)
         return buf[a - read_lo : b - read_lo].view(dtypes.to_torch(ref.dtype)).reshape((hi - lo,) + ref.box.shape[1:])
 
@@ -369,19 +359,25 @@ class SafetensorsReader:
             parts.append(buf.cast("B") if buf.format != "B" else buf)
         if read_hi > b:
             parts.append(scratch[at:])
+        where = self._read_whole(ref, read_lo, parts)
+        _verify_parts(parts, b0, ref, where)
+        return True
+
+    def _read_whole(self, ref: PieceRef, offset: int, parts: list[memoryview]) -> str:
+        """Fill ``parts`` from byte ``offset`` of ``ref``'s data, all of them or a typed error naming the file and
+        tensor; returns the file's path (for the checksum errors that may follow)."""
         where = self.storage.path(ref.file)
         try:
-            got = self._files.read_into_parts(ref.file, ref.start + read_lo, parts)
+            got = self._files.read_into_parts(ref.file, ref.start + offset, parts) if parts else 0
         except FileNotFoundError:
             raise DataFileError(
                 f"{where}: data file is missing (listed in the index); the checkpoint is incomplete"
             ) from None
         except StorageError as e:
             raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
-        if got != read_hi - read_lo:
+        if got != sum(len(p) for p in parts):
             raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
-        _verify_parts(parts, b0, ref, where)
-        return True
+        return where
 
     def map_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor | None:
         """Checked like :meth:`read_rows` (whole checksum blocks), but nothing is copied into this process: the
