@@ -25,7 +25,7 @@ from moeckpt.formats.pieces import PieceRef, fetched_bytes
 
 from .chunks import ChunkReader, chunk_rows
 from .planner import ReadItem, TargetPiece
-from .slabs import RowSpan, row_spans, thread_buffer
+from .slabs import RowSpan, direct_read, row_spans, thread_buffer
 
 ReadInto = Callable[[PieceRef, int, int, torch.Tensor], bool]
 SegmentsInto = Callable[[PieceRef, list[tuple[int, memoryview]]], bool]
@@ -92,6 +92,16 @@ VECTORED_RANGE_BYTES = 64 * 1024
 COPY_PART_BYTES = 8 * 1024 * 1024
 
 
+def in_place_jobs(pos: int, piece: TargetPiece, refs: Mapping[tuple[str, Box], PieceRef], dest: torch.Tensor) -> list[Job]:
+    """The jobs that read box ``piece`` (at ``pos``) straight into ``dest``: one if it is full-width rows of one
+    stored piece, one per read where its reads are spans (:func:`spans_in_place`), none otherwise (the caller
+    assembles it through the chunk cache)."""
+    if (r := direct_read(piece)) is not None:
+        return [(pos, r, dest, None)]
+    spans = spans_in_place(piece, refs, dest)
+    return [] if spans is None else [(pos, item, dest, span) for item, span in spans]
+
+
 def spans_in_place(
     piece: TargetPiece, refs: Mapping[tuple[str, Box], PieceRef], dest: torch.Tensor
 ) -> list[tuple[ReadItem, RowSpan]] | None:
@@ -124,6 +134,39 @@ def spans_in_place(
     return spans
 
 
+class _Strided(NamedTuple):
+    """Sub-row geometry of a span: bytes ``[c0, c1)`` of source sub-row ``s`` (of ``src_sub`` bytes; ``[s0, s1)``
+    read) land at byte ``d0`` of target sub-row ``t0 + s - s0`` (of ``dest_sub``)."""
+
+    src_sub: int
+    c0: int
+    c1: int
+    dest_sub: int
+    d0: int
+    s0: int
+    s1: int
+    t0: int
+
+    @classmethod
+    def of(cls, ref: PieceRef, item: ReadItem, dest: torch.Tensor, span: RowSpan) -> _Strided:
+        c0, c1, d0, sub = span
+        r0, r1 = item.rows
+        src_sub = ref.nbytes // ref.box.shape[0] // sub
+        dest_sub = dest.numel() * dest.element_size() // (dest.shape[0] * sub)
+        t0 = (item.region.offsets[0] - item.target_box.offsets[0]) * sub  # target sub-row of source sub-row s0
+        return cls(src_sub, c0, c1, dest_sub, d0, r0 * sub, r1 * sub, t0)
+
+    def dest_at(self, s: int) -> int:
+        """Where the range of source sub-row ``s`` lands in the destination's bytes."""
+        return (self.t0 + s - self.s0) * self.dest_sub + self.d0
+
+
+def _blocks_around(ref: PieceRef, a: int, b: int) -> int:
+    """Bytes of the whole checksum blocks around bytes ``[a, b)`` of ``ref`` (what a verified read of them fetches)."""
+    block = ref.block_bytes
+    return min(-(-b // block) * block, ref.nbytes) - a // block * block
+
+
 def _vectored_parts(
     ref: PieceRef,
     item: ReadItem,
@@ -140,22 +183,19 @@ def _vectored_parts(
     together, up to about ``chunk_bytes`` of file a group (never splitting a shared block), each group one
     vectored read into every range's place; a range with an unneeded whole block before the next is read on its
     own. Into a device every range is a part of its own (it goes through a staging buffer)."""
-    c0, c1, d0, sub = span
-    r0, r1 = item.rows
-    src_sub = ref.nbytes // ref.box.shape[0] // sub
+    g = _Strided.of(ref, item, dest, span)
+    seg = g.c1 - g.c0
     block = ref.block_bytes
     step = max(block, chunk_bytes // block * block)
     flat = dest.reshape(-1).view(torch.uint8)
-    dest_sub = flat.numel() // (dest.shape[0] * sub)
-    t0 = (item.region.offsets[0] - item.target_box.offsets[0]) * sub  # target sub-row of source sub-row r0 * sub
     merged: list[list[int]] = []  # [source byte, destination byte, length]
-    for s in range(r0 * sub, r1 * sub):
-        a, t = s * src_sub + c0, (t0 + s - r0 * sub) * dest_sub + d0
+    for s in range(g.s0, g.s1):
+        a, t = s * g.src_sub + g.c0, g.dest_at(s)
         last = merged[-1] if merged else None
         if last is not None and last[0] + last[2] == a and last[1] + last[2] == t:
-            last[2] += c1 - c0
+            last[2] += seg
         else:
-            merged.append([a, t, c1 - c0])
+            merged.append([a, t, seg])
     ranges = []
     for a, t, n in merged:
         while n > 0:
@@ -167,8 +207,7 @@ def _vectored_parts(
     group: list[tuple[int, int, int]] = []
 
     def flush() -> None:
-        start, end = group[0][0], group[-1][0] + group[-1][2]
-        fetched = min(-(-end // block) * block, ref.nbytes) - start // block * block
+        fetched = _blocks_around(ref, group[0][0], group[-1][0] + group[-1][2])
         fill: Callable[[torch.Tensor], bool]
         if len(group) == 1:
             a, t, n = group[0]
@@ -204,39 +243,17 @@ def _copied_parts(
     """The parts of a span of short ranges (CPU only): the file bytes from the first range to the last, cut at
     checksum blocks about every :data:`COPY_PART_BYTES`, each part read (verified) into the thread's reused
     buffer and copied from it into every range's place, one strided copy for the rows it holds whole."""
-    c0, c1, d0, sub = span
-    r0, r1 = item.rows
-    src_sub = ref.nbytes // ref.box.shape[0] // sub
+    g = _Strided.of(ref, item, dest, span)
     flat = dest.reshape(-1).view(torch.uint8)
-    dest_sub = flat.numel() // (dest.shape[0] * sub)
-    s0, s1 = r0 * sub, r1 * sub  # source sub-rows
-    t0 = (item.region.offsets[0] - item.target_box.offsets[0]) * sub  # target sub-row of source sub-row s0
-    block = ref.block_bytes
-    step = max(block, COPY_PART_BYTES // block * block)
-    geometry = _Strided(src_sub, c0, c1, dest_sub, d0, s0, s1, t0)
-    lo, hi = s0 * src_sub + c0, (s1 - 1) * src_sub + c1
+    step = max(ref.block_bytes, COPY_PART_BYTES // ref.block_bytes * ref.block_bytes)
+    lo, hi = g.s0 * g.src_sub + g.c0, (g.s1 - 1) * g.src_sub + g.c1
     out: list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]] = []
     a = lo
     while a < hi:
         b = min(hi, (a // step + 1) * step)
-        fetched = min(-(-b // block) * block, ref.nbytes) - a // block * block
-        out.append((fetched, functools.partial(_copy_through_buffer, bytes_into, ref, a, b, geometry), flat))
+        out.append((_blocks_around(ref, a, b), functools.partial(_copy_through_buffer, bytes_into, ref, a, b, g), flat))
         a = b
     return out
-
-
-class _Strided(NamedTuple):
-    """Sub-row geometry of a span read through a buffer: bytes ``[c0, c1)`` of source sub-row ``s`` (of
-    ``src_sub`` bytes; ``[s0, s1)`` read) land at byte ``d0`` of target sub-row ``t0 + s - s0`` (of ``dest_sub``)."""
-
-    src_sub: int
-    c0: int
-    c1: int
-    dest_sub: int
-    d0: int
-    s0: int
-    s1: int
-    t0: int
 
 
 def _copy_through_buffer(bytes_into: ReadInto, ref: PieceRef, a: int, b: int, g: _Strided, flat: torch.Tensor) -> bool:
@@ -246,10 +263,6 @@ def _copy_through_buffer(bytes_into: ReadInto, ref: PieceRef, a: int, b: int, g:
     if not bytes_into(ref, a, b, buf):
         return False
     seg = g.c1 - g.c0
-
-    def dest_at(s: int) -> int:
-        return (g.t0 + s - g.s0) * g.dest_sub + g.d0
-
     # sub-rows overlapping [a, b), and those inside it whole
     first = max(g.s0, (a - g.c1) // g.src_sub + 1)
     last = min(g.s1, -(-(b - g.c0) // g.src_sub))
@@ -258,13 +271,13 @@ def _copy_through_buffer(bytes_into: ReadInto, ref: PieceRef, a: int, b: int, g:
     if whole_hi > whole_lo:
         n = whole_hi - whole_lo
         src = buf.as_strided((n, seg), (g.src_sub, 1), buf.storage_offset() + whole_lo * g.src_sub + g.c0 - a)
-        dst = flat.as_strided((n, seg), (g.dest_sub, 1), flat.storage_offset() + dest_at(whole_lo))
+        dst = flat.as_strided((n, seg), (g.dest_sub, 1), flat.storage_offset() + g.dest_at(whole_lo))
         dst.copy_(src)
     for s in {first, last - 1}:
         if whole_lo <= s < whole_hi or not first <= s < last:
             continue
         x, y = max(a, s * g.src_sub + g.c0), min(b, s * g.src_sub + g.c1)
-        at = dest_at(s) + x - (s * g.src_sub + g.c0)
+        at = g.dest_at(s) + x - (s * g.src_sub + g.c0)
         flat[at : at + y - x].copy_(buf[x - a : y - a])
     return True
 

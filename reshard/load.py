@@ -34,7 +34,7 @@ from moeckpt.formats.storage import is_url
 
 from .chunks import ChunkReader, reads_started_ahead
 from .collectives import all_gather_json
-from .inplace import Job, read_in_place, spans_in_place
+from .inplace import Job, in_place_jobs, read_in_place
 from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
@@ -42,7 +42,7 @@ from .placement import is_stored
 from .planner import ReshardPlan, SourcePiece, SourcePositions, plan_load
 from .rank_exchange import Summary, decide, gather_summaries, rank_exchange, summarize
 from .runtime import paused_gc, single_threaded_torch
-from .slabs import assemble, direct_read
+from .slabs import assemble
 
 RankState = dict[str, list[tuple[Box, torch.Tensor]]]
 
@@ -233,10 +233,7 @@ def _load_alone(
         # this thread fills the others through the chunk cache meanwhile.
         jobs: list[Job] = []
         for pos, p in enumerate(pieces):
-            if (r := direct_read(p)) is not None:
-                jobs.append((pos, r, dests[pos], None))
-            elif (spans := spans_in_place(p, refs, dests[pos])) is not None:
-                jobs += [(pos, item, dests[pos], span) for item, span in spans]
+            jobs += in_place_jobs(pos, p, refs, dests[pos])
         with ThreadPoolExecutor(1) as one:
             in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
             direct = {job[0] for job in jobs}

@@ -30,14 +30,14 @@ from moeckpt.formats.errors import (
 
 from . import collectives
 from .chunks import ChunkReader, reads_started_ahead
-from .inplace import Job, read_in_place, spans_in_place
+from .inplace import Job, in_place_jobs, read_in_place
 from .load import LoadStats, _refs_for
 from .mesh import local_boxes
 from .options import LoadOptions
 from .placement import is_stored
 from .planner import SourcePiece, plan_boxes
 from .runtime import paused_gc, single_threaded_torch
-from .slabs import direct_read, fill
+from .slabs import fill
 from .state_dict import Leaf, StateDictError, flatten, leaf_of, set_flat
 from .state_save import group_rank_of
 
@@ -238,13 +238,8 @@ def _read_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats, op
     # assembles the others through the chunk cache meanwhile.
     jobs: list[Job] = []
     for pos, piece in enumerate(pieces):
-        out = views[pos]
-        if not _takes_bytes(out, index.tensors[piece.tensor].dtype):
-            continue
-        if (r := direct_read(piece)) is not None:
-            jobs.append((pos, r, out, None))
-        elif (spans := spans_in_place(piece, refs, out)) is not None:
-            jobs += [(pos, item, out, span) for item, span in spans]
+        if _takes_bytes(views[pos], index.tensors[piece.tensor].dtype):
+            jobs += in_place_jobs(pos, piece, refs, views[pos])
     direct = {job[0] for job in jobs}
     with ChunkReader(
         reader,
