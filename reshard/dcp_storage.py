@@ -115,11 +115,8 @@ class StorageWriter(_DcpWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return dataclasses.replace(plan, storage_data=self.rank)
 
+    @paused_gc()
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        with paused_gc():
-            return self._prepare_global_plan(plans)
-
-    def _prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # The coordinator prepares the destination before any rank writes (DCP runs this between the local plans
         # and the writes; an error here reaches every rank through DCP).
         tensors, boxes = _tensors_of(plans)
@@ -127,13 +124,10 @@ class StorageWriter(_DcpWriter):
         get_backend(self.format).prepare(staging_storage(self._where()), tensors, boxes)
         return [dataclasses.replace(p, storage_data=i) for i, p in enumerate(plans)]
 
+    # Without the collector's pauses, as moeckpt.save: the objects DCP's planning made just before would otherwise
+    # be walked by full collections here (see paused_gc), and leave the pause in the oldest generation.
+    @paused_gc()
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        # Without the collector's pauses, as moeckpt.save: the objects DCP's planning made just before would
-        # otherwise be walked by full collections here (see paused_gc), and leave the pause in the oldest generation.
-        with paused_gc():
-            return self._write_data(plan, planner)
-
-    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         writer = int(plan.storage_data if plan.storage_data is not None else self.rank)
         pieces, tensors, results, values = [], {}, [], {}
         for item in plan.items:
@@ -169,11 +163,8 @@ class StorageWriter(_DcpWriter):
         fut.set_result(results)
         return fut
 
+    @paused_gc()
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        with paused_gc():
-            self._finish(metadata, results)
-
-    def _finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         files: dict[str, FileEntry] = {}
         values: dict[str, Any] = {}
         for rank_results in results:
@@ -291,11 +282,8 @@ class StorageReader(_DcpReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    @paused_gc()
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        with paused_gc():
-            return self._read_data(plan, planner)
-
-    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         reader = self._open()
         refs = {(r.tensor, r.box.offsets): r for r in reader.pieces(tensors={i.storage_index.fqn for i in plan.items})}
         for item in plan.items:
