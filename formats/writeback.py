@@ -78,6 +78,11 @@ class Writeback:
             self._thread = threading.Thread(target=self._run, name="moeckpt-writeback", daemon=True)
             self._thread.start()
 
+    @property
+    def active(self) -> bool:
+        """Whether ranges are being started (a file was given and the session is open)."""
+        return self._thread is not None
+
     def start(self, offset: int, length: int) -> None:
         """Start writing bytes ``[offset, offset + length)`` back (in the background)."""
         if self._thread is not None:

@@ -418,17 +418,14 @@ def write_file_stream(
 
     def feed(sink, writeback: bool) -> None:
         try:
-            _feed(sink, _writeback_fd(sink) if writeback else None)
+            with Writeback(_writeback_fd(sink) if writeback else None) as started:
+                _feed(sink, started)
         except MoeckptError as e:
             # A failure of the data source (a corrupt input piece), not of the write: re-raised as itself below,
             # outside the storage's "writing failed" wrapper.
             failed.append(e)
 
-    def _feed(sink, fd: int | None) -> None:
-        with Writeback(fd) as writeback:
-            _feed_into(sink, writeback if fd is not None else None)
-
-    def _feed_into(sink, writeback: Writeback | None) -> None:
+    def _feed(sink, writeback: Writeback) -> None:
         pending = 0
         end = head_len  # where the data written so far ends in the file
         hinted = head_len  # where the data not yet handed to the writeback begins
@@ -441,7 +438,7 @@ def write_file_stream(
             sink.write(mv)
             pending += len(mv)
             end += len(mv)
-            if writeback is not None and pending >= _WRITEBACK_BYTES:
+            if writeback.active and pending >= _WRITEBACK_BYTES:
                 # Start writing back what was written since the last hint, so the final fsync waits for the tail
                 # only. Not the whole file each time: that walks every page written so far again.
                 sink.flush()
