@@ -102,16 +102,16 @@ def save_collective(
 MAX_WRITE_THREADS = 3
 
 
-def write_threads(group=None) -> int:
+def write_threads(group=None, *, most: int = MAX_WRITE_THREADS) -> int:
     """Threads each saving rank writes its own file with: this host's cores shared by the ranks on it
-    (``LOCAL_WORLD_SIZE`` where torchrun sets it, else every rank of ``group``), at most :data:`MAX_WRITE_THREADS`.
+    (``LOCAL_WORLD_SIZE`` where torchrun sets it, else every rank of ``group``), at most ``most``.
 
     One thread hashing and copying is the limit of a save where cores are spare (4 ranks on 16 cores); where
     ranks outnumber cores, more threads only take turns."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     ranks = int(local) if local.isdigit() and int(local) > 0 else collectives.world_size(group)
-    return max(1, min(MAX_WRITE_THREADS, cores // max(1, ranks)))
+    return max(1, min(most, cores // max(1, ranks)))
 
 
 def _typed(error: dict) -> MoeckptError:

@@ -41,6 +41,7 @@ from moeckpt.formats.index import INDEX_NAME, FileEntry, Index
 from moeckpt.formats.pieces import Piece
 from moeckpt.formats.storage import Storage
 from moeckpt.reshard import collectives
+from moeckpt.reshard.commit import write_threads as rank_write_threads
 
 __all__ = [
     "BACKEND",
@@ -389,11 +390,15 @@ class MemoryTier:
                 pass
 
 
+#: the most threads a rank writes its memory checkpoint with: in memory one thread hashing and copying the state
+#: (a page fault per new page) is the limit, not a disk.
+MEMORY_WRITE_THREADS = 8
+
+
 def write_threads() -> int:
-    """Threads a rank writes its memory checkpoint with: its share of the node's cores, at most 8. In memory one
-    thread hashing and copying the state (a page fault per new page) is the limit, not a disk."""
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    return max(1, min(8, (os.cpu_count() or 1) // local))
+    """Threads a rank writes its memory checkpoint with: its share of the node's cores, at most
+    :data:`MEMORY_WRITE_THREADS` (:func:`moeckpt.reshard.commit.write_threads`)."""
+    return rank_write_threads(most=MEMORY_WRITE_THREADS)
 
 
 def choose_step(held: dict[str, dict[str, Any]], *, not_before: int | None) -> MemoryChoice | None:
