@@ -18,7 +18,6 @@ import, half a second of four writers' time), so a save hands its ranges to a th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import queue
 import sys
@@ -32,11 +31,12 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range``, from the symbols the process has loaded already (``find_library`` would run
+    ``ldconfig`` at every start-up), or None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
