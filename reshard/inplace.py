@@ -92,7 +92,9 @@ VECTORED_RANGE_BYTES = 64 * 1024
 COPY_PART_BYTES = 8 * 1024 * 1024
 
 
-def in_place_jobs(pos: int, piece: TargetPiece, refs: Mapping[tuple[str, Box], PieceRef], dest: torch.Tensor) -> list[Job]:
+def in_place_jobs(
+    pos: int, piece: TargetPiece, refs: Mapping[tuple[str, Box], PieceRef], dest: torch.Tensor
+) -> list[Job]:
     """The jobs that read box ``piece`` (at ``pos``) straight into ``dest``: one if it is full-width rows of one
     stored piece, one per read where its reads are spans (:func:`spans_in_place`), none otherwise (the caller
     assembles it through the chunk cache)."""
