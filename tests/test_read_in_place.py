@@ -155,3 +155,27 @@ def test_a_flipped_byte_between_the_ranges_is_caught(tmp_path, monkeypatch, vect
     with ChunkReader(session, refs) as chunks, pytest.raises(ChecksumMismatchError, match="'t'"):
         inplace.read_in_place(chunks, [(0, item, dest, s) for item, s in spans], 2, chunk_bytes=64)
     session.close()
+
+
+def test_the_scratch_of_a_thread_is_reused_and_every_read_still_verified(tmp_path):
+    """The bytes read only to be hashed land in one reused buffer per thread (a fresh one per read cost a page
+    fault per page): a second read through the same session fills it anew, so a byte flipped in between is
+    caught though the buffer still holds the first read's good bytes."""
+    shape, block = (6, 8), 40
+    sources = [Box((0, 0), (6, 8))]
+    target = Box((1, 2), (4, 3))
+    full, refs = _store(tmp_path, shape, sources, block)
+    piece = _plan(sources, target)
+    (item,) = piece.reads
+    ref = refs[("t", sources[0])]
+    session = SafetensorsReader(LocalStorage(str(tmp_path)))
+    segments = lambda out: [(r * 32 + 8, out[r - 1].numpy().data.cast("B")) for r in range(1, 5)]  # noqa: E731
+    first = torch.zeros(target.shape)
+    assert session.read_segments_into(ref, segments(first))
+    assert torch.equal(first, full[target.slices()])
+    scratch = session._scratch.buf
+    flip_byte(str(tmp_path), FILE, 2 * 32 + 28)  # row 2, column 7: scratch, in a block the read needs
+    with pytest.raises(ChecksumMismatchError, match="'t'"):
+        session.read_segments_into(ref, segments(torch.zeros(target.shape)))
+    assert session._scratch.buf is scratch  # the same buffer, filled again
+    session.close()

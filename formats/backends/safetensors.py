@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
+import threading
 from collections.abc import Collection, Iterable, Sequence
 
 import torch
@@ -304,6 +305,7 @@ class SafetensorsReader:
         self.location = storage.location
         self.fork_safe = storage.fork_safe
         self._files: StorageReader = storage.open_reader()
+        self._scratch = threading.local()
 
     def read_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
         if not self._files.direct or not ref.box.ndim or not ref.nbytes:
@@ -349,7 +351,7 @@ class SafetensorsReader:
         gaps = [off - end for (off, _), end in zip(segments, [read_lo] + [o + len(m) for o, m in segments[:-1]])]
         if min(gaps) < 0:
             return False
-        scratch = torch.empty(sum(gaps) + read_hi - b, dtype=torch.uint8).numpy().data
+        scratch = self._scratch_bytes(sum(gaps) + read_hi - b)
         parts: list[memoryview] = []
         at = 0
         for gap, (_, buf) in zip(gaps, segments):
@@ -362,6 +364,14 @@ class SafetensorsReader:
         where = self._read_whole(ref, read_lo, parts)
         _verify_parts(parts, b0, ref, where)
         return True
+
+    def _scratch_bytes(self, nbytes: int) -> memoryview:
+        """This thread's reused buffer for bytes that are read only to be hashed (the parts of checksum blocks a
+        read does not need): a fresh one per read would be a page fault per page of it, every read."""
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._scratch.buf = memoryview(bytearray(nbytes))
+        return buf[:nbytes]
 
     def _read_whole(self, ref: PieceRef, offset: int, parts: list[memoryview]) -> str:
         """Fill ``parts`` from byte ``offset`` of ``ref``'s data, all of them or a typed error naming the file and
@@ -418,3 +428,4 @@ class SafetensorsReader:
 
     def close(self) -> None:
         self._files.close()
+        self._scratch = threading.local()  # every thread's scratch buffer goes with the old one
