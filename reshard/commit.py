@@ -14,7 +14,6 @@ A failure on any rank fails the save on every rank with the same error, and noth
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -26,6 +25,7 @@ from moeckpt.formats.index import FileEntry, Index
 from moeckpt.formats.pieces import Piece
 
 from . import collectives
+from .runtime import cores_per_rank
 
 __all__ = ["SaveFailedError", "save_collective", "write_threads"]
 
@@ -103,15 +103,12 @@ MAX_WRITE_THREADS = 3
 
 
 def write_threads(group=None, *, most: int = MAX_WRITE_THREADS) -> int:
-    """Threads each saving rank writes its own file with: this host's cores shared by the ranks on it
-    (``LOCAL_WORLD_SIZE`` where torchrun sets it, else every rank of ``group``), at most ``most``.
+    """Threads each saving rank writes its own file with: its share of the host's cores
+    (:func:`~moeckpt.reshard.runtime.cores_per_rank`), at most ``most``.
 
     One thread hashing and copying is the limit of a save where cores are spare (4 ranks on 16 cores); where
     ranks outnumber cores, more threads only take turns."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    ranks = int(local) if local.isdigit() and int(local) > 0 else collectives.world_size(group)
-    return max(1, min(most, cores // max(1, ranks)))
+    return min(most, cores_per_rank(group))
 
 
 def _typed(error: dict) -> MoeckptError:

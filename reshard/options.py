@@ -7,8 +7,7 @@ not be read twice; large chunks at load time, where a box that is one whole chun
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 MiB = 1024 * 1024
 
@@ -34,10 +33,21 @@ LOAD_CHUNK_BYTES = 64 * MiB
 LOAD_CACHE_BYTES = 256 * MiB
 #: load: threads reading ahead of a loading rank.
 LOAD_READ_THREADS = 2
-#: load: threads reading boxes straight into their memory (pread and checksums release the interpreter lock).
-LOAD_FILL_THREADS = max(1, min(8, os.cpu_count() or 1))
+#: load: at most this many threads per rank read boxes straight into their memory (pread and checksums release
+#: the interpreter lock), and at least LOAD_FILL_THREADS_MIN (one reads while another hashes).
+LOAD_FILL_THREADS_MAX = 8
+LOAD_FILL_THREADS_MIN = 2
 #: load, collective: ranks exchange at most about this many bytes per rank per round.
 ROUND_BYTES = 128 * MiB
+
+
+def load_fill_threads(group=None) -> int:
+    """The default :attr:`LoadOptions.fill_threads` of a rank of ``group``: its share of the host's cores.
+
+    Eight threads on each of four ranks of a 16-core host loaded slower than four (docs/benchmarks/README.md)."""
+    from .runtime import cores_per_rank
+
+    return max(LOAD_FILL_THREADS_MIN, min(LOAD_FILL_THREADS_MAX, cores_per_rank(group)))
 
 
 def _check_positive(obj: object) -> None:
@@ -82,8 +92,9 @@ class LoadOptions:
     round_bytes: int = ROUND_BYTES
     #: threads reading ahead of the rank.
     read_threads: int = LOAD_READ_THREADS
-    #: threads reading boxes that are full-width rows of one stored piece straight into their memory.
-    fill_threads: int = LOAD_FILL_THREADS
+    #: threads reading boxes straight into their memory: by default the rank's share of the host's cores
+    #: (:func:`~moeckpt.reshard.runtime.cores_per_rank`, when the options are made), within the bounds above.
+    fill_threads: int = field(default_factory=load_fill_threads)
     #: bytes of the next boxes' reads kept in flight by the read-ahead threads.
     prefetch_bytes: int = PREFETCH_BYTES
 

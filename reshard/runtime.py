@@ -1,10 +1,26 @@
-"""The process settings a reshard or a load runs under: no cyclic collector pauses, one torch thread per worker."""
+"""The process settings a reshard or a load runs under: no cyclic collector pauses, one torch thread per worker,
+and each rank's share of its host's cores."""
 
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from . import collectives
+
+
+def cores_per_rank(group=None) -> int:
+    """This host's cores (those the process may run on) shared by the ranks on it: ``LOCAL_WORLD_SIZE`` where
+    torchrun sets it, else every rank of ``group``; at least 1.
+
+    What a rank's own thread pools (its file writers, its in-place readers) are sized by: a rank's pool as large
+    as the whole host, on every rank of the host, only makes the threads take turns."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() and int(local) > 0 else collectives.world_size(group)
+    return max(1, cores // max(1, ranks))
 
 
 @contextmanager

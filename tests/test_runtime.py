@@ -1,9 +1,11 @@
-"""reshard.runtime.paused_gc: the collector is off during the pause, and what the pause made leaves it in the
-oldest generation (one splice), so the first collection afterwards does not walk millions of young objects."""
+"""reshard.runtime: paused_gc (the collector is off during the pause, and what the pause made leaves it in the
+oldest generation (one splice), so the first collection afterwards does not walk millions of young objects), and
+the share of the host's cores a rank's thread pools are sized by."""
 
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -78,3 +80,16 @@ def test_a_pause_entered_with_the_collector_off_leaves_it_off(clean_gc):
     with paused_gc():
         pass
     assert not gc.isenabled()
+
+
+def test_load_fill_threads_are_the_ranks_share_of_the_hosts_cores(monkeypatch):
+    from moeckpt.reshard.options import LOAD_FILL_THREADS_MAX, LOAD_FILL_THREADS_MIN, LoadOptions
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert LoadOptions().fill_threads == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one core each: still one thread reading while one hashes
+    assert LoadOptions().fill_threads == LOAD_FILL_THREADS_MIN
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # one process alone on the host
+    assert LoadOptions().fill_threads == LOAD_FILL_THREADS_MAX
+    assert LoadOptions(fill_threads=5).fill_threads == 5
