@@ -99,6 +99,9 @@ class ChunkReader:
         self.peak_cached = 0
         #: planned uses still to come per chunk key (:meth:`expect`); empty when uses are not tracked.
         self._uses: dict[tuple, int] = {}
+        #: of those, per chunk key, the uses of each named reader (``expect(..., reader=)``).
+        self._uses_by: dict[tuple, dict[object, int]] = {}
+        self._reader = threading.local()  # the name :meth:`consumer` gave the calling thread
         self._freed = threading.Condition(self._lock)
         self._consumers = self._waiting = 0
         #: per reader thread, the chunks it took that other readers still need; per chunk, those readers.
@@ -163,26 +166,42 @@ class ChunkReader:
                 self._used(_key(ref, lo, hi))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def expect(self, pieces: Iterable[TargetPiece]) -> None:
-        """Count the planned uses of the chunks ``pieces`` read (whole chunks: not with ``clip``)."""
+    def expect(self, pieces: Iterable[TargetPiece], *, reader: object = None) -> None:
+        """Count the planned uses of the chunks ``pieces`` read (whole chunks: not with ``clip``), as the uses of
+        ``reader`` where named (the name its thread gives :meth:`consumer`)."""
         with self._lock:
             for piece in pieces:
                 for item in piece.reads:
                     ref = self.ref(item.tensor, item.src_box)
                     for key in chunk_keys(ref, item.rows, self.chunk_rows(ref)):
                         self._uses[key] = self._uses.get(key, 0) + 1
+                        if reader is not None:
+                            mine = self._uses_by.setdefault(key, {})
+                            mine[reader] = mine.get(reader, 0) + 1
 
     @contextmanager
-    def consumer(self) -> Iterator[None]:
-        """Mark the calling thread as a reader while the block runs (see the class: who waits for whom)."""
+    def consumer(self, reader: object = None) -> Iterator[None]:
+        """Mark the calling thread as a reader while the block runs (see the class: who waits for whom), as the
+        reader ``reader`` names in :meth:`expect` where given."""
         with self._lock:
             self._consumers += 1
+        self._reader.name = reader
         try:
             yield
         finally:
+            self._reader.name = None
             with self._lock:
                 self._consumers -= 1
                 self._freed.notify_all()
+
+    def _me(self) -> object:
+        """The calling reader: the name :meth:`consumer` gave its thread, else the thread."""
+        name = getattr(self._reader, "name", None)
+        return name if name is not None else threading.get_ident()
+
+    def _others_left(self, key: tuple, reader: object) -> int:
+        """Planned uses of chunk ``key`` still to come by readers other than ``reader`` (caller holds the lock)."""
+        return self._uses.get(key, 0) - self._uses_by.get(key, {}).get(reader, 0)
 
     def _used(self, key: tuple) -> None:
         """One planned use of chunk ``key`` is over; after the last, the chunk leaves the cache."""
@@ -190,14 +209,26 @@ class ChunkReader:
             left = self._uses.get(key)
             if left is None:
                 return
+            me = self._me()
+            mine = self._uses_by.get(key)
+            if mine is not None and mine.get(me):
+                mine[me] -= 1
             if left > 1:
                 self._uses[key] = left - 1
-                # This reader is ahead of the others on this chunk: they still need it.
-                me = threading.get_ident()
-                self._ahead_of[key] = [*self._ahead_of.get(key, ()), me]
-                self._ahead[me] = self._ahead.get(me, 0) + 1
+                # A reader is ahead of the others on this chunk while they still need it; not where the uses
+                # left are its own (two reads of one chunk, the gate and up halves of a fused tensor): waiting
+                # for others to take a chunk only it needs would hold it back for nothing.
+                ahead = self._ahead_of.setdefault(key, [])
+                if me not in ahead and self._others_left(key, me):
+                    ahead.append(me)
+                    self._ahead[me] = self._ahead.get(me, 0) + 1
+                for reader in [r for r in ahead if not self._others_left(key, r)]:
+                    ahead.remove(reader)  # the others have caught up with it on this chunk
+                    self._ahead[reader] -= 1
+                self._freed.notify_all()
                 return
             del self._uses[key]
+            self._uses_by.pop(key, None)
             for reader in self._ahead_of.pop(key, ()):
                 self._ahead[reader] -= 1
             self._freed.notify_all()
@@ -266,7 +297,7 @@ class ChunkReader:
             if self._uses and self._cached + self._inflight >= self.cache_bytes:
                 if background:
                     return Future()
-                me = threading.get_ident()
+                me = self._me()
                 while (
                     self._cached >= self.cache_bytes and self._ahead.get(me, 0) and self._waiting + 1 < self._consumers
                 ):

@@ -300,7 +300,7 @@ class _Writers:
         hands each shared chunk to all of them from one read; returns their file entries in group order."""
 
         def one(rank_plan: RankPlan) -> list[FileEntry]:
-            with chunks.consumer():
+            with chunks.consumer(rank_plan.rank):
                 return self.write(rank_plan, chunks, count)
 
         if len(group) == 1:
@@ -325,7 +325,8 @@ class _Writers:
 
         groups = self.groups()
         with open_chunks(workers, self.options.cache_bytes) as chunks, ThreadPoolExecutor(workers) as pool:
-            chunks.expect(p for rp in self.plan.ranks for p in rp.pieces)
+            for rp in self.plan.ranks:
+                chunks.expect(rp.pieces, reader=rp.rank)
             try:
                 entries = [e for es in pool.map(lambda g: self.write_group(g, chunks, count), groups) for e in es]
             except BaseException:
@@ -353,7 +354,9 @@ class _Writers:
                     report(n)
 
             with open_chunks(0, self.options.cache_bytes // len(groups), True) as chunks:
-                chunks.expect(p for g in bundle for rp in g for p in rp.pieces)
+                for g in bundle:
+                    for rp in g:
+                        chunks.expect(rp.pieces, reader=rp.rank)
                 files = [e for g in bundle for e in self.write_group(g, chunks, count)]
             return {
                 "files": [[e.path, e.size, e.checksum] for e in files],

@@ -8,6 +8,7 @@ import torch
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard import processes
+from moeckpt.reshard.chunks import ChunkReader
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import ReshardOptions
@@ -76,3 +77,37 @@ def test_writers_reading_the_same_rows_are_grouped_and_weak_sharers_keep_paralle
     assert [[r.rank for r in g] for g in sharing_groups(pair, chunks_of, workers=4)] == [[0, 1]]
     cap = sharing_groups([plan(i, list(range(5))) for i in range(20)], chunks_of, workers=1, max_writers=8)
     assert [len(g) for g in cap] == [8, 8, 4]
+
+
+def test_a_reader_is_ahead_only_of_other_readers_uses(tmp_path):
+    """A reader whose uses left of a chunk are its own (the gate and up halves of one fused tensor's chunk) is not
+    ahead of anyone on it: marked ahead, it would wait for readers that never take that chunk (while the cache is
+    full), and the one reader let go meanwhile ran unbounded, past the cap, re-reading pinned chunks."""
+    save_model(str(tmp_path / "a"), presets()["zaya-tiny"], _layout((1, 1, 1)))
+    reader = CheckpointReader(str(tmp_path / "a"))
+    refs = {(r.tensor, r.box): r for r in reader.pieces() if r.box.ndim}
+    (tensor, box), ref = next(iter(refs.items()))
+    item = ReadItem(tensor, box, 0, box, box)  # all rows: one use of each of its chunks
+
+    def read(chunks: ChunkReader) -> None:
+        chunks.rows(tensor, box, 0, box.shape[0], until=box.shape[0])
+
+    with ChunkReader(reader, refs) as chunks:
+        chunks.expect([TargetPiece(tensor, box, (item, item))], reader="a")  # two reads of its own
+        chunks.expect([TargetPiece(tensor, box, (item,))], reader="b")
+        with chunks.consumer("a"):
+            read(chunks)
+            assert chunks._ahead["a"] == 1  # b still needs the chunk
+        with chunks.consumer("b"):
+            read(chunks)  # b caught up: the uses left are a's own
+        assert chunks._ahead["a"] == 0
+        with chunks.consumer("a"):
+            read(chunks)  # the last use: the chunk leaves the cache
+        assert not chunks._uses and not chunks._cache and chunks.bytes_read == ref.nbytes
+    with ChunkReader(reader, refs) as chunks:
+        chunks.expect([TargetPiece(tensor, box, (item, item))], reader="a")
+        with chunks.consumer("a"):
+            read(chunks)
+            assert not chunks._ahead.get("a")  # nobody else needs it: not ahead
+            read(chunks)
+        assert not chunks._uses and chunks.bytes_read == ref.nbytes
