@@ -105,8 +105,8 @@ class ChunkReader:
         self._freed = threading.Condition(self._lock)
         self._consumers = self._waiting = 0
         #: per reader thread, the chunks it took that other readers still need; per chunk, those readers.
-        self._ahead: dict[int, int] = {}
-        self._ahead_of: dict[tuple, list[int]] = {}
+        self._ahead: dict[object, int] = {}
+        self._ahead_of: dict[tuple, list[object]] = {}
         self._largest = 0  # bytes of the largest chunk read so far
         self._inflight = 0  # bytes of the reads started and not finished
         #: ``read_threads`` threads that read ahead of the consumers (:meth:`prefetch`), or None.
