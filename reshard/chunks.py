@@ -104,7 +104,7 @@ class ChunkReader:
         self._reader = threading.local()  # the name :meth:`consumer` gave the calling thread
         self._freed = threading.Condition(self._lock)
         self._consumers = self._waiting = 0
-        #: per reader thread, the chunks it took that other readers still need; per chunk, those readers.
+        #: per reader, the chunks it took that other readers still need; per chunk, those readers.
         self._ahead: dict[object, int] = {}
         self._ahead_of: dict[tuple, list[object]] = {}
         self._largest = 0  # bytes of the largest chunk read so far

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from .runtime import cores_per_rank
+
 MiB = 1024 * 1024
 
 #: offline: source pieces are read in row chunks of about this size (one checksum block, so that writers needing
@@ -45,8 +47,6 @@ def load_fill_threads(group=None) -> int:
     """The default :attr:`LoadOptions.fill_threads` of a rank of ``group``: its share of the host's cores.
 
     Eight threads on each of four ranks of a 16-core host loaded slower than four (docs/benchmarks/README.md)."""
-    from .runtime import cores_per_rank
-
     return max(LOAD_FILL_THREADS_MIN, min(LOAD_FILL_THREADS_MAX, cores_per_rank(group)))
 
 
