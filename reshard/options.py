@@ -43,11 +43,11 @@ LOAD_FILL_THREADS_MIN = 2
 ROUND_BYTES = 128 * MiB
 
 
-def load_fill_threads(group=None) -> int:
-    """The default :attr:`LoadOptions.fill_threads` of a rank of ``group``: its share of the host's cores.
+def load_fill_threads() -> int:
+    """The default :attr:`LoadOptions.fill_threads`: the rank's share of the host's cores.
 
     Eight threads on each of four ranks of a 16-core host loaded slower than four (docs/benchmarks/README.md)."""
-    return max(LOAD_FILL_THREADS_MIN, min(LOAD_FILL_THREADS_MAX, cores_per_rank(group)))
+    return max(LOAD_FILL_THREADS_MIN, min(LOAD_FILL_THREADS_MAX, cores_per_rank()))
 
 
 def _check_positive(obj: object) -> None:
