@@ -245,8 +245,9 @@ def worker(job: str, config: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+        from moeckpt.reshard.runtime import cores_per_rank
+
+        torch.set_num_threads(cores_per_rank())
     if job == "train":
         from .train import TrainConfig, run_training
 
