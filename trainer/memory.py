@@ -27,7 +27,7 @@ def available_bytes() -> int | None:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
-        pass
+        pass  # no /proc (not Linux) or a format we do not know: ask sysconf instead
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

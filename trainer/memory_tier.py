@@ -116,7 +116,7 @@ def run_id(run_dir: str, *, create: bool) -> str | None:
         if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{8,64}", value):
             return value
     except FileNotFoundError:
-        pass
+        pass  # no marker yet: a new run, given an id below
     except ValueError:
         log.warning(
             "%s: unreadable, giving the run a new id (older memory checkpoints are ignored)", storage.path(MARKER)
@@ -387,7 +387,7 @@ class MemoryTier:
             try:
                 os.rmdir(self.root)  # the last node of the host removes the run's directory
             except OSError:
-                pass
+                pass  # not empty: another node of this host still holds its checkpoints there
 
 
 #: the most threads a rank writes its memory checkpoint with: in memory one thread hashing and copying the state

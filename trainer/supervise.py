@@ -77,7 +77,7 @@ def alive(pid: int) -> bool:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
-        pass
+        pass  # no /proc entry to read (gone, or not Linux): the signal probe below decides
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError):
