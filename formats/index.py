@@ -57,6 +57,12 @@ def check_relative_path(path: object, where: str) -> str:
 _UNSAFE_NAME = re.compile(r"^/|\\|[\x00-\x1f\x7f]|(?:^|/)\.{0,2}(?:/|$)")
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _is_safe_name(name: str) -> bool:
+    # Remembered: every save and every index read checks the same thousands of names again.
+    return _UNSAFE_NAME.search(name) is None
+
+
 def check_tensor_name(name: object, where: str) -> str:
     """Refuse a tensor name that could not be a path component sequence inside a checkpoint.
 
@@ -66,7 +72,7 @@ def check_tensor_name(name: object, where: str) -> str:
     """
     if not isinstance(name, str) or not name:
         raise UnsafePathError(f"{where}: a tensor name must be a non-empty string, got {name!r}")
-    if _UNSAFE_NAME.search(name):
+    if not _is_safe_name(name):
         raise UnsafePathError(
             f"{where}: tensor name {name!r} is not a safe name (no '..', '.' or empty '/'-separated parts, no leading "
             "'/', backslash or control character); rename the key"

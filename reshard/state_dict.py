@@ -152,7 +152,8 @@ _MESH_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PLACEMENTS: dict[tuple, tuple[MeshPlacement, ...]] = {}
 
 
-def _mesh_ranks(mesh: Any, to_group_rank) -> tuple[int, ...]:
+def _mesh_of(mesh: Any, to_group_rank) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The mesh's shape and its ranks (mapped by ``to_group_rank``)."""
     by_map = _MESH_RANKS.get(mesh)
     if by_map is None:
         by_map = _MESH_RANKS[mesh] = {}
@@ -164,7 +165,7 @@ def _mesh_ranks(mesh: Any, to_group_rank) -> tuple[int, ...]:
         ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
         if to_group_rank is not None:
             ranks = [to_group_rank(r) for r in ranks]
-        found = by_map[key] = tuple(ranks)
+        found = by_map[key] = (tuple(int(s) for s in mesh.shape), tuple(ranks))
     return found
 
 
@@ -197,19 +198,9 @@ def leaf_of(key: str, value: Any, *, to_group_rank=None) -> Leaf:
             from torch.distributed.tensor import DTensor
 
             value = cast(DTensor, value)
-            mesh = value.device_mesh
-            ranks = _mesh_ranks(mesh, to_group_rank)
+            mesh_shape, ranks = _mesh_of(value.device_mesh, to_group_rank)
             placements = _placements_of(tuple(value.placements), key)
-            return Leaf(
-                key,
-                "dtensor",
-                tuple(int(s) for s in value.shape),
-                dtype,
-                tuple(int(s) for s in mesh.shape),
-                tuple(ranks),
-                placements,
-                value.to_local(),
-            )
+            return Leaf(key, "dtensor", tuple(value.shape), dtype, mesh_shape, ranks, placements, value.to_local())
         if value.is_sparse or value.layout != torch.strided:
             raise StateDictError(f"key {key!r}: a {value.layout} tensor cannot be saved; convert it to a dense tensor")
         return Leaf(key, "tensor", tuple(int(s) for s in value.shape), dtype, local=value)

@@ -116,7 +116,8 @@ def load_state_dict(
     reader = None
     wanted: list[tuple[Leaf, Box, torch.Tensor]] = []
     values: list[tuple[str, tuple, Any]] = []
-    with single_threaded_torch(), paused_gc():
+    # no_grad: a DTensor's to_local() is then its local tensor itself, not a view with an autograd node
+    with single_threaded_torch(), paused_gc(), torch.no_grad():
         try:
             reader = CheckpointReader(location)
             for key, (path, value) in flatten(state_dict).items():

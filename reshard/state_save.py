@@ -35,6 +35,10 @@ __all__ = ["SavePlan", "plan_state_save", "rank_pieces"]
 GENERIC_MODEL: dict[str, Any] = {"arch": "generic", "config": {}}
 
 
+#: ``(key, box, index into the local tensor)`` of each box a rank writes (``None``: the whole local tensor).
+Selection = tuple[tuple[str, Box, tuple[slice, ...] | None], ...]
+
+
 @dataclass(frozen=True)
 class SavePlan:
     """The agreed checkpoint of a group's state dicts, and this rank's leaves."""
@@ -45,6 +49,8 @@ class SavePlan:
     #: this rank's tensor leaves by key.
     leaves: dict[str, Leaf]
     rank: int
+    #: the boxes this rank writes, in key order.
+    selection: Selection = ()
 
 
 def group_rank_of(group):
@@ -67,9 +73,10 @@ def _gather_descriptions(mine: list, digest: str, digests: list[str], group) -> 
     return [by_digest[d] for d in digests]
 
 
-#: merged tensor plans by (backend, model, every rank's tensor-description digest): a trainer saves the same
-#: structure every time, so after the first save only the JSON values travel and nothing is merged again.
-_PLANS: dict[tuple, tuple[Index, dict[str, list[Box]]]] = {}
+#: merged tensor plans by (backend, model, every rank's tensor-description digest), with this rank's selection
+#: of boxes (:func:`_select`): a trainer saves the same structure every time, so after the first save only the
+#: JSON values travel and nothing is merged or selected again.
+_PLANS: dict[tuple, tuple[Index, dict[str, list[Box]], tuple]] = {}
 _PLANS_KEPT = 4
 
 
@@ -89,7 +96,8 @@ def plan_state_save(
     values_mine: list = []
     try:
         to_group = group_rank_of(group)
-        leaves = [leaf_of(k, v, to_group_rank=to_group) for k, (_, v) in flatten(state_dict).items()]
+        with torch.no_grad():  # a DTensor's to_local() is then its local tensor, not a view with an autograd node
+            leaves = [leaf_of(k, v, to_group_rank=to_group) for k, (_, v) in flatten(state_dict).items()]
         for leaf in leaves:
             if leaf.kind == "value":
                 values_mine.append(leaf.describe() + [leaf.local])
@@ -114,16 +122,18 @@ def plan_state_save(
     if cached is None:
         everyone = _gather_descriptions(tensors_mine, digest, digests, group)
         try:
-            cached = _merge(everyone, backend=backend, step=0, model=model)
+            merged, merged_boxes = _merge(everyone, backend=backend, step=0, model=model)
         except MoeckptError as e:  # the same on every rank: each merged the same descriptions
             raise e from None
+        mine = {leaf.key: leaf for leaf in leaves if leaf.kind != "value"}
+        cached = (merged, merged_boxes, _select(merged, mine, me))
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)))
         _PLANS[key] = cached
-    tensor_index, boxes = cached
+    tensor_index, boxes, selection = cached
     values = _merge_values([v for _, _, v in gathered], tensor_index.tensors)
     index = replace(tensor_index, step=step, train_state=values)
-    return SavePlan(index, boxes, {leaf.key: leaf for leaf in leaves if leaf.kind != "value"}, me)
+    return SavePlan(index, boxes, {leaf.key: leaf for leaf in leaves if leaf.kind != "value"}, me, selection)
 
 
 def _merge_values(everyone: list[list], tensors: Mapping[str, TensorEntry]) -> dict[str, Any]:
@@ -260,11 +270,20 @@ def _mesh_of(key: str, item: list, by_mesh: dict[tuple[int, ...], list[int]]) ->
 def rank_pieces(plan: SavePlan) -> list[tuple[str, Box, torch.Tensor]]:
     """``(key, box, view of the local tensor)`` of every box this rank writes."""
     out = []
+    for key, box, index in plan.selection:
+        local = plan.leaves[key].local.detach()
+        out.append((key, box, local if index is None else local[index]))
+    return out
+
+
+def _select(index: Index, leaves: Mapping[str, Leaf], rank: int) -> Selection:
+    """The boxes ``rank`` writes (:attr:`SavePlan.selection`), in key order whatever the state dict's order, so a
+    file's bytes are determined."""
+    out: list[tuple[str, Box, tuple[slice, ...] | None]] = []
     # Tensors of one structure (shape, mesh, placements) share their geometry and this rank's boxes: computed once.
     local: dict[tuple, tuple[MeshGeometry, dict[Box, tuple[int, ...]]]] = {}
-    for key in sorted(plan.leaves):  # in key order whatever the state dict's order: a file's bytes are determined
-        leaf = plan.leaves[key]
-        entry = plan.index.tensors[key]
+    for key in sorted(leaves):
+        entry = index.tensors[key]
         mesh = entry.mesh
         if mesh is None:  # unreachable: _merge gives every tensor of a state-dict checkpoint a mesh
             raise StateDictError(f"tensor {key!r} has no mesh sharding")
@@ -273,18 +292,20 @@ def rank_pieces(plan: SavePlan) -> list[tuple[str, Box, torch.Tensor]]:
         found = local.get(sig)
         if found is None:
             geo = mesh_geometry(entry.shape, mesh.shape, placements)
-            coord = _coord(mesh.ranks.index(plan.rank), mesh.shape)
+            coord = _coord(mesh.ranks.index(rank), mesh.shape)
             found = local[sig] = (geo, dict(local_boxes(entry.shape, mesh.shape, coord, placements)))
         geo, offsets_of = found
         seed = name_seed(key)
-        view_of = leaf.local.detach()
+        whole = tuple(leaves[key].local.shape)
         for i, box in enumerate(geo.boxes):
-            if geo.writer(i, mesh.ranks, seed) != plan.rank or box not in offsets_of:
+            if geo.writer(i, mesh.ranks, seed) != rank or box not in offsets_of:
                 continue
             offsets = offsets_of[box]
-            view = view_of[tuple(slice(o, o + s) for o, s in zip(offsets, box.shape))] if box.ndim else view_of
-            out.append((key, box, view))
-    return out
+            if not box.ndim or (box.shape == whole and not any(offsets)):
+                out.append((key, box, None))
+            else:
+                out.append((key, box, tuple(slice(o, o + s) for o, s in zip(offsets, box.shape))))
+    return tuple(out)
 
 
 def _coord(flat: int, shape: tuple[int, ...]) -> list[int]:

@@ -247,13 +247,22 @@ def save_golden_state(rank: int, path: str) -> None:
 def repeated_saves(rank: int, root: str, out: str) -> None:
     """Saves of one structure with changing values, then of another structure, then disagreeing ranks: each
     checkpoint must hold exactly what was saved, and a disagreement must fail every rank naming the key."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
     import moeckpt
     from moeckpt.formats.errors import MoeckptError
 
     w = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+    mesh = init_device_mesh("cpu", (2,))
+    # a sharded parameter that requires grad, updated in place between the saves, as a trainer's is
+    d = torch.nn.Parameter(DTensor.from_local(w[2 * rank : 2 * rank + 2].clone(), mesh, [Shard(0)]))
     results: dict = {}
     for step in (1, 2):
-        moeckpt.save({"w": w * step, "step": step, "opt": {"lr": 0.1 * step}}, os.path.join(root, f"a{step}"), step=step)
+        with torch.no_grad():
+            d.to_local().copy_(w[2 * rank : 2 * rank + 2] * 10 * step)
+        sd = {"w": w * step, "d": d, "step": step, "opt": {"lr": 0.1 * step}}
+        moeckpt.save(sd, os.path.join(root, f"a{step}"), step=step)
     # the same structure once more, and then a new tensor: the plan must follow the state dict, not a cache
     moeckpt.save({"w": w, "b": torch.ones(3), "step": 3}, os.path.join(root, "b"), step=3)
     for name, sd in {

@@ -200,9 +200,10 @@ def test_repeated_saves_hold_what_each_saved_and_disagreeing_ranks_fail_together
         index = CheckpointReader(str(root / f"a{step}")).index
         assert index.step == step
         assert index.train_state == {"opt.lr": 0.1 * step, "step": step}
-        sd = {"w": torch.zeros(4, 2)}
+        sd = {"w": torch.zeros(4, 2), "d": torch.zeros(4, 2)}
         moeckpt.load(sd, str(root / f"a{step}"))
         assert torch.equal(sd["w"], torch.arange(8, dtype=torch.float32).reshape(4, 2) * step)
+        assert torch.equal(sd["d"], torch.arange(8, dtype=torch.float32).reshape(4, 2) * 10 * step)
     index = CheckpointReader(str(root / "b")).index
     assert sorted(index.tensors) == ["b", "w"] and index.train_state == {"step": 3}
     for rank in (0, 1):
