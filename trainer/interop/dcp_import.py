@@ -18,6 +18,7 @@ from moeckpt.formats.index import STORED_SHARDING, Index
 from moeckpt.reshard.dcp_source import kept_chunks, write_from_dcp
 from moeckpt.reshard.generic import sharded_over_writers
 from moeckpt.reshard.layout import Layout
+from moeckpt.reshard.runtime import paused_gc
 from moeckpt.reshard.tensors import check_layout
 
 from ..models import ModelSpec
@@ -55,6 +56,11 @@ class DcpImport:
                  model: ModelSpec | None = None, workers: int = 8):
         """``layout`` ``None`` keeps a generic (``--mapping none``) checkpoint's DCP chunks as they are (each in the
         file of the rank that wrote it); a layout of ``dp`` writers splits every tensor along dim 0 over them."""
+        with paused_gc():  # the metadata's unpickling and the mapping make many objects: see paused_gc
+            self._open(location, layout, mapping, backend, model, workers)
+
+    def _open(self, location: str, layout: Layout | None, mapping: str, backend: str, model: ModelSpec | None,
+              workers: int) -> None:
         self.dcp = DcpCheckpoint(location, workers=workers)
         self.mapped = apply_mapping(self.dcp, mapping, model)
         generic = self.mapped.model["arch"] == GENERIC_ARCH
@@ -87,8 +93,9 @@ class DcpImport:
               on_bytes: Callable[[int], None] | None = None) -> tuple[Index, int]:
         """Write and commit the checkpoint at ``dst``; returns its index and the bytes read from the DCP files."""
         try:
-            return write_from_dcp(self.dcp, self.index, self.mapped.slots, dst, self.layout, workers=workers,
-                                  overwrite=overwrite, on_bytes=on_bytes, targets=self.targets)
+            with paused_gc():  # listing the DCP chunks and mapping them to pieces: see paused_gc
+                return write_from_dcp(self.dcp, self.index, self.mapped.slots, dst, self.layout, workers=workers,
+                                      overwrite=overwrite, on_bytes=on_bytes, targets=self.targets)
         finally:
             self.dcp.close()
 
