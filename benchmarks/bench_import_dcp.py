@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from moeckpt.reshard.options import offline_workers
 from moeckpt.trainer.interop import torchtitan
 from moeckpt.trainer.models import ModelSpec, presets
 
@@ -209,12 +210,14 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.07, help="size of the training state (GB)")
     ap.add_argument("--dir", default="/tmp/moeckpt-bench-import-dcp", help="scratch directory (local disk)")
     ap.add_argument("--target", default="tp=2,ep=2,dp=2", help="layout import-dcp writes")
-    ap.add_argument("--workers", type=int, default=4, help="import-dcp's writer threads")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="import-dcp's parallel writers (default: its own, 4 or the machine's cores if fewer)")
     ap.add_argument("--reps", type=int, default=3, help="rounds of the three methods; the median of each is kept")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait after dropping the page cache before "
                     "each method")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where JSON and PNG go")
     args = ap.parse_args()
+    args.workers = offline_workers() if args.workers is None else args.workers
     if args.gb <= 0 or args.reps < 1 or args.workers < 1:
         raise SystemExit("--gb, --reps and --workers must be positive")
     shutil.rmtree(args.dir, ignore_errors=True)
@@ -236,7 +239,7 @@ def main() -> None:
     base = subprocess.run([sys.executable, "-c", BASELINE_CHILD], capture_output=True, text=True, check=True)
     doc = {
         "benchmark": "import_dcp", "dcp_bytes": size, "files": len(os.listdir(src)), "target": args.target,
-        "model": spec.to_json(), "reps": args.reps, "runs": runs, "best": best,
+        "workers": args.workers, "model": spec.to_json(), "reps": args.reps, "runs": runs, "best": best,
         "baseline_rss_bytes": int(base.stdout),
         "ratio_vs_cp": best["moeckpt"]["gb_per_s"] / best["cp"]["gb_per_s"],
         "ratio_vs_dcp_to_torch_save": best["moeckpt"]["gb_per_s"] / best["dcp_to_torch_save"]["gb_per_s"],

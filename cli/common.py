@@ -13,6 +13,7 @@ import click
 
 from moeckpt.formats.backend import backend_names
 from moeckpt.formats.errors import MoeckptError
+from moeckpt.reshard.options import OFFLINE_WORKERS, offline_workers
 
 from .params import count
 
@@ -174,7 +175,8 @@ format_option = click.option(
 )
 
 #: ``--workers``: parallel file writers.
-workers_option = click.option("--workers", type=count(1, 256), default=4, show_default=True,
+workers_option = click.option("--workers", type=count(1, 256), default=offline_workers,
+                              show_default=f"{OFFLINE_WORKERS}, or the machine's cores if fewer",
                               help="parallel file writers")
 
 

@@ -8,7 +8,7 @@ from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.generic import is_state_dict
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.options import ReshardOptions
+from moeckpt.reshard.options import OFFLINE_WORKERS, ReshardOptions, offline_workers
 from moeckpt.reshard.tensors import check_layout
 from moeckpt.trainer.models import ModelSpec
 
@@ -27,7 +27,8 @@ from .params import Text, count
     default=None,
     help="on-disk format of the checkpoint written  [default: the source's]",
 )
-@click.option("--workers", type=count(1, 256), default=4, show_default=True,
+@click.option("--workers", type=count(1, 256), default=offline_workers,
+              show_default=f"{OFFLINE_WORKERS}, or the machine's cores if fewer",
               help="target files written in parallel (by processes from local safetensors to local safetensors, "
                    "else threads)")
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")

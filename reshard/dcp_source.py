@@ -176,7 +176,7 @@ def write_from_dcp(
     dst: str,
     target: Layout,
     *,
-    workers: int = 4,
+    workers: int | None = None,
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
     targets: Mapping[str, Sequence[tuple[Box, int]]] | None = None,
@@ -188,7 +188,7 @@ def write_from_dcp(
     called for a DCP source.
     """
     from . import executor
-    from .options import ReshardOptions
+    from .options import ReshardOptions, offline_workers
 
     sources = sorted({s.source for s in slots})
     refs = virtual_pieces(dcp.chunks(sources), slots, index)
@@ -200,7 +200,7 @@ def write_from_dcp(
         backend=index.backend,
         overwrite=overwrite,
         on_bytes=on_bytes,
-        options=ReshardOptions(workers=workers),
+        options=ReshardOptions(workers=workers or offline_workers()),
         targets=targets,
     )
     return new_index, bytes_read

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from .runtime import cores_per_rank
+from .runtime import cores_per_rank, host_cores
 
 MiB = 1024 * 1024
+
+#: offline: target files written in parallel, where the machine has the cores (:func:`offline_workers`).
+OFFLINE_WORKERS = 4
 
 #: offline: source pieces are read in row chunks of about this size (one checksum block, so that writers needing
 #: different rows of one stored piece rarely share a chunk, and no block is read twice).
@@ -57,12 +60,18 @@ def _check_positive(obj: object) -> None:
             raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive integer, got {value!r}")
 
 
+def offline_workers() -> int:
+    """The default number of parallel writers of an offline run: :data:`OFFLINE_WORKERS`, fewer on a machine with
+    fewer cores (on 2 cores, 4 forked writers took turns on them: an import ran slower than with 2)."""
+    return max(1, min(OFFLINE_WORKERS, host_cores()))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReshardOptions:
     """How an offline reshard (:func:`~moeckpt.reshard.executor.reshard`, ``write_rows``) uses memory and cores."""
 
     #: target files written in parallel (forked processes where backends and storages allow it, else threads).
-    workers: int = 4
+    workers: int = field(default_factory=lambda: offline_workers())
     #: source pieces are read in row chunks of about this many bytes.
     chunk_bytes: int = OFFLINE_CHUNK_BYTES
     #: target pieces are assembled and written in row slabs of about this many bytes.

@@ -11,13 +11,18 @@ from contextlib import contextmanager
 from . import collectives
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cores_per_rank(group=None) -> int:
     """This host's cores (those the process may run on) shared by the ranks on it: ``LOCAL_WORLD_SIZE`` where
     torchrun sets it, else every rank of ``group``; at least 1.
 
     What a rank's own thread pools (its file writers, its in-place readers) are sized by: a rank's pool as large
     as the whole host, on every rank of the host, only makes the threads take turns."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = host_cores()
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     ranks = int(local) if local.isdigit() and int(local) > 0 else collectives.world_size(group)
     return max(1, cores // max(1, ranks))

@@ -93,3 +93,24 @@ def test_load_fill_threads_are_the_ranks_share_of_the_hosts_cores(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE")  # one process alone on the host
     assert LoadOptions().fill_threads == LOAD_FILL_THREADS_MAX
     assert LoadOptions(fill_threads=5).fill_threads == 5
+
+
+def test_offline_writers_default_to_four_or_the_machines_cores_if_fewer(monkeypatch):
+    import click
+    from click.testing import CliRunner
+
+    from moeckpt.cli.main import all_commands, cli
+    from moeckpt.reshard.options import OFFLINE_WORKERS, ReshardOptions
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert ReshardOptions().workers == OFFLINE_WORKERS == 4
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert ReshardOptions().workers == 2
+    assert ReshardOptions(workers=6).workers == 6  # asked for: as asked
+    # The CLI's --workers default is the same rule, evaluated when the command runs, and says so in --help.
+    commands = all_commands()
+    for name in ("reshard", "import-dcp", "import-hf", "init"):
+        option = next(p for p in commands[name].params if p.name == "workers")
+        assert option.get_default(click.Context(commands[name]), call=True) == 2, name
+        help_text = " ".join(CliRunner().invoke(cli, [name, "--help"]).output.split())
+        assert "[default: (4, or the machine's cores if fewer)]" in help_text, (name, help_text)

@@ -25,7 +25,7 @@ from moeckpt.formats.roles import MOMENT_ROLES
 from moeckpt.formats.storage import Storage
 from moeckpt.reshard.executor import write_rows
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.options import ReshardOptions
+from moeckpt.reshard.options import ReshardOptions, offline_workers
 from moeckpt.reshard.tensors import logical_tensors
 
 from .hf_export import INDEX_FILE, hf_module
@@ -240,7 +240,7 @@ class HfImport:
         dst: str,
         *,
         overwrite: bool = False,
-        workers: int = 4,
+        workers: int | None = None,
         on_bytes: Callable[[int], None] | None = None,
         **limits: int,
     ) -> Index:
@@ -248,7 +248,7 @@ class HfImport:
         ``limits`` are the other fields of :class:`~moeckpt.reshard.options.ReshardOptions` (``chunk_bytes``, ...)."""
         return write_rows(
             dst, self.index, self.layout, self.read_rows, source_name=self.hf_dir.location, overwrite=overwrite,
-            on_bytes=on_bytes, options=ReshardOptions(workers=workers, **limits),
+            on_bytes=on_bytes, options=ReshardOptions(workers=workers or offline_workers(), **limits),
         )
 
 
@@ -260,7 +260,7 @@ def import_hf(
     backend: str = "safetensors",
     dtype: str = "float32",
     overwrite: bool = False,
-    workers: int = 4,
+    workers: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
 ) -> Index:
     """Write the Hugging Face model at ``hf_location`` as a checkpoint at ``dst`` in ``layout``, with fresh

@@ -89,7 +89,7 @@ class DcpImport:
     def notes(self) -> list[str]:
         return self.mapped.notes
 
-    def write(self, dst: str, *, overwrite: bool = False, workers: int = 4,
+    def write(self, dst: str, *, overwrite: bool = False, workers: int | None = None,
               on_bytes: Callable[[int], None] | None = None) -> tuple[Index, int]:
         """Write and commit the checkpoint at ``dst``; returns its index and the bytes read from the DCP files."""
         try:
@@ -102,7 +102,7 @@ class DcpImport:
 
 def import_dcp(location: str, dst: str, *, layout: Layout | None = None, mapping: str = "none",
                backend: str = "safetensors", model: ModelSpec | None = None, overwrite: bool = False,
-               workers: int = 4, on_bytes: Callable[[int], None] | None = None) -> Index:
+               workers: int | None = None, on_bytes: Callable[[int], None] | None = None) -> Index:
     """Convert the DCP checkpoint at ``location`` into a moeckpt checkpoint at ``dst`` (see :class:`DcpImport`)."""
     job = DcpImport(location, layout=layout, mapping=mapping, backend=backend, model=model)
     index, _ = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=on_bytes)
