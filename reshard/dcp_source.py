@@ -200,7 +200,7 @@ def write_from_dcp(
         backend=index.backend,
         overwrite=overwrite,
         on_bytes=on_bytes,
-        options=ReshardOptions(workers=workers or offline_workers()),
+        options=ReshardOptions(workers=offline_workers() if workers is None else workers),
         targets=targets,
     )
     return new_index, bytes_read

@@ -71,7 +71,7 @@ class ReshardOptions:
     """How an offline reshard (:func:`~moeckpt.reshard.executor.reshard`, ``write_rows``) uses memory and cores."""
 
     #: target files written in parallel (forked processes where backends and storages allow it, else threads).
-    workers: int = field(default_factory=lambda: offline_workers())
+    workers: int = field(default_factory=offline_workers)
     #: source pieces are read in row chunks of about this many bytes.
     chunk_bytes: int = OFFLINE_CHUNK_BYTES
     #: target pieces are assembled and written in row slabs of about this many bytes.

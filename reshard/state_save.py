@@ -76,7 +76,7 @@ def _gather_descriptions(mine: list, digest: str, digests: list[str], group) -> 
 #: merged tensor plans by (backend, model, every rank's tensor-description digest), with this rank's selection
 #: of boxes (:func:`_select`): a trainer saves the same structure every time, so after the first save only the
 #: JSON values travel and nothing is merged or selected again.
-_PLANS: dict[tuple, tuple[Index, dict[str, list[Box]], tuple]] = {}
+_PLANS: dict[tuple, tuple[Index, dict[str, list[Box]], Selection]] = {}
 _PLANS_KEPT = 4
 
 
@@ -117,7 +117,8 @@ def plan_state_save(
         if other is not None:
             raise StateDictError(f"rank {g} of the group refused the save: {other[1]}")
     digests = [d for _, d, _ in gathered]
-    key = (backend, json.dumps(model, sort_keys=True), tuple(digests))
+    # This rank's position too: the selection is its own (two groups of one structure may place it differently).
+    key = (backend, json.dumps(model, sort_keys=True), tuple(digests), me)
     cached = _PLANS.get(key)
     if cached is None:
         everyone = _gather_descriptions(tensors_mine, digest, digests, group)

@@ -248,7 +248,7 @@ class HfImport:
         ``limits`` are the other fields of :class:`~moeckpt.reshard.options.ReshardOptions` (``chunk_bytes``, ...)."""
         return write_rows(
             dst, self.index, self.layout, self.read_rows, source_name=self.hf_dir.location, overwrite=overwrite,
-            on_bytes=on_bytes, options=ReshardOptions(workers=workers or offline_workers(), **limits),
+            on_bytes=on_bytes, options=ReshardOptions(workers=offline_workers() if workers is None else workers, **limits),
         )
 
 
