@@ -146,13 +146,13 @@ def _placement_of(p: Any, key: str) -> MeshPlacement:
     )
 
 
-#: a mesh's ranks (and a placements tuple's parsed form) are asked for once per tensor of a state dict, thousands
+#: a mesh's shape and ranks (and a placements tuple's parsed form) are asked for once per tensor of a state dict, thousands
 #: of times for the same few meshes: kept by the mesh object (weakly, so a mesh that goes is forgotten).
 _MESH_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PLACEMENTS: dict[tuple, tuple[MeshPlacement, ...]] = {}
 
 
-def _mesh_of(mesh: Any, to_group_rank) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _mesh_shape_and_ranks(mesh: Any, to_group_rank) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The mesh's shape and its ranks (mapped by ``to_group_rank``)."""
     by_map = _MESH_RANKS.get(mesh)
     if by_map is None:
@@ -198,7 +198,7 @@ def leaf_of(key: str, value: Any, *, to_group_rank=None) -> Leaf:
             from torch.distributed.tensor import DTensor
 
             value = cast(DTensor, value)
-            mesh_shape, ranks = _mesh_of(value.device_mesh, to_group_rank)
+            mesh_shape, ranks = _mesh_shape_and_ranks(value.device_mesh, to_group_rank)
             placements = _placements_of(tuple(value.placements), key)
             return Leaf(key, "dtensor", tuple(value.shape), dtype, mesh_shape, ranks, placements, value.to_local())
         if value.is_sparse or value.layout != torch.strided:
