@@ -188,7 +188,7 @@ def write_from_dcp(
     called for a DCP source.
     """
     from . import executor
-    from .options import ReshardOptions, offline_workers
+    from .options import offline_options
 
     sources = sorted({s.source for s in slots})
     refs = virtual_pieces(dcp.chunks(sources), slots, index)
@@ -200,7 +200,7 @@ def write_from_dcp(
         backend=index.backend,
         overwrite=overwrite,
         on_bytes=on_bytes,
-        options=ReshardOptions(workers=offline_workers() if workers is None else workers),
+        options=offline_options(workers),
         targets=targets,
     )
     return new_index, bytes_read

@@ -66,6 +66,11 @@ def offline_workers() -> int:
     return max(1, min(OFFLINE_WORKERS, host_cores()))
 
 
+def offline_options(workers: int | None = None, **limits: int) -> ReshardOptions:
+    """:class:`ReshardOptions` with ``workers`` where given, else the default (:func:`offline_workers`)."""
+    return ReshardOptions(**limits) if workers is None else ReshardOptions(workers=workers, **limits)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReshardOptions:
     """How an offline reshard (:func:`~moeckpt.reshard.executor.reshard`, ``write_rows``) uses memory and cores."""

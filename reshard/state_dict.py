@@ -146,8 +146,8 @@ def _placement_of(p: Any, key: str) -> MeshPlacement:
     )
 
 
-#: a mesh's shape and ranks (and a placements tuple's parsed form) are asked for once per tensor of a state dict, thousands
-#: of times for the same few meshes: kept by the mesh object (weakly, so a mesh that goes is forgotten).
+#: a mesh's shape and ranks (and a placements tuple's parsed form) are asked for once per tensor of a state dict,
+#: thousands of times for the same few meshes: kept by the mesh object (weakly, so a mesh that goes is forgotten).
 _MESH_RANKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _PLACEMENTS: dict[tuple, tuple[MeshPlacement, ...]] = {}
 

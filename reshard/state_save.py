@@ -117,6 +117,7 @@ def plan_state_save(
         if other is not None:
             raise StateDictError(f"rank {g} of the group refused the save: {other[1]}")
     digests = [d for _, d, _ in gathered]
+    mine = {leaf.key: leaf for leaf in leaves if leaf.kind != "value"}
     # This rank's position too: the selection is its own (two groups of one structure may place it differently).
     key = (backend, json.dumps(model, sort_keys=True), tuple(digests), me)
     cached = _PLANS.get(key)
@@ -126,7 +127,6 @@ def plan_state_save(
             merged, merged_boxes = _merge(everyone, backend=backend, step=0, model=model)
         except MoeckptError as e:  # the same on every rank: each merged the same descriptions
             raise e from None
-        mine = {leaf.key: leaf for leaf in leaves if leaf.kind != "value"}
         cached = (merged, merged_boxes, _select(merged, mine, me))
         if len(_PLANS) >= _PLANS_KEPT:
             _PLANS.pop(next(iter(_PLANS)))
@@ -134,7 +134,7 @@ def plan_state_save(
     tensor_index, boxes, selection = cached
     values = _merge_values([v for _, _, v in gathered], tensor_index.tensors)
     index = replace(tensor_index, step=step, train_state=values)
-    return SavePlan(index, boxes, {leaf.key: leaf for leaf in leaves if leaf.kind != "value"}, me, selection)
+    return SavePlan(index, boxes, mine, me, selection)
 
 
 def _merge_values(everyone: list[list], tensors: Mapping[str, TensorEntry]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from moeckpt.formats.roles import MOMENT_ROLES
 from moeckpt.formats.storage import Storage
 from moeckpt.reshard.executor import write_rows
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.options import ReshardOptions, offline_workers
+from moeckpt.reshard.options import offline_options
 from moeckpt.reshard.tensors import logical_tensors
 
 from .hf_export import INDEX_FILE, hf_module
@@ -248,7 +248,7 @@ class HfImport:
         ``limits`` are the other fields of :class:`~moeckpt.reshard.options.ReshardOptions` (``chunk_bytes``, ...)."""
         return write_rows(
             dst, self.index, self.layout, self.read_rows, source_name=self.hf_dir.location, overwrite=overwrite,
-            on_bytes=on_bytes, options=ReshardOptions(workers=offline_workers() if workers is None else workers, **limits),
+            on_bytes=on_bytes, options=offline_options(workers, **limits),
         )
 
 
