@@ -55,6 +55,7 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import FileEntry, Index, TensorEntry, check_tensor_name
 from moeckpt.formats.pieces import Piece
 
+from .commit import write_threads
 from .placement import STORED, is_stored, placements
 from .planner import source_layout
 from .runtime import paused_gc
@@ -150,7 +151,10 @@ class StorageWriter(_DcpWriter):
             # The writer alone: the coordinator unpickles every rank's results, and a dict per item (with the
             # file list) made that several times slower.
             results.append(WriteResult(item.index, box.numel * dtypes.itemsize(entry.dtype), writer))
-        files = get_backend(self.format).write(staging_storage(self._where()), writer, pieces, tensors)
+        # With the host's spare cores, as moeckpt.save writes (DCP's own FileSystemWriter writes with one thread).
+        files = get_backend(self.format).write(
+            staging_storage(self._where()), writer, pieces, tensors, threads=write_threads()
+        )
         # The rank's files (an empty one for a rank with nothing to write) travel in one result of their own.
         results.append(
             WriteResult(

@@ -37,6 +37,33 @@ def test_dcp_save_writes_a_committed_moeckpt_checkpoint_and_dcp_load_reads_it(tm
     assert torch.equal(again["model"]["w"], sd["model"]["w"])
 
 
+def test_dcp_save_writes_with_the_hosts_spare_cores_and_the_same_bytes(tmp_path, monkeypatch):
+    # moeckpt.dcp.StorageWriter writes a rank's file with the threads moeckpt.save would use (its share of the
+    # host's cores); the file is the one a single thread writes, byte for byte.
+    from moeckpt.formats.backends import safetensors as st
+    from moeckpt.reshard import commit
+
+    g = torch.Generator().manual_seed(3)
+    sd = {f"layer{i}.w": torch.randn(64, 257, generator=g) for i in range(6)} | {"step": 1}
+    used: list[int] = []
+    real = st.SafetensorsBackend.write
+
+    def spy(self, storage, writer, pieces, tensors, *, threads=1):
+        used.append(threads)
+        return real(self, storage, writer, pieces, tensors, threads=threads)
+
+    monkeypatch.setattr(st.SafetensorsBackend, "write", spy)
+    files = {}
+    for threads in (1, 3):
+        monkeypatch.setattr(commit, "cores_per_rank", lambda group=None, n=threads: n)
+        path = str(tmp_path / f"t{threads}")
+        dcp.save(sd, storage_writer=moeckpt.dcp.StorageWriter(path))
+        assert moeckpt.verify(path) == []
+        files[threads] = {n: open(os.path.join(path, n), "rb").read() for n in os.listdir(path) if n != "moeckpt.json"}
+    assert used == [1, 3]
+    assert files[1] == files[3] and files[1]
+
+
 def test_a_value_that_is_not_json_is_refused_and_nothing_committed(tmp_path):
     path = str(tmp_path / "c")
     # DCP wraps a rank's error in CheckpointException (a BaseException), whose text carries our one line.
