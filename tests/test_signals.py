@@ -54,6 +54,21 @@ def test_sigterm_to_the_launcher_saves_and_exits_0(tmp_path):
     assert committed_steps(run)[-1][0] == step == read_metrics(run)[-1]["step"]
 
 
+def test_workers_that_saved_on_sigterm_exit_by_themselves(tmp_path):
+    """The agent passes SIGTERM on and waits for the workers: each saves, returns and exits on its own, none is
+    left for the agent to kill once its --shutdown-timeout runs out (torch's own records, shown with -vv)."""
+    run = str(tmp_path / "run")
+    job = launch("-vv", *LONG, "--run-dir", run)
+    job.wait_for_workers(2)
+    _wait_for_training(run, job)
+    job.signal(signal.SIGTERM, group=False)
+    code, out, err = job.finish()
+    assert code == 0 and "stopped by SIGTERM" in out, err[-3000:]
+    assert "torchrun: Closing process" in err, err[-3000:]  # the agent passed the signal on: the path under test
+    assert "Unable to shutdown process" not in err and "forcefully exiting" not in err, err[-3000:]
+    assert job.survivors() == []
+
+
 def test_ctrl_c_to_the_process_group_is_one_line_and_130(tmp_path):
     run = str(tmp_path / "run")
     job = launch(*LONG, "--run-dir", run)

@@ -146,8 +146,27 @@ def _use_warm_workers(run_module) -> None:
         return config, cmd, cmd_args
 
     run_module.config_from_args = config_from_args
+    _release_workers_at_shutdown()
     multiprocessing.set_forkserver_preload(list(WARM_MODULES))
     multiprocessing.forkserver.ensure_running()
+
+
+def _release_workers_at_shutdown() -> None:
+    """A forked worker whose function returned waits, before it exits, until the agent has read its return value
+    (torch's ``_wrap``). At a shutdown (a signal passed on to the workers, a restart) the agent reads none: it
+    only waits for them to exit, so a worker that saved on SIGTERM and returned sat there until the agent's
+    ``--shutdown-timeout`` ran out and it was killed. The agent now releases them as the shutdown begins."""
+    from torch.distributed.elastic.multiprocessing.api import MultiprocessContext
+
+    original = MultiprocessContext._close
+
+    def _close(self, death_sig, timeout: int = 30) -> None:
+        finished = getattr(self, "_worker_finished_event", None)  # torch 2.x; another torch keeps its own way
+        if finished is not None:
+            finished.set()
+        original(self, death_sig, timeout)
+
+    MultiprocessContext._close = _close  # type: ignore[method-assign]
 
 
 #: moeckpt's own ``--rdzv-conf`` keys (taken out before torch reads the rest), in seconds: ``poll_interval``, how
