@@ -163,7 +163,10 @@ class DcpPieceReader:
         return self.dcp.map_bytes(ref.file, start, shape, ref.dtype)
 
     def advise(self, ref: PieceRef, lo: int, hi: int) -> None:
-        return None
+        # The writers copy from mapped pages: without the hint each page is read when first touched, the disk
+        # waiting on the copy and the copy on the disk.
+        shape, start = self._span(ref, lo, hi)
+        self.dcp.advise(ref.file, start, math.prod(shape) * dtypes.itemsize(ref.dtype))
 
     def close(self) -> None:
         return None

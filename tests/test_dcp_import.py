@@ -130,6 +130,46 @@ def _copy_to(fs_url: str, local: str) -> None:
             fs.pipe(f"{root}/{name}", f.read())
 
 
+def test_reads_ahead_are_hinted_on_local_disk_only(generic_dcp, tmp_path, monkeypatch):
+    """The chunk records' probes are hinted before they are read, and a writer's next rows before it copies them
+    (the kernel reads them meanwhile); on other storages, or where the hint fails, nothing happens."""
+    from moeckpt.formats.dcp import payload
+    from moeckpt.formats.pieces import PieceRef
+    from moeckpt.reshard.dcp_source import DcpPieceReader
+
+    path, _ = generic_dcp
+    hints: list[tuple[int, int, int]] = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, start, n, advice: hints.append((start, n, advice)))
+    d = open_dcp(path)
+    chunks = d.chunks()
+    records = [c.record for t in d.tensors.values() for c in t.chunks]
+    for rec in records:  # the head of every record, and the tail of those longer than one probe
+        assert (rec.offset, min(rec.length, payload.PROBE_BYTES), os.POSIX_FADV_WILLNEED) in hints
+        if rec.length > payload.PROBE_BYTES:
+            tail = (rec.offset + rec.length - payload.PROBE_BYTES, payload.PROBE_BYTES, os.POSIX_FADV_WILLNEED)
+            assert tail in hints
+    hints.clear()
+    w = chunks["w"][0]  # 8 x 6 fp32 rows: rows 2..5 start 2 rows in
+    ref = PieceRef("w", w.box, w.dtype, w.file, w.start, w.nbytes, (), block_bytes=0)
+    DcpPieceReader(d, None).advise(ref, 2, 5)
+    assert hints == [(w.start + 2 * 6 * 4, 3 * 6 * 4, os.POSIX_FADV_WILLNEED)]
+
+    def refuses(*a):
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuses)
+    d.advise(w.file, 0, 10)  # a hint that fails is no error
+    monkeypatch.setattr(os, "posix_fadvise", real)
+    d.close()
+    fs = fsspec.filesystem("memory")
+    _copy_to("memory://hinted", path)
+    remote = open_dcp("memory://hinted")
+    remote.advise(w.file, 0, 10)  # no file descriptor to hint: nothing, no error
+    assert remote.chunks()["w"][0].start == w.start
+    fs.rm("/hinted", recursive=True)
+
+
 def test_source_on_memory_and_s3(generic_dcp, tmp_path, s3_url, moeckpt_cli):
     src, sd = generic_dcp
     for i, url in enumerate((f"memory://dcp-tests/{os.getpid()}/src", s3_url)):
