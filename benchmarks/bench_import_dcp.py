@@ -7,7 +7,8 @@ DTensors on a (fsdp 2, tp 2) mesh: ``Shard(0)`` over fsdp, torchtitan's TP split
 rank. Then, each in a fresh process with the page cache dropped before it and ``--settle`` seconds of quiet
 (``--reps`` rounds, median kept):
 
-1. ``cp -r`` of the DCP directory followed by ``sync`` (target: import >= 0.8x its throughput);
+1. ``cp -r`` of the DCP directory followed by ``sync`` (target: import >= 0.8x its throughput), and the same again
+   as a control (``cp_again``: its ratio to the first shows how far the machine alone moves a per-round ratio);
 2. ``import-dcp --mapping torchtitan`` into ``--target`` (default tp=2, ep=2, dp=2), safetensors, with its peak RSS
    (``VmHWM``) next to the RSS of the interpreter with torch and moeckpt imported;
 3. ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` of the same directory followed by ``sync``
@@ -43,7 +44,9 @@ from moeckpt.trainer.interop import torchtitan
 from moeckpt.trainer.models import ModelSpec, presets
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ["cp", "moeckpt", "dcp_to_torch_save"]
+#: "cp_again" is the control: ``cp -r`` a second time in the same round. Its ratio to the first is 1 but for the
+#: machine's noise (a virtual disk's throughput moves from second to second), which every per-round ratio carries.
+METHODS = ["cp", "moeckpt", "dcp_to_torch_save", "cp_again"]
 
 
 def scaled_model(gb: float) -> ModelSpec:
@@ -166,7 +169,7 @@ def run_once(method: str, args, src: str, spec: ModelSpec) -> dict:
         os.remove(out + ".pt")
     settle(args.settle)
     t0 = time.perf_counter()
-    if method == "cp":
+    if method in ("cp", "cp_again"):
         subprocess.run(["cp", "-r", src, out], check=True)
         subprocess.run(["sync"], check=True)
         return {"s": time.perf_counter() - t0}
@@ -194,7 +197,7 @@ def plot(doc: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     labels = ["cp -r + sync", "moeckpt import-dcp", "dcp_to_torch_save"]
-    vals = [doc["best"][m]["gb_per_s"] for m in METHODS]
+    vals = [doc["best"][m]["gb_per_s"] for m in METHODS[:3]]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.bar(labels, vals, color=["#999999", "#1f77b4", "#d62728"])
     ax.set_ylabel("GB/s (DCP directory bytes / wall time)")
@@ -228,7 +231,8 @@ def main() -> None:
     size = dir_bytes(src)
     runs: dict[str, list] = {m: [] for m in METHODS}
     for rep in range(args.reps):
-        order = METHODS[rep % 3:] + METHODS[: rep % 3]  # each round starts with another method
+        k = rep % len(METHODS)
+        order = METHODS[k:] + METHODS[:k]  # each round starts with another method
         for method in order:
             runs[method].append(run_once(method, args, src, spec))
     best = {}
@@ -243,6 +247,11 @@ def main() -> None:
         "baseline_rss_bytes": int(base.stdout),
         "ratio_vs_cp": best["moeckpt"]["gb_per_s"] / best["cp"]["gb_per_s"],
         "ratio_vs_dcp_to_torch_save": best["moeckpt"]["gb_per_s"] / best["dcp_to_torch_save"]["gb_per_s"],
+        "per_rep_ratios": {
+            "vs_cp": [c["s"] / m["s"] for m, c in zip(runs["moeckpt"], runs["cp"])],
+            "vs_dcp_to_torch_save": [d["s"] / m["s"] for m, d in zip(runs["moeckpt"], runs["dcp_to_torch_save"])],
+            "control_cp_again_vs_cp": [c["s"] / a["s"] for a, c in zip(runs["cp_again"], runs["cp"])],
+        },
         "targets": {"vs_cp": 0.8, "vs_dcp_to_torch_save": 1.5},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -255,6 +264,8 @@ def main() -> None:
           f"GB/s = {doc['ratio_vs_cp']:.2f}x cp -r (target 0.8x), {doc['ratio_vs_dcp_to_torch_save']:.2f}x "
           f"dcp_to_torch_save (target 1.5x); import peak RSS {best['moeckpt']['peak_rss_bytes'] / 1e6:.0f} MB "
           f"(interpreter alone {doc['baseline_rss_bytes'] / 1e6:.0f} MB)")
+    for name, values in doc["per_rep_ratios"].items():
+        print(f"{name} per repetition: " + ", ".join(f"{v:.2f}x" for v in values))
     shutil.rmtree(args.dir, ignore_errors=True)
 
 
