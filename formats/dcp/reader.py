@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 import mmap
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Self, cast
@@ -22,6 +21,7 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import StorageError
 from moeckpt.formats.storage import open_storage
+from moeckpt.formats.storages.local import LocalFiles
 
 from . import payload
 from .metadata import (
@@ -65,8 +65,8 @@ class DcpCheckpoint:
             raise DcpFormatError(f"{where}: is a directory, not DCP metadata") from None
         self.metadata: DcpMetadata = parse_metadata(raw, where)
         self._sizes = self._check_files()
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
+        # The storage's read session: on local disk the open files every read, mapping and hint goes through.
+        self._files = self.storage.open_reader()
         self._chunks: dict[str, tuple[StoredChunk, ...]] = {}
 
     # -- what it holds -------------------------------------------------------------------------------------
@@ -145,13 +145,8 @@ class DcpCheckpoint:
 
     # -- bytes -------------------------------------------------------------------------------------------
     def _fd(self, relpath: str) -> int:
-        fd = self._fds.get(relpath)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(relpath)
-                if fd is None:
-                    fd = self._fds[relpath] = os.open(self.storage.path(relpath), os.O_RDONLY)
-        return fd
+        """The open file of a local data file (called on local storage only)."""
+        return cast(LocalFiles, self._files).fd(relpath)
 
     def read_bytes(self, relpath: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of a data file."""
@@ -187,10 +182,8 @@ class DcpCheckpoint:
     def advise(self, relpath: str, start: int, length: int) -> None:
         """Ask the kernel to read bytes ``[start, start + length)`` of a local data file ahead, into the page cache,
         while the caller works on earlier ones (a hint: nothing happens elsewhere, or where it is refused)."""
-        if not self.storage.is_local or length <= 0 or not hasattr(os, "posix_fadvise"):
-            return
         try:
-            os.posix_fadvise(self._fd(relpath), start, length, os.POSIX_FADV_WILLNEED)
+            self._files.advise(relpath, start, length)
         except OSError:  # a hint only: the read that follows reports a missing or unreadable file
             return
 
@@ -247,10 +240,7 @@ class DcpCheckpoint:
         return payload.decode_value(self.read_bytes(rec.file, rec.offset, rec.offset + rec.length), where)
 
     def close(self) -> None:
-        with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+        self._files.close()
 
     def __enter__(self) -> Self:
         return self
