@@ -52,6 +52,13 @@ class ZipEntry:
 ReadRecord = Callable[[int, int], bytes]
 
 
+def probe_ranges(length: int) -> list[tuple[int, int]]:
+    """The record-relative ranges that locating a tensor in a record of ``length`` bytes reads first: its head
+    (local headers, ``data.pkl``) and its tail (the zip directory); one range when the record is that short."""
+    head, tail = (0, min(length, PROBE_BYTES)), (max(0, length - PROBE_BYTES), length)
+    return [head] if head == tail else [head, tail]
+
+
 def _zip_entries(read: ReadRecord, length: int, where: str) -> dict[str, ZipEntry]:
     tail_lo = max(0, length - PROBE_BYTES)
     tail = read(tail_lo, length)

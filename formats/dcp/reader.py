@@ -107,10 +107,8 @@ class DcpCheckpoint:
             # Each chunk's record is located by small reads at both of its ends, a thousand scattered reads for a
             # large checkpoint: hinted all at once, the disk serves them in parallel instead of a few at a time.
             for _, c in todo:
-                rec = c.record
-                self.advise(rec.file, rec.offset, min(rec.length, payload.PROBE_BYTES))
-                if rec.length > payload.PROBE_BYTES:
-                    self.advise(rec.file, rec.offset + rec.length - payload.PROBE_BYTES, payload.PROBE_BYTES)
+                for lo, hi in payload.probe_ranges(c.record.length):
+                    self.advise(c.record.file, c.record.offset + lo, hi - lo)
             with ThreadPoolExecutor(self.workers) as pool:
                 found = list(pool.map(lambda nc: self._locate(*nc), todo))
             by_name: dict[str, list[StoredChunk]] = {}
