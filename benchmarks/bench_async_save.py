@@ -31,8 +31,16 @@ def _scaled_zaya(gb: float):
     from moeckpt.trainer.models.zaya.config import ZayaConfig
     from moeckpt.trainer.models.zaya.plan import param_specs
 
-    base = {"vocab_size": 32768, "hidden_size": 2048, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-                "moe_intermediate_size": 2048, "num_experts": 16, "router_hidden_size": 256}
+    base = {
+        "vocab_size": 32768,
+        "hidden_size": 2048,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "moe_intermediate_size": 2048,
+        "num_experts": 16,
+        "router_hidden_size": 256,
+    }
     one, two = (sum(_numel(p.shape) for p in param_specs(ZayaConfig(num_hidden_layers=n, **base))) for n in (1, 2))
     per_layer, rest = two - one, 2 * one - two
     layers = max(1, -(-round(gb * 1e9 / 14 - rest) // per_layer))  # at least gb
@@ -182,8 +190,11 @@ def main() -> None:
         dcp_async("default", None)
         dcp_async(
             "pinned",
-            lambda: DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                 use_async_staging=False, use_non_blocking_copy=True)),
+            lambda: DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+                )
+            ),
         )
         path = os.path.join(args.dir, "dcp-sync")
         _drop_caches()

@@ -53,9 +53,16 @@ def scaled_model(gb: float) -> ModelSpec:
     """Qwen3-MoE (4 layers, 8 experts) widened until parameters plus AdamW moments (fp32) reach ``gb``."""
     base = presets()["qwen3moe-tiny"]
     for hidden in range(64, 64 * 1024, 64):
-        cfg = replace(base.config, hidden_size=hidden, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2,
-                      head_dim=hidden // base.config.num_attention_heads, moe_intermediate_size=hidden // 2,
-                      vocab_size=4096)
+        cfg = replace(
+            base.config,
+            hidden_size=hidden,
+            num_hidden_layers=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            head_dim=hidden // base.config.num_attention_heads,
+            moe_intermediate_size=hidden // 2,
+            vocab_size=4096,
+        )
         spec = ModelSpec(base.arch, cfg)
         if 3 * 4 * sum(int(torch.Size(p.shape).numel()) for p in spec.param_specs()) >= gb * 1e9:
             return spec
@@ -102,8 +109,14 @@ def write_worker(rank: int, world: int, port: int, gb: float, path: str) -> None
         local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, place)
         stride = torch.empty(shape, device="meta").stride()
         for key in (name, f"optimizer.state.{name}.exp_avg", f"optimizer.state.{name}.exp_avg_sq"):
-            state[key] = DTensor.from_local(torch.randn(local_shape, generator=g), mesh, place, run_check=False,
-                                            shape=torch.Size(shape), stride=stride)
+            state[key] = DTensor.from_local(
+                torch.randn(local_shape, generator=g),
+                mesh,
+                place,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=stride,
+            )
     state["train_state"] = {"step": 10}
     dcp.save(state, checkpoint_id=path)
     dist.destroy_process_group()
@@ -174,8 +187,16 @@ def run_once(method: str, args, src: str, spec: ModelSpec) -> dict:
         subprocess.run(["sync"], check=True)
         return {"s": time.perf_counter() - t0}
     if method == "moeckpt":
-        cmd = [sys.executable, "-c", IMPORT_CHILD, src, out, json.dumps(parse_layout(args.target)),
-               json.dumps(spec.to_json()), str(args.workers)]
+        cmd = [
+            sys.executable,
+            "-c",
+            IMPORT_CHILD,
+            src,
+            out,
+            json.dumps(parse_layout(args.target)),
+            json.dumps(spec.to_json()),
+            str(args.workers),
+        ]
     else:
         cmd = [sys.executable, "-c", DCP_CHILD, src, out + ".pt"]
     run = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -213,11 +234,16 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=1.07, help="size of the training state (GB)")
     ap.add_argument("--dir", default="/tmp/moeckpt-bench-import-dcp", help="scratch directory (local disk)")
     ap.add_argument("--target", default="tp=2,ep=2,dp=2", help="layout import-dcp writes")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="import-dcp's parallel writers (default: its own, 4 or the machine's cores if fewer)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="import-dcp's parallel writers (default: its own, 4 or the machine's cores if fewer)",
+    )
     ap.add_argument("--reps", type=int, default=3, help="rounds of the three methods; the median of each is kept")
-    ap.add_argument("--settle", type=float, default=2.0, help="seconds to wait after dropping the page cache before "
-                    "each method")
+    ap.add_argument(
+        "--settle", type=float, default=2.0, help="seconds to wait after dropping the page cache before each method"
+    )
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where JSON and PNG go")
     args = ap.parse_args()
     args.workers = offline_workers() if args.workers is None else args.workers
@@ -242,8 +268,15 @@ def main() -> None:
         best[m] = r
     base = subprocess.run([sys.executable, "-c", BASELINE_CHILD], capture_output=True, text=True, check=True)
     doc = {
-        "benchmark": "import_dcp", "dcp_bytes": size, "files": len(os.listdir(src)), "target": args.target,
-        "workers": args.workers, "model": spec.to_json(), "reps": args.reps, "runs": runs, "best": best,
+        "benchmark": "import_dcp",
+        "dcp_bytes": size,
+        "files": len(os.listdir(src)),
+        "target": args.target,
+        "workers": args.workers,
+        "model": spec.to_json(),
+        "reps": args.reps,
+        "runs": runs,
+        "best": best,
         "baseline_rss_bytes": int(base.stdout),
         "ratio_vs_cp": best["moeckpt"]["gb_per_s"] / best["cp"]["gb_per_s"],
         "ratio_vs_dcp_to_torch_save": best["moeckpt"]["gb_per_s"] / best["dcp_to_torch_save"]["gb_per_s"],
@@ -260,10 +293,12 @@ def main() -> None:
     with open(os.path.join(args.out, "import_dcp.json"), "w") as f:
         json.dump(doc, f, indent=2)
     plot(doc, os.path.join(args.out, "import_dcp.png"))
-    print(f"DCP checkpoint {size / 1e9:.3f} GB in {doc['files']} files; import-dcp {best['moeckpt']['gb_per_s']:.2f} "
-          f"GB/s = {doc['ratio_vs_cp']:.2f}x cp -r (target 0.8x), {doc['ratio_vs_dcp_to_torch_save']:.2f}x "
-          f"dcp_to_torch_save (target 1.5x); import peak RSS {best['moeckpt']['peak_rss_bytes'] / 1e6:.0f} MB "
-          f"(interpreter alone {doc['baseline_rss_bytes'] / 1e6:.0f} MB)")
+    print(
+        f"DCP checkpoint {size / 1e9:.3f} GB in {doc['files']} files; import-dcp {best['moeckpt']['gb_per_s']:.2f} "
+        f"GB/s = {doc['ratio_vs_cp']:.2f}x cp -r (target 0.8x), {doc['ratio_vs_dcp_to_torch_save']:.2f}x "
+        f"dcp_to_torch_save (target 1.5x); import peak RSS {best['moeckpt']['peak_rss_bytes'] / 1e6:.0f} MB "
+        f"(interpreter alone {doc['baseline_rss_bytes'] / 1e6:.0f} MB)"
+    )
     for name, values in doc["per_rep_ratios"].items():
         print(f"{name} per repetition: " + ", ".join(f"{v:.2f}x" for v in values))
     shutil.rmtree(args.dir, ignore_errors=True)

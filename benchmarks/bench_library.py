@@ -90,8 +90,9 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         "moeckpt": lambda: moeckpt.save(sd, paths["moeckpt"], overwrite=True),
         "dcp": lambda: dcp.save(sd, checkpoint_id=paths["dcp"]),
         "dcp-again": lambda: dcp.save(sd, checkpoint_id=paths["dcp-again"]),
-        "dcp+moeckpt-writer": lambda: dcp.save(sd, storage_writer=moeckpt.dcp.StorageWriter(paths["dcp+moeckpt-writer"],
-                                                                                            overwrite=True)),
+        "dcp+moeckpt-writer": lambda: dcp.save(
+            sd, storage_writer=moeckpt.dcp.StorageWriter(paths["dcp+moeckpt-writer"], overwrite=True)
+        ),
     }
     loaders = {
         "moeckpt": lambda: moeckpt.load(target, paths["moeckpt"]),
@@ -101,7 +102,7 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     warmup: dict[str, dict[str, list[float]]] = {"save": {m: [] for m in SAVES}, "load": {m: [] for m in LOADS}}
     for rep in range(-args.warmup, args.reps):
         into = warmup if rep < 0 else times
-        order = SAVES[rep % len(SAVES):] + SAVES[: rep % len(SAVES)]
+        order = SAVES[rep % len(SAVES) :] + SAVES[: rep % len(SAVES)]
         for m in order:
             # Every method starts from nothing on disk and no dirty pages: the previous output is removed (and
             # its deletion not timed) and the page cache flushed, so no save pays for another's writeback.
@@ -112,7 +113,7 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
                 time.sleep(args.settle)
             dist.barrier()
             into["save"][m].append(_timed(savers[m]))
-        lorder = LOADS[rep % len(LOADS):] + LOADS[: rep % len(LOADS)]
+        lorder = LOADS[rep % len(LOADS) :] + LOADS[: rep % len(LOADS)]
         for m in lorder:
             if rank == 0:  # the saves' writeback done, as before each save (the files stay in the page cache)
                 os.sync()
@@ -145,8 +146,13 @@ def cpu_main(args) -> dict:
     return {
         "command": " ".join(["python", "benchmarks/bench_library.py"] + sys.argv[1:]),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
-        "ranks": world, "save_layout": args.save_layout, "load_layout": args.load_layout,
-        "state_bytes": nbytes, "reps": args.reps, "times_s": times, "median_s": med,
+        "ranks": world,
+        "save_layout": args.save_layout,
+        "load_layout": args.load_layout,
+        "state_bytes": nbytes,
+        "reps": args.reps,
+        "times_s": times,
+        "median_s": med,
         "warmup_s": raw["warmup"],
         "ratios": {
             "save_vs_dcp": med["save"]["dcp"] / med["save"]["moeckpt"],
@@ -193,15 +199,25 @@ def gpu_main(args) -> dict:
         f.result()
         shutil.rmtree(os.path.join(base, f"m{rep}"), ignore_errors=True)
         shutil.rmtree(os.path.join(base, f"d{rep}"), ignore_errors=True)
-    med = {"d2h": statistics.median(d2h[1:]), "moeckpt_blocked": statistics.median(blocked[1:]),
-           "dcp_async_blocked": statistics.median(dcp_blocked[1:])}
+    med = {
+        "d2h": statistics.median(d2h[1:]),
+        "moeckpt_blocked": statistics.median(blocked[1:]),
+        "dcp_async_blocked": statistics.median(dcp_blocked[1:]),
+    }
     return {
         "command": " ".join(["python", "benchmarks/bench_library.py"] + sys.argv[1:]),
-        "gpu": torch.cuda.get_device_name(), "state_bytes": sum(v.numel() * 2 for v in sd.values()),
-        "reps": args.reps, "d2h_s": d2h, "moeckpt_blocked_s": blocked, "moeckpt_persist_s": persist,
-        "dcp_async_blocked_s": dcp_blocked, "median_s": med,
-        "ratios": {"moeckpt_blocked_vs_d2h": med["moeckpt_blocked"] / med["d2h"],
-                   "dcp_blocked_vs_d2h": med["dcp_async_blocked"] / med["d2h"]},
+        "gpu": torch.cuda.get_device_name(),
+        "state_bytes": sum(v.numel() * 2 for v in sd.values()),
+        "reps": args.reps,
+        "d2h_s": d2h,
+        "moeckpt_blocked_s": blocked,
+        "moeckpt_persist_s": persist,
+        "dcp_async_blocked_s": dcp_blocked,
+        "median_s": med,
+        "ratios": {
+            "moeckpt_blocked_vs_d2h": med["moeckpt_blocked"] / med["d2h"],
+            "dcp_blocked_vs_d2h": med["dcp_async_blocked"] / med["d2h"],
+        },
         "targets": {"moeckpt_blocked_vs_d2h": 1.2},
     }
 
@@ -231,15 +247,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gb", type=float, default=1.07, help="state size in GB")
     p.add_argument("--reps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed rounds first (CPU mode; their times are kept apart in the JSON): a fresh process "
-                        "and a fresh virtual machine pay first-touch page faults that later saves do not")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed rounds first (CPU mode; their times are kept apart in the JSON): a fresh process "
+        "and a fresh virtual machine pay first-touch page faults that later saves do not",
+    )
     p.add_argument("--save-layout", default="2,2,2", help="tp,ep,dp of the saving mesh")
     p.add_argument("--load-layout", default="1,2,4", help="tp,ep,dp of the loading mesh")
-    p.add_argument("--settle", type=float, default=2.0,
-                   help="seconds to wait after flushing the page cache before each save and load (CPU mode): a "
-                        "virtual disk keeps writing the last save back for a while after the guest's sync returns, "
-                        "on host cores the guest's share")
+    p.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="seconds to wait after flushing the page cache before each save and load (CPU mode): a "
+        "virtual disk keeps writing the last save back for a while after the guest's sync returns, "
+        "on host cores the guest's share",
+    )
     p.add_argument("--gpu", action="store_true", help="the GPU async-save comparison instead")
     p.add_argument("--dir", default=None, help="scratch directory (default: a temporary one)")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where results go")

@@ -103,9 +103,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="fill threads (default: LoadOptions' default)")
     ap.add_argument("--dir", default="/tmp/moeckpt-bench-load-gpu", help="scratch directory (local disk)")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks", "gpu"), help="where JSON and PNG go")
-    ap.add_argument("--profile", action="store_true",
-                    help="cProfile moeckpt's last load (the calling thread's calls; the fill threads' work shows as "
-                         "waits): OUT/load_gpu_profile.txt")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile moeckpt's last load (the calling thread's calls; the fill threads' work shows as "
+        "waits): OUT/load_gpu_profile.txt",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -123,7 +126,9 @@ def main() -> None:
     src, dcp_path = os.path.join(args.dir, "moeckpt"), os.path.join(args.dir, "dcp")
     g = torch.Generator().manual_seed(0)
     values = {n: torch.randn(e.shape, generator=g).to(dtypes.to_torch(e.dtype)) for n, e in tensors.items()}
-    save_full_tensors(src, tensors=tensors, layout=ONE, model=spec.to_json(), step=1, values=lambda e, v=values: v[e.name])
+    save_full_tensors(
+        src, tensors=tensors, layout=ONE, model=spec.to_json(), step=1, values=lambda e, v=values: v[e.name]
+    )
     import torch.distributed.checkpoint as dcp
 
     dcp.save(values, checkpoint_id=dcp_path)
@@ -161,8 +166,10 @@ def main() -> None:
                         f.write(f"load_rank_state(device={device}, out=...), the last repetition, under cProfile\n")
                         for order in ("cumulative", "tottime"):
                             pstats.Stats(prof, stream=f).sort_stats(order).print_stats(35)
-                extra = {"bytes_read": stats.bytes_read, "in_place": all(
-                    t is out[(n, b)] for n, boxes in state.items() for b, t in boxes)}
+                extra = {
+                    "bytes_read": stats.bytes_read,
+                    "in_place": all(t is out[(n, b)] for n, boxes in state.items() for b, t in boxes),
+                }
             elif method == "moeckpt_then_to":
                 state = load_rank_state(src, ONE, 0, options=options)
                 moved = {n: [t.to(device) for _, t in boxes] for n, boxes in state.items()}
@@ -184,8 +191,12 @@ def main() -> None:
         "benchmark": "load_gpu",
         "command": "python benchmarks/bench_load_gpu.py " + " ".join(sys.argv[1:]),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"nproc": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"},
+        "machine": {
+            "nproc": os.cpu_count(),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        },
         "payload_gb": round(gb, 4),
         "threads": threads,
         "median_s": med,
@@ -202,8 +213,12 @@ def main() -> None:
     with open(os.path.join(args.out, "load_gpu.json"), "w") as f:
         json.dump(summary, f, indent=1)
     plot(summary, os.path.join(args.out, "load_gpu.png"))
-    print(json.dumps({k: summary[k] for k in ("median_s", "gb_per_s", "runs_moeckpt_over_raw",
-                                              "runs_moeckpt_over_dcp")}, indent=1))
+    print(
+        json.dumps(
+            {k: summary[k] for k in ("median_s", "gb_per_s", "runs_moeckpt_over_raw", "runs_moeckpt_over_dcp")},
+            indent=1,
+        )
+    )
     shutil.rmtree(args.dir, ignore_errors=True)
 
 
@@ -214,8 +229,12 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.8))
-    labels = {"moeckpt": "moeckpt\ndevice=", "moeckpt_then_to": "moeckpt\nthen .to()", "raw": "raw pread\n+ copy",
-              "dcp": "DCP\ndcp.load"}
+    labels = {
+        "moeckpt": "moeckpt\ndevice=",
+        "moeckpt_then_to": "moeckpt\nthen .to()",
+        "raw": "raw pread\n+ copy",
+        "dcp": "DCP\ndcp.load",
+    }
     for i, m in enumerate(METHODS):
         ys = [r["s"] for r in summary["runs"][m]]
         ax.scatter([i] * len(ys), [summary["payload_gb"] / y for y in ys], color="#1f77b4", s=14)
@@ -224,9 +243,12 @@ def plot(summary: dict, path: str) -> None:
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(METHODS)), [labels[m] for m in METHODS], fontsize=8)
     ax.set_ylabel("GB/s (bars: median; dots: every repetition)")
-    ax.set_title(f"load into {summary['machine']['device']} memory, {summary['payload_gb']:.2f} GB: "
-                 f"{summary['ratio_moeckpt_over_raw']:.2f}x raw, {summary['ratio_moeckpt_over_dcp']:.2f}x DCP "
-                 "(targets 0.9, 1.8)", fontsize=8)
+    ax.set_title(
+        f"load into {summary['machine']['device']} memory, {summary['payload_gb']:.2f} GB: "
+        f"{summary['ratio_moeckpt_over_raw']:.2f}x raw, {summary['ratio_moeckpt_over_dcp']:.2f}x DCP "
+        "(targets 0.9, 1.8)",
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

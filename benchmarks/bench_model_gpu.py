@@ -151,6 +151,7 @@ def main() -> None:
         def setup():
             _set_experts(ours, impl)
             zaya_model.CCAProjection.conv_layout = layout
+
         return ours, lambda: ours.loss(ids), setup
 
     runs["moeckpt (grouped_mm)"] = ours_run("auto", default_layout)
@@ -206,7 +207,9 @@ def main() -> None:
     colors = ["#d62728" if n.startswith("transformers") else "#1f77b4" for n in names]
     ax.barh(names, [results["runs"][n]["tokens_per_s"] / 1e3 for n in names], color=colors)
     for i, n in enumerate(names):
-        ax.text(results["runs"][n]["tokens_per_s"] / 1e3, i, f" MFU {results['runs'][n]['mfu'] * 100:.1f}%", va="center")
+        ax.text(
+            results["runs"][n]["tokens_per_s"] / 1e3, i, f" MFU {results['runs'][n]['mfu'] * 100:.1f}%", va="center"
+        )
     ax.set_xlabel("thousand tokens/s (fwd+bwd+AdamW)")
     ax.set_title(f"{args.preset} training step, batch {args.batch}x{args.seq}, bf16, {results['gpu']}")
     fig.tight_layout()

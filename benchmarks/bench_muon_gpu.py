@@ -39,10 +39,21 @@ def _sync(device: torch.device) -> None:
 def run(optimizer: str, args, device: torch.device, root: str) -> dict:
     from moeckpt.trainer.train import TrainConfig, Trainer
 
-    cfg = TrainConfig(model=args.model, run_dir=os.path.join(root, optimizer), data=args.data, steps=args.steps,
-                      seq_len=args.seq_len, global_batch=args.global_batch, lr=args.lr, warmup_steps=args.warmup_lr,
-                      dtype=args.dtype, optimizer=optimizer, seed=args.seed, cpu=device.type == "cpu",
-                      async_save=False)
+    cfg = TrainConfig(
+        model=args.model,
+        run_dir=os.path.join(root, optimizer),
+        data=args.data,
+        steps=args.steps,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        lr=args.lr,
+        warmup_steps=args.warmup_lr,
+        dtype=args.dtype,
+        optimizer=optimizer,
+        seed=args.seed,
+        cpu=device.type == "cpu",
+        async_save=False,
+    )
     trainer = Trainer(cfg, device=device)
     fwd_bwd, opt_s, losses = [], [], []
     try:
@@ -82,7 +93,7 @@ def run(optimizer: str, args, device: torch.device, root: str) -> dict:
         "tokens_per_s": tokens / med_step,
         "max_memory_allocated": memory,
         "losses": losses,
-        "tail_loss": statistics.fmean(losses[-args.tail:]),
+        "tail_loss": statistics.fmean(losses[-args.tail :]),
         "muon_params": sum(1 for n in trainer.optimizer._params if trainer.optimizer.rule_of(n) == "muon"),
     }
 
@@ -97,8 +108,13 @@ def plot(result: dict, path: str) -> None:
     tokens = result["tokens_per_step"]
     for name, r in result["runs"].items():
         xs = [(i + 1) * tokens / 1e6 for i in range(len(r["losses"]))]
-        ax.plot(xs, r["losses"], lw=1.2, label=f"{name}: last {result['tail']} steps {r['tail_loss']:.3f}, "
-                                               f"optimizer {100 * r['optimizer_share_of_step']:.1f} % of a step")
+        ax.plot(
+            xs,
+            r["losses"],
+            lw=1.2,
+            label=f"{name}: last {result['tail']} steps {r['tail_loss']:.3f}, "
+            f"optimizer {100 * r['optimizer_share_of_step']:.1f} % of a step",
+        )
     ax.set_xlabel("tokens (millions)")
     ax.set_ylabel("training loss")
     ax.set_title(f"{result['model']} {result['dtype']}, lr {result['lr']}, on {result['device']}")
@@ -135,25 +151,36 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     result = {
-        "model": args.model, "dtype": args.dtype, "steps": args.steps, "seq_len": args.seq_len,
-        "global_batch": args.global_batch, "accum": args.accum,
-        "tokens_per_step": args.seq_len * args.global_batch * args.accum, "lr": args.lr,
-        "warmup_lr": args.warmup_lr, "tail": args.tail, "seed": args.seed,
+        "model": args.model,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "seq_len": args.seq_len,
+        "global_batch": args.global_batch,
+        "accum": args.accum,
+        "tokens_per_step": args.seq_len * args.global_batch * args.accum,
+        "lr": args.lr,
+        "warmup_lr": args.warmup_lr,
+        "tail": args.tail,
+        "seed": args.seed,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "python": platform.python_version(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
         "command": "python benchmarks/bench_muon_gpu.py " + " ".join(os.sys.argv[1:]),
         "runs": runs,
     }
     if {"adamw", "muon"} <= set(runs):
-        result["muon_optimizer_step_over_adamw"] = (runs["muon"]["median_optimizer_step_s"]
-                                                    / runs["adamw"]["median_optimizer_step_s"])
+        result["muon_optimizer_step_over_adamw"] = (
+            runs["muon"]["median_optimizer_step_s"] / runs["adamw"]["median_optimizer_step_s"]
+        )
         result["muon_step_over_adamw"] = runs["muon"]["median_step_s"] / runs["adamw"]["median_step_s"]
     with open(os.path.join(args.out, "muon_gpu.json"), "w") as f:
         json.dump(result, f, indent=2)
     plot(result, os.path.join(args.out, "muon_gpu_loss.png"))
     for name, r in runs.items():
-        print(f"{name}: step {r['median_step_s'] * 1e3:.1f} ms, optimizer {r['median_optimizer_step_s'] * 1e3:.1f} ms "
-              f"({100 * r['optimizer_share_of_step']:.1f} %), loss over the last {args.tail} steps {r['tail_loss']:.4f}")
+        print(
+            f"{name}: step {r['median_step_s'] * 1e3:.1f} ms, optimizer {r['median_optimizer_step_s'] * 1e3:.1f} ms "
+            f"({100 * r['optimizer_share_of_step']:.1f} %), loss over the last {args.tail} steps {r['tail_loss']:.4f}"
+        )
     print(f"wrote {os.path.join(args.out, 'muon_gpu.json')} and muon_gpu_loss.png")
 
 

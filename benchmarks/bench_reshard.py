@@ -67,8 +67,12 @@ def scaled_model(gb: float) -> ModelSpec:
     """``zaya-small`` widened (multiples of 16: whole heads, even TP splits) until its training state reaches ``gb``."""
     base = presets()["zaya-small"]
     for hidden in range(16, 64 * 1024, 16):
-        c = replace(base.config, hidden_size=hidden, head_dim=hidden // base.config.num_attention_heads,
-                    moe_intermediate_size=hidden)
+        c = replace(
+            base.config,
+            hidden_size=hidden,
+            head_dim=hidden // base.config.num_attention_heads,
+            moe_intermediate_size=hidden,
+        )
         spec = ModelSpec(base.arch, c)
         if sum(e.nbytes for e in state_tensors(spec).values()) >= gb * 1e9:
             return spec
@@ -129,8 +133,19 @@ def dcp_save_worker(rank: int, world: int, port: int, gb: float, layout: dict, p
     dist.destroy_process_group()
 
 
-def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: str, dcp_path: str, methods: list,
-                reps: int, out: str, profile: str | None = None) -> None:
+def load_worker(
+    rank: int,
+    world: int,
+    port: int,
+    gb: float,
+    layout: dict,
+    src: str,
+    dcp_path: str,
+    methods: list,
+    reps: int,
+    out: str,
+    profile: str | None = None,
+) -> None:
     import torch.distributed.checkpoint as dcp
 
     _init(rank, world, port)
@@ -139,7 +154,7 @@ def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: 
     result: dict = {m: [] for m in methods}
     for rep in range(reps):
         # Each repetition starts with another method, so no method always pays the processes' first-call costs.
-        for method in methods[rep % len(methods):] + methods[: rep % len(methods)]:
+        for method in methods[rep % len(methods) :] + methods[: rep % len(methods)]:
             if rank == 0:
                 settle()
             dist.barrier()
@@ -159,8 +174,9 @@ def load_worker(rank: int, world: int, port: int, gb: float, layout: dict, src: 
                 prof = cProfile.Profile() if profile and rank == 0 and method == "own" and rep == reps - 1 else None
                 if prof is not None:
                     prof.enable()
-                state = load_rank_state(src, target, rank, group=dist.group.WORLD, exchange=method == "exchange",
-                                        stats=stats)
+                state = load_rank_state(
+                    src, target, rank, group=dist.group.WORLD, exchange=method == "exchange", stats=stats
+                )
                 if prof is not None:
                     prof.disable()
                 needed = stats.bytes_needed
@@ -220,8 +236,11 @@ def run_loads(args, world: int, layout: Layout, methods: list[str], src: str, dc
     if args.profile:
         os.makedirs(args.out, exist_ok=True)
         profile = os.path.join(args.out, "reshard_load_profile.txt")
-    mp.spawn(load_worker, args=(world, free_port(), args.gb, layout.to_json(), src, dcp_path, methods, reps, out,
-                                profile), nprocs=world)
+    mp.spawn(
+        load_worker,
+        args=(world, free_port(), args.gb, layout.to_json(), src, dcp_path, methods, reps, out, profile),
+        nprocs=world,
+    )
     with open(out) as f:
         per_rank = json.load(f)
     summary = {}
@@ -276,7 +295,9 @@ def run_offline(args, src: str, target: Layout) -> dict:
                 t0 = time.perf_counter()
                 proc = subprocess.Popen(
                     [sys.executable, "-c", OFFLINE_CHILD, src, dst, json.dumps(target.to_json()), str(args.workers)],
-                    stdout=subprocess.PIPE, text=True)
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
                 out, _ = proc.communicate()
                 wall = time.perf_counter() - t0
                 if proc.returncode != 0:
@@ -328,8 +349,14 @@ def read_sweep(args) -> dict:
         if t not in sources:
             path = os.path.join(root, "src-" + "-".join(map(str, t)))
             g = torch.Generator().manual_seed(0)
-            save_full_tensors(path, tensors=tensors, layout=Layout(tp=t[0], ep=t[1], dp=t[2]), model=spec.to_json(),
-                              step=1, values=lambda e: torch.randn(e.shape, generator=g).to(dtypes.to_torch(e.dtype)))
+            save_full_tensors(
+                path,
+                tensors=tensors,
+                layout=Layout(tp=t[0], ep=t[1], dp=t[2]),
+                model=spec.to_json(),
+                step=1,
+                values=lambda e: torch.randn(e.shape, generator=g).to(dtypes.to_torch(e.dtype)),
+            )
             sources[t] = path
         return sources[t]
 
@@ -340,17 +367,36 @@ def read_sweep(args) -> dict:
         dst = os.path.join(root, "dst")
         shutil.rmtree(dst, ignore_errors=True)
         r = reshard(src, dst, Layout(tp=b[0], ep=b[1], dp=b[2]), options=ReshardOptions(workers=args.workers))
-        pairs.append({"source": a, "target": b, "bytes_read": r.bytes_read, "source_bytes": stored,
-                      "read_over_source": round(r.bytes_read / stored, 4), "s": round(r.seconds, 3)})
+        pairs.append(
+            {
+                "source": a,
+                "target": b,
+                "bytes_read": r.bytes_read,
+                "source_bytes": stored,
+                "read_over_source": round(r.bytes_read / stored, 4),
+                "s": round(r.seconds, 3),
+            }
+        )
         print(f"read sweep {a} -> {b}: {r.bytes_read / stored:.3f}x the source bytes, {r.seconds:.2f} s", flush=True)
     stats = LoadStats()
     load_rank_state(source((1, 1, 1)), Layout(tp=2, ep=1, dp=1), 0, stats=stats)
-    alone = {"source": (1, 1, 1), "target": (2, 1, 1), "rank": 0, "bytes_read": stats.bytes_read,
-             "bytes_needed": stats.bytes_needed, "read_over_needed": round(stats.bytes_read / stats.bytes_needed, 4)}
+    alone = {
+        "source": (1, 1, 1),
+        "target": (2, 1, 1),
+        "rank": 0,
+        "bytes_read": stats.bytes_read,
+        "bytes_needed": stats.bytes_needed,
+        "read_over_needed": round(stats.bytes_read / stats.bytes_needed, 4),
+    }
     print(f"tp=2 rank 0 alone: {alone['read_over_needed']}x the bytes it holds", flush=True)
     shutil.rmtree(root, ignore_errors=True)
-    return {"payload_gb": round(payload / 1e9, 4), "workers": args.workers, "offline": pairs,
-            "load_alone_tp2": alone, "target": 1.05}
+    return {
+        "payload_gb": round(payload / 1e9, 4),
+        "workers": args.workers,
+        "offline": pairs,
+        "load_alone_tp2": alone,
+        "target": 1.05,
+    }
 
 
 def plot_read_sweep(sweep: dict, path: str) -> None:
@@ -382,22 +428,31 @@ def main() -> None:
     ap.add_argument("--sweep-dp", default="1,4,8", help="dp values of the bytes-read sweep (tp=1)")
     ap.add_argument("--workers", type=int, default=4, help="offline reshard workers")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the offline comparison (median kept)")
-    ap.add_argument("--load-reps", type=int, default=3,
-                    help="repetitions of the 4-rank load comparison, in rotating order (median kept)")
+    ap.add_argument(
+        "--load-reps",
+        type=int,
+        default=3,
+        help="repetitions of the 4-rank load comparison, in rotating order (median kept)",
+    )
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks"), help="where JSON and PNG go")
     ap.add_argument("--only", choices=["read-sweep", "load"], help="run only this part")
-    ap.add_argument("--profile", action="store_true",
-                    help="cProfile rank 0's last 4-rank load with its own reads: OUT/reshard_load_profile.txt")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile rank 0's last 4-rank load with its own reads: OUT/reshard_load_profile.txt",
+    )
     args = ap.parse_args()
     source, target = parse_layout(args.source), parse_layout(args.target)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
     if args.only == "read-sweep":
-        sweep = {"benchmark": "reshard_read_sweep",
-                 "command": "python benchmarks/bench_reshard.py " + " ".join(sys.argv[1:]),
-                 "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "machine": {"nproc": os.cpu_count(), "torch": torch.__version__},
-                 **read_sweep(args)}
+        sweep = {
+            "benchmark": "reshard_read_sweep",
+            "command": "python benchmarks/bench_reshard.py " + " ".join(sys.argv[1:]),
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"nproc": os.cpu_count(), "torch": torch.__version__},
+            **read_sweep(args),
+        }
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "reshard_read_sweep.json"), "w") as f:
             json.dump(sweep, f, indent=1)
@@ -411,19 +466,29 @@ def main() -> None:
     src = os.path.join(args.dir, "moeckpt-src")
     g = torch.Generator().manual_seed(0)
     t0 = time.perf_counter()
-    save_full_tensors(src, tensors=tensors, layout=source, model=spec.to_json(), step=100,
-                      values=lambda e: torch.randn(e.shape, generator=g).to(dtypes.to_torch(e.dtype)))
+    save_full_tensors(
+        src,
+        tensors=tensors,
+        layout=source,
+        model=spec.to_json(),
+        step=100,
+        values=lambda e: torch.randn(e.shape, generator=g).to(dtypes.to_torch(e.dtype)),
+    )
     print(f"saved moeckpt source in {time.perf_counter() - t0:.1f} s", flush=True)
     dcp_path = os.path.join(args.dir, "dcp-src")
-    mp.spawn(dcp_save_worker, args=(source.world, free_port(), args.gb, source.to_json(), dcp_path),
-             nprocs=source.world)
+    mp.spawn(
+        dcp_save_worker, args=(source.world, free_port(), args.gb, source.to_json(), dcp_path), nprocs=source.world
+    )
     print("saved DCP source", flush=True)
 
     if args.only != "load":
         offline = run_offline(args, src, target)
         ob = offline["best"]
-        print(f"offline: cp {ob['cp']['s']:.2f} s, moeckpt {ob['moeckpt']['s']:.2f} s "
-              f"(peak RSS {ob['moeckpt']['peak_rss_bytes'] / 1e6:.0f} MB)", flush=True)
+        print(
+            f"offline: cp {ob['cp']['s']:.2f} s, moeckpt {ob['moeckpt']['s']:.2f} s "
+            f"(peak RSS {ob['moeckpt']['peak_rss_bytes'] / 1e6:.0f} MB)",
+            flush=True,
+        )
 
     load4 = run_loads(args, target.world, target, LOAD_METHODS + ["raw"], src, dcp_path, reps=args.load_reps)
     print(f"load into {target}: " + ", ".join(f"{m} {v['s']:.2f} s" for m, v in load4.items()), flush=True)
@@ -435,19 +500,29 @@ def main() -> None:
         "ratio_own_over_dcp": round(load4["dcp"]["s"] / load4["own"]["s"], 3),
         # every repetition: DCP's time over ours, and the raw read's time over ours (the repetitions ran in turn)
         "runs_own_over_dcp": [round(d / o, 3) for d, o in zip(load4["dcp"]["runs_s"], load4["own"]["runs_s"])],
-        "runs_exchange_over_dcp": [round(d / o, 3) for d, o in zip(load4["dcp"]["runs_s"], load4["exchange"]["runs_s"])],
+        "runs_exchange_over_dcp": [
+            round(d / o, 3) for d, o in zip(load4["dcp"]["runs_s"], load4["exchange"]["runs_s"])
+        ],
         "runs_own_over_raw": [round(r / o, 3) for r, o in zip(load4["raw"]["runs_s"], load4["own"]["runs_s"])],
-        "runs_exchange_over_raw": [round(r / o, 3) for r, o in zip(load4["raw"]["runs_s"], load4["exchange"]["runs_s"])],
+        "runs_exchange_over_raw": [
+            round(r / o, 3) for r, o in zip(load4["raw"]["runs_s"], load4["exchange"]["runs_s"])
+        ],
         "raw_bytes": load4["raw"]["sum_rank_needs"],
         # what `moeckpt train` resumes with here (one host, local disk): --resume-reads auto picks "own"
         "trainer_reads_here": "own",
         "raw": load4,
     }
     if args.only == "load":
-        doc = {"benchmark": "reshard_load", "command": "python benchmarks/bench_reshard.py " + " ".join(sys.argv[1:]),
-               "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "machine": {"nproc": os.cpu_count(), "torch": torch.__version__}, "payload_gb": round(payload / 1e9, 4),
-               "source_layout": source.to_json(), "target_layout": target.to_json(), "load_4_ranks": load_summary}
+        doc = {
+            "benchmark": "reshard_load",
+            "command": "python benchmarks/bench_reshard.py " + " ".join(sys.argv[1:]),
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "machine": {"nproc": os.cpu_count(), "torch": torch.__version__},
+            "payload_gb": round(payload / 1e9, 4),
+            "source_layout": source.to_json(),
+            "target_layout": target.to_json(),
+            "load_4_ranks": load_summary,
+        }
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "reshard_load.json"), "w") as f:
             json.dump(doc, f, indent=1)
@@ -458,16 +533,16 @@ def main() -> None:
     sweep = {}
     for dp in (int(x) for x in args.sweep_dp.split(",")):
         layout = Layout(tp=1, ep=min(dp, 4), dp=dp)
-        res = load4 if layout == target else run_loads(args, layout.world, layout, LOAD_METHODS, src,
-                                                       dcp_path)
+        res = load4 if layout == target else run_loads(args, layout.world, layout, LOAD_METHODS, src, dcp_path)
         sweep[str(dp)] = {
             "layout": layout.to_json(),
             **{f"{m}_read_over_needed": round(v["bytes_read"] / payload, 4) for m, v in res.items()},
             "sum_of_rank_needs_over_needed": round(res["exchange"]["sum_rank_needs"] / payload, 4),
             "raw": res,
         }
-        print(f"dp={dp}: " + ", ".join(f"{k}={v}" for k, v in sweep[str(dp)].items() if k.endswith("needed")),
-              flush=True)
+        print(
+            f"dp={dp}: " + ", ".join(f"{k}={v}" for k, v in sweep[str(dp)].items() if k.endswith("needed")), flush=True
+        )
 
     read = read_sweep(args)
     gb = payload / 1e9
@@ -520,8 +595,9 @@ def plot(summary: dict, path: str) -> None:
     for i, v in enumerate(vals):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
     ax.set_ylabel("GB/s")
-    ax.set_title(f"offline, {summary['payload_gb']:.2f} GB: ratio {off['ratio_moeckpt_over_cp']:.2f} (target 0.8)",
-                 fontsize=9)
+    ax.set_title(
+        f"offline, {summary['payload_gb']:.2f} GB: ratio {off['ratio_moeckpt_over_cp']:.2f} (target 0.8)", fontsize=9
+    )
     ld = summary["load_4_ranks"]
     ax = axes[1]
     names = LOAD_METHODS
@@ -529,8 +605,11 @@ def plot(summary: dict, path: str) -> None:
     ax.bar(["moeckpt\nexchange", "moeckpt own\n(resume here)", "DCP"], vals, color=["#6baed6", "#1f77b4", "#999999"])
     for i, v in enumerate(vals):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
-    ax.set_title(f"load with reshard into 4 ranks (median): own {ld['ratio_own_over_dcp']:.2f}x, exchange "
-                 f"{ld['ratio_exchange_over_dcp']:.2f}x DCP (target 1.8)", fontsize=8)
+    ax.set_title(
+        f"load with reshard into 4 ranks (median): own {ld['ratio_own_over_dcp']:.2f}x, exchange "
+        f"{ld['ratio_exchange_over_dcp']:.2f}x DCP (target 1.8)",
+        fontsize=8,
+    )
     ax = axes[2]
     dps = list(summary["bytes_read_over_needed"])
     width = 0.27

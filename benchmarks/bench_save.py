@@ -324,7 +324,9 @@ def summarize(raw: dict, args) -> dict:
     times = raw["times_s"]
     for other in ("raw", "dcp"):
         if "moeckpt" in times and other in times:
-            out[f"per_rep_ratio_moeckpt_over_{other}"] = [round(o / m, 3) for m, o in zip(times["moeckpt"], times[other])]
+            out[f"per_rep_ratio_moeckpt_over_{other}"] = [
+                round(o / m, 3) for m, o in zip(times["moeckpt"], times[other])
+            ]
     out["targets"] = {"moeckpt_over_raw": 0.9, "moeckpt_over_dcp": 1.8}
     return out
 

@@ -61,8 +61,9 @@ def build_state(gb: float, writers: int) -> tuple[dict[str, TensorEntry], dict[i
     tensors: dict[str, TensorEntry] = {}
     for i in range(n_big):
         name = f"master/layers.{i}.mlp.weight"
-        tensors[name] = TensorEntry(name=name, shape=(rows, cols), dtype="float32", role="master",
-                                    param=f"layers.{i}.mlp.weight")
+        tensors[name] = TensorEntry(
+            name=name, shape=(rows, cols), dtype="float32", role="master", param=f"layers.{i}.mlp.weight"
+        )
     for i in range(2 * n_big):  # small replicated tensors (norms): many small objects, as in a real model
         name = f"layers.{i}.norm.weight"
         tensors[name] = TensorEntry(name=name, shape=(cols,), dtype="bfloat16", role="param", param=name)
@@ -70,7 +71,8 @@ def build_state(gb: float, writers: int) -> tuple[dict[str, TensorEntry], dict[i
     by_writer: dict[int, list[Piece]] = {w: [] for w in range(writers)}
     for entry in tensors.values():
         full = torch.randn(entry.shape, generator=gen, dtype=torch.float32).to(
-            torch.bfloat16 if entry.dtype == "bfloat16" else torch.float32)
+            torch.bfloat16 if entry.dtype == "bfloat16" else torch.float32
+        )
         for p in placements(entry, layout):
             by_writer[p.writer].append(Piece(entry.name, p.box, full[p.box.slices()].clone()))
     return tensors, by_writer, layout
@@ -90,8 +92,11 @@ def free_port() -> int:
 def start_moto() -> tuple[subprocess.Popen, str]:
     """A moto S3 server in its own process (so that it does not share our interpreter's GIL)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:
@@ -99,8 +104,15 @@ def start_moto() -> tuple[subprocess.Popen, str]:
             break
         except OSError:
             time.sleep(0.1)
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL_S3": endpoint})
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_ENDPOINT_URL_S3": endpoint,
+        }
+    )
     import boto3
 
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
@@ -225,20 +237,37 @@ def run(args) -> dict:
     try:
         for rep in range(args.reps):
             for storage in args.storages:
-                order = METHODS[rep % len(METHODS):] + METHODS[: rep % len(METHODS)]  # rotate: no method always first
+                order = METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]  # rotate: no method always first
                 for method in order:
-                    t_save, t_load = measure(storage, method, local_root, blobs, joined, sizes, tensors, by_writer,
-                                             layout, nbytes, args.writers)
+                    t_save, t_load = measure(
+                        storage,
+                        method,
+                        local_root,
+                        blobs,
+                        joined,
+                        sizes,
+                        tensors,
+                        by_writer,
+                        layout,
+                        nbytes,
+                        args.writers,
+                    )
                     times.setdefault(storage, {}).setdefault(method, []).append((t_save, t_load))
-                    print(f"rep {rep} {storage:6s} {method:12s} save {t_save:7.2f} s ({nbytes / t_save / 1e9:6.3f} GB/s)"
-                          f"   load {t_load:7.2f} s ({nbytes / t_load / 1e9:6.3f} GB/s)", flush=True)
+                    print(
+                        f"rep {rep} {storage:6s} {method:12s} save {t_save:7.2f} s ({nbytes / t_save / 1e9:6.3f} GB/s)"
+                        f"   load {t_load:7.2f} s ({nbytes / t_load / 1e9:6.3f} GB/s)",
+                        flush=True,
+                    )
         for storage, by_method in times.items():
             for method, runs in by_method.items():
                 t_save, t_load = min(r[0] for r in runs), min(r[1] for r in runs)
                 results.setdefault(storage, {})[method] = {
-                    "save_s": round(t_save, 3), "load_s": round(t_load, 3),
-                    "save_GBps": round(nbytes / t_save / 1e9, 3), "load_GBps": round(nbytes / t_load / 1e9, 3),
-                    "all_save_s": [round(r[0], 3) for r in runs], "all_load_s": [round(r[1], 3) for r in runs],
+                    "save_s": round(t_save, 3),
+                    "load_s": round(t_load, 3),
+                    "save_GBps": round(nbytes / t_save / 1e9, 3),
+                    "load_GBps": round(nbytes / t_load / 1e9, 3),
+                    "all_save_s": [round(r[0], 3) for r in runs],
+                    "all_load_s": [round(r[1], 3) for r in runs],
                 }
             raw = results[storage]["raw"]
             for method in METHODS[1:]:
@@ -253,8 +282,12 @@ def run(args) -> dict:
         "benchmark": "storage: save and load, safetensors and zarr, local disk and S3 (moto), vs raw I/O",
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
         "reported": f"best of {args.reps} repetitions (method order rotated each repetition)",
-        "state": {"gb": round(nbytes / 1e9, 3), "tensors": len(tensors), "writers": args.writers,
-                  "objects_zarr_note": "one object per piece (grid cell) plus one zarr.json per tensor/group"},
+        "state": {
+            "gb": round(nbytes / 1e9, 3),
+            "tensors": len(tensors),
+            "writers": args.writers,
+            "objects_zarr_note": "one object per piece (grid cell) plus one zarr.json per tensor/group",
+        },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__},
         "results": results,
     }
@@ -288,8 +321,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="repetitions (method order rotated); the best is reported")
     ap.add_argument("--storages", nargs="+", default=["local", "s3"], choices=["local", "s3"])
     ap.add_argument("--dir", default=None, help="parent directory of the local checkpoints (default: system temp)")
-    ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmarks", "storage"),
-                    help="output path without extension (.json and .png are written)")
+    ap.add_argument(
+        "--out",
+        default=os.path.join(REPO, "docs", "benchmarks", "storage"),
+        help="output path without extension (.json and .png are written)",
+    )
     args = ap.parse_args()
     doc = run(args)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

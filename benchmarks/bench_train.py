@@ -59,13 +59,19 @@ def run_layout(model: str, layout: tuple[int, int, int], args, root: str) -> dic
         reps = [_one_run(model, layout, mode, args, root) for _ in range(args.reps)]
         # Other work on the host only ever slows a run down: keep the fastest repetition, report them all.
         best = max(reps, key=lambda r: r["tokens_per_s"])
-        out[mode] = {**best, "tokens_per_s_reps": [r["tokens_per_s"] for r in reps],
-                     "save_blocked_s_reps": [r["save_blocked_s"] for r in reps]}
+        out[mode] = {
+            **best,
+            "tokens_per_s_reps": [r["tokens_per_s"] for r in reps],
+            "save_blocked_s_reps": [r["save_blocked_s"] for r in reps],
+        }
         out["checkpoint_bytes"] = best.pop("checkpoint_bytes")
         out[mode].pop("checkpoint_bytes", None)
-        print(f"{model} tp={tp} ep={ep} dp={dp} {mode}: {best['tokens_per_s']:.0f} tok/s, "
-              f"step {best['step_s'] * 1e3:.1f} ms, save blocks {best['save_blocked_s'] * 1e3:.1f} ms "
-              f"(reps: {', '.join(f'{r:.0f}' for r in out[mode]['tokens_per_s_reps'])} tok/s)", flush=True)
+        print(
+            f"{model} tp={tp} ep={ep} dp={dp} {mode}: {best['tokens_per_s']:.0f} tok/s, "
+            f"step {best['step_s'] * 1e3:.1f} ms, save blocks {best['save_blocked_s'] * 1e3:.1f} ms "
+            f"(reps: {', '.join(f'{r:.0f}' for r in out[mode]['tokens_per_s_reps'])} tok/s)",
+            flush=True,
+        )
     return out
 
 
@@ -76,14 +82,22 @@ def _one_run(model: str, layout: tuple[int, int, int], mode: str, args, root: st
     threads = max(1, (os.cpu_count() or 1) // world)
     run_dir = os.path.join(root, f"{model}-{tp}{ep}{dp}-{mode}")
     config = TrainConfig(
-        model=model, run_dir=run_dir, tp=tp, ep=ep, steps=args.steps, save_every=args.save_every,
-        seq_len=args.seq_len, global_batch=args.global_batch, async_save=mode == "async", cpu=True,
+        model=model,
+        run_dir=run_dir,
+        tp=tp,
+        ep=ep,
+        steps=args.steps,
+        save_every=args.save_every,
+        seq_len=args.seq_len,
+        global_batch=args.global_batch,
+        async_save=mode == "async",
+        cpu=True,
         keep_last=1,
     )
     started = time.perf_counter()
     run_local_world(_worker, world, config.to_json(), threads, timeout_s=600)
     wall = time.perf_counter() - started
-    records = read_metrics(run_dir)[args.warmup:]
+    records = read_metrics(run_dir)[args.warmup :]
     plain = [r for r in records if not r["save_blocked_s"]]
     saves = [r["save_blocked_s"] for r in records if r["save_blocked_s"]]
     step_s = statistics.median(r["step_s"] for r in plain)

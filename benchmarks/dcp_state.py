@@ -43,6 +43,7 @@ def dcp_state(tensors: dict[str, TensorEntry], layout: Layout, generator: torch.
         else:
             local = torch.randn(shape, generator=generator).to(dtype)
         stride = torch.empty(entry.shape, device="meta").stride()
-        out[entry.name] = DTensor.from_local(local, mesh, place, run_check=False, shape=torch.Size(entry.shape),
-                                             stride=stride)
+        out[entry.name] = DTensor.from_local(
+            local, mesh, place, run_check=False, shape=torch.Size(entry.shape), stride=stride
+        )
     return out

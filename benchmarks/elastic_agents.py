@@ -37,8 +37,12 @@ from moeckpt.testing.elastic_drill import (
 
 def _plot(result: DrillResult, path: str, train_args: list[str], gpus: bool) -> None:
     model = train_args[train_args.index("--model") + 1]
-    plot_drill(result, path, title=f"{model} under torchrun elastic agents ({'GPUs, NCCL' if gpus else 'CPU, gloo'}): "
-                                   f"node lost at step {result.kill_step()}, node joins later")
+    plot_drill(
+        result,
+        path,
+        title=f"{model} under torchrun elastic agents ({'GPUs, NCCL' if gpus else 'CPU, gloo'}): "
+        f"node lost at step {result.kill_step()}, node joins later",
+    )
 
 
 def main() -> None:
@@ -54,23 +58,57 @@ def main() -> None:
     if args.replot:
         with open(args.replot) as f:
             doc = json.load(f)
-        _plot(DrillResult.from_json(doc), args.replot[: -len(".json")] + ".png", doc["train_args"], "--gpus" in doc["command"])
+        _plot(
+            DrillResult.from_json(doc),
+            args.replot[: -len(".json")] + ".png",
+            doc["train_args"],
+            "--gpus" in doc["command"],
+        )
         return
     work = tempfile.mkdtemp(prefix="moeckpt-elastic-")
     run = os.path.join(work, "run")
     if args.gpus:
         steps, model, nproc, name = args.steps or 60, args.model or "zaya-small", 1, "elastic_agents_gpu"
-        extra = ["--ep", "auto", "--dtype", "bf16", "--global-batch", "16", "--seq-len", "512", "--lr", "1e-3",
-                 "--save-every", "10", "--hang-timeout", "30"]
+        extra = [
+            "--ep",
+            "auto",
+            "--dtype",
+            "bf16",
+            "--global-batch",
+            "16",
+            "--seq-len",
+            "512",
+            "--lr",
+            "1e-3",
+            "--save-every",
+            "10",
+            "--hang-timeout",
+            "30",
+        ]
         node_env = lambda node: {"CUDA_VISIBLE_DEVICES": "0" if node == "A" else "1"}  # noqa: E731
-        train_args = ["--model", model, "--run-dir", run, "--steps", str(steps), "--seed", "1", "--warmup-steps", "3",
-                      *extra, "--inject", f"slow:step=1,seconds={args.slow}"]
+        train_args = [
+            "--model",
+            model,
+            "--run-dir",
+            run,
+            "--steps",
+            str(steps),
+            "--seed",
+            "1",
+            "--warmup-steps",
+            "3",
+            *extra,
+            "--inject",
+            f"slow:step=1,seconds={args.slow}",
+        ]
     else:
         nproc, name, node_env = 2, "elastic_agents", None
-        train_args = cpu_drill_args(run, steps=args.steps or CPU_DRILL_STEPS, model=args.model or "zaya-tiny",
-                                    slow=args.slow)
-    result = run_shrink_grow_drill(run, train_args, nproc=nproc, kill_at_step=args.kill_at, timeout_s=540,
-                                   node_env=node_env, progress=print)
+        train_args = cpu_drill_args(
+            run, steps=args.steps or CPU_DRILL_STEPS, model=args.model or "zaya-tiny", slow=args.slow
+        )
+    result = run_shrink_grow_drill(
+        run, train_args, nproc=nproc, kill_at_step=args.kill_at, timeout_s=540, node_env=node_env, progress=print
+    )
     print("worlds (first step, workers):", result.worlds(), "exit codes:", result.exit_codes)
     os.makedirs(args.out, exist_ok=True)
     doc = {

@@ -19,9 +19,29 @@ import time
 
 # --resume-reads exchange: the ranks of a multi-node job exchange replicated tensors at a resume; on this one host
 # `auto` would have each read its own (the page cache shares them), and the storage-read figure would not show it.
-COMMON = ["--model", "zaya-tiny", "--tp", "2", "--ep", "2", "--steps", "36", "--save-every", "4",
-          "--global-batch", "16", "--seq-len", "64", "--warmup-steps", "3", "--seed", "5", "--cpu",
-          "--resume-reads", "exchange"]
+COMMON = [
+    "--model",
+    "zaya-tiny",
+    "--tp",
+    "2",
+    "--ep",
+    "2",
+    "--steps",
+    "36",
+    "--save-every",
+    "4",
+    "--global-batch",
+    "16",
+    "--seq-len",
+    "64",
+    "--warmup-steps",
+    "3",
+    "--seed",
+    "5",
+    "--cpu",
+    "--resume-reads",
+    "exchange",
+]
 
 
 def _train(run: str, nproc: int, *extra: str) -> tuple[int, float]:
@@ -68,7 +88,7 @@ def main() -> None:
     # first step record written after the failure: its wall time is not logged, so time the restart phase instead
     result = {
         "scenario": "zaya-tiny, tp2 ep2 dp4 (8 gloo workers) -> worker killed at step 14 -> tp2 ep2 dp2 (4) -> "
-                    "tp2 ep2 dp4 (8)",
+        "tp2 ep2 dp4 (8)",
         "phases": phases,
         "resumes": resumes,
         # storage reads of all ranks together, against one copy of the logical state (params + optimizer)
@@ -76,7 +96,8 @@ def main() -> None:
         "save_blocked_s": [r["save_blocked_s"] for r in steps if r.get("save_blocked_s")],
         # from the end of the last step before the kill to the end of the first step after the resume:
         # failure detection, teardown, restart of 4 processes, resharded load and one step
-        "failure_to_first_new_step_s": _first_after(steps, phases[0]["rows"], rows) - _last_before(rows, phases[0]["rows"]),
+        "failure_to_first_new_step_s": _first_after(steps, phases[0]["rows"], rows)
+        - _last_before(rows, phases[0]["rows"]),
         "losses": [(r["step"], r["world"], r["loss"]) for r in steps],
     }
     os.makedirs(args.out, exist_ok=True)

@@ -43,8 +43,11 @@ def _free_port() -> int:
 def start_moto() -> tuple[subprocess.Popen, str]:
     """A moto S3 server in its own process (not sharing our interpreter's GIL), with the bucket made."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     endpoint = f"http://127.0.0.1:{port}"
     for _ in range(100):
         try:
@@ -52,8 +55,15 @@ def start_moto() -> tuple[subprocess.Popen, str]:
             break
         except OSError:
             time.sleep(0.1)
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_EC2_METADATA_DISABLED": "true", "AWS_ENDPOINT_URL_S3": endpoint})
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_ENDPOINT_URL_S3": endpoint,
+        }
+    )
     import boto3
 
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
@@ -76,8 +86,15 @@ def bench_model(path: str) -> str:
     from moeckpt.trainer.models import ModelSpec, resolve_model
 
     tiny = resolve_model("zaya-tiny")
-    cfg = dataclasses.replace(tiny.config, hidden_size=128, num_hidden_layers=4, moe_intermediate_size=128,
-                              num_experts=8, head_dim=32, router_hidden_size=32)
+    cfg = dataclasses.replace(
+        tiny.config,
+        hidden_size=128,
+        num_hidden_layers=4,
+        moe_intermediate_size=128,
+        num_experts=8,
+        head_dim=32,
+        router_hidden_size=32,
+    )
     with open(path, "w") as f:
         json.dump(ModelSpec(tiny.arch, cfg).to_json(), f)
     return path
@@ -104,19 +121,28 @@ def resume_side_by_side(work: str, reps: int) -> dict:
         out: dict = {name: [] for name in tiers}
         for rep in range(reps):
             names = list(tiers)
-            names = names[rep % len(names):] + names[: rep % len(names)]  # rotate: no tier always goes first
+            names = names[rep % len(names) :] + names[: rep % len(names)]  # rotate: no tier always goes first
             for name in names:
                 if name == "disk (cache dropped)":
                     drop_from_page_cache(local.run_dir)
                 trainer = Trainer(tiers[name])
                 try:
                     st = trainer.resume_stats
-                    out[name].append({"load_s": round(trainer.marks["loaded"] - trainer.marks["model_built"], 4),
-                                      "bytes_read": st.bytes_read, "tier": trainer.resume_tier, "step": trainer.step})
+                    out[name].append(
+                        {
+                            "load_s": round(trainer.marks["loaded"] - trainer.marks["model_built"], 4),
+                            "bytes_read": st.bytes_read,
+                            "tier": trainer.resume_tier,
+                            "step": trainer.step,
+                        }
+                    )
                 finally:
                     trainer.close()
-                print(f"rep {rep} {name:22s} load {out[name][-1]['load_s']:.3f} s  "
-                      f"({out[name][-1]['tier']}, {st.bytes_read / 1e6:.1f} MB)", flush=True)
+                print(
+                    f"rep {rep} {name:22s} load {out[name][-1]['load_s']:.3f} s  "
+                    f"({out[name][-1]['tier']}, {st.bytes_read / 1e6:.1f} MB)",
+                    flush=True,
+                )
     finally:
         moto.terminate()
         shutil.rmtree(shm, ignore_errors=True)
@@ -142,11 +168,17 @@ def drill(work: str, memory: bool, rdzv_conf: str | None = None, *, warm: bool =
     run, mem = os.path.join(root, "run"), os.path.join(root, "memory")
     os.makedirs(root)
     events = {n: os.path.join(root, f"agent-{n}.jsonl") for n in "ABC"}
-    result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=CPU_DRILL_KILL_AT, timeout_s=600,
-                                   memory_root=mem if memory else None,
-                                   node_env=lambda n: {"MOECKPT_AGENT_EVENTS": events[n],
-                                                       **({} if warm else {"MOECKPT_AGENT_FORKSERVER": "0"})},
-                                   progress=lambda line: print(line, flush=True), rdzv_conf=conf)
+    result = run_shrink_grow_drill(
+        run,
+        cpu_drill_args(run),
+        nproc=2,
+        kill_at_step=CPU_DRILL_KILL_AT,
+        timeout_s=600,
+        memory_root=mem if memory else None,
+        node_env=lambda n: {"MOECKPT_AGENT_EVENTS": events[n], **({} if warm else {"MOECKPT_AGENT_FORKSERVER": "0"})},
+        progress=lambda line: print(line, flush=True),
+        rdzv_conf=conf,
+    )
     kill_rel = next(t for t, what in result.timeline if what.startswith("killed node B"))
     kill = result.started_at + kill_rel
     shrink = result.shrink_resume() or {}
@@ -156,12 +188,16 @@ def drill(work: str, memory: bool, rdzv_conf: str | None = None, *, warm: bool =
     if os.path.exists(events["A"]):
         with open(events["A"]) as f:
             agent = [json.loads(line) for line in f if line.strip()]
+
     def first(what: str) -> float | None:
         return min((e["time"] for e in agent if e["time"] > kill and e["what"] == what), default=None)
 
     marks = phases_event.get("marks", {})
-    timeline = [("failure detected by the agent", first("worker_failed")),
-                ("old workers stopped", first("workers_stopped")), ("rendezvous done", first("rendezvous_done"))]
+    timeline = [
+        ("failure detected by the agent", first("worker_failed")),
+        ("old workers stopped", first("workers_stopped")),
+        ("rendezvous done", first("rendezvous_done")),
+    ]
     timeline += [(k, v) for k, v in marks.items() if v]
     return {
         "memory_tier": memory,
@@ -227,15 +263,25 @@ def plot(doc: dict, path: str) -> None:
             j = list(PHASE_NAMES).index(name)
             b.barh(row, max(0.0, t - prev), left=prev, color=f"C{j}", edgecolor="white", label=PHASE_NAMES[name])
             prev = max(prev, t)
-        b.text(prev + 0.05, row, f"{d['failure_to_first_step_s']} s, {d['steps_lost']} step(s) lost", va="center",
-               fontsize=8)
+        b.text(
+            prev + 0.05,
+            row,
+            f"{d['failure_to_first_step_s']} s, {d['steps_lost']} step(s) lost",
+            va="center",
+            fontsize=8,
+        )
     b.set_yticks(range(len(doc["drills"])), [_label(d).replace(", ", "\n") for d in doc["drills"]], fontsize=7)
     b.set_xlabel("seconds since node B was killed")
     b.set_title("drill: kill to first resumed step, by phase")
     b.set_xlim(0, max((max(d["phases_since_kill_s"].values(), default=1) for d in doc["drills"]), default=1) * 1.35)
     handles, labels = b.get_legend_handles_labels()
-    b.legend(dict(zip(labels, handles)).values(), dict(zip(labels, handles)).keys(), fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0))
+    b.legend(
+        dict(zip(labels, handles)).values(),
+        dict(zip(labels, handles)).keys(),
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -255,8 +301,12 @@ def main() -> None:
         return
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    doc = {"command": "python benchmarks/memory_tier.py " + " ".join(sys.argv[1:]), "cores": os.cpu_count(),
-           "resume": resume_side_by_side(args.dir, args.reps), "drills": []}
+    doc = {
+        "command": "python benchmarks/memory_tier.py " + " ".join(sys.argv[1:]),
+        "cores": os.cpu_count(),
+        "resume": resume_side_by_side(args.dir, args.reps),
+        "drills": [],
+    }
     if not args.no_drill:
         variants = [(True, None, True)] * args.drill_reps + [(False, None, True), (True, BEFORE_RDZV, False)]
         for memory, conf, warm in variants:

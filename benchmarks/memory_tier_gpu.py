@@ -48,14 +48,46 @@ def one_run(args, work: str, memory: bool) -> dict:
     shm = tempfile.mkdtemp(prefix="moeckpt-gpu-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     events = os.path.join(work, name, "agent.jsonl")
     os.makedirs(os.path.dirname(run), exist_ok=True)
-    cmd = [sys.executable, "-m", "moeckpt.cli.main", "train", "--model", args.model, "--run-dir", run,
-           "--steps", str(args.steps), "--save-every", str(args.save_every), "--global-batch", str(args.batch),
-           "--seq-len", str(args.seq), "--dtype", args.dtype, "--warmup-steps", "3", "--seed", "7",
-           "--log-every", "5", "--inject", f"kill:rank=0,step={args.kill_at}", "--max-restarts", "1",
-           *(["--inject", f"slow:step=1,seconds={args.slow}"] if args.slow else []),
-           # one node of an elastic job of one node: torchrun's agent restarts the killed worker
-           "--nproc", "1", "--nnodes", "1:1", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
-           "--rdzv-conf", "last_call_timeout=1,join_timeout=60"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeckpt.cli.main",
+        "train",
+        "--model",
+        args.model,
+        "--run-dir",
+        run,
+        "--steps",
+        str(args.steps),
+        "--save-every",
+        str(args.save_every),
+        "--global-batch",
+        str(args.batch),
+        "--seq-len",
+        str(args.seq),
+        "--dtype",
+        args.dtype,
+        "--warmup-steps",
+        "3",
+        "--seed",
+        "7",
+        "--log-every",
+        "5",
+        "--inject",
+        f"kill:rank=0,step={args.kill_at}",
+        "--max-restarts",
+        "1",
+        *(["--inject", f"slow:step=1,seconds={args.slow}"] if args.slow else []),
+        # one node of an elastic job of one node: torchrun's agent restarts the killed worker
+        "--nproc",
+        "1",
+        "--nnodes",
+        "1:1",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{_free_port()}",
+        "--rdzv-conf",
+        "last_call_timeout=1,join_timeout=60",
+    ]
     if memory:
         cmd += ["--memory-tier", "--memory-every", "1", "--memory-dir", shm]
     if args.cpu:
@@ -84,10 +116,15 @@ def one_run(args, work: str, memory: bool) -> dict:
     blocked = [r["save_blocked_s"] for r in steps if r.get("save_blocked_s")]
     skipped = [r["step"] for r in steps if r.get("memory_skipped")]
     return {
-        "tier": name, "exit": code, "wall_s": round(wall, 2), "kill_step": args.kill_at,
-        "resume_tier": resume.get("tier"), "resume_step": resume.get("step"),
+        "tier": name,
+        "exit": code,
+        "wall_s": round(wall, 2),
+        "kill_step": args.kill_at,
+        "resume_tier": resume.get("tier"),
+        "resume_step": resume.get("step"),
         "steps_lost": None if not resume else trained - resume["step"],
-        "storage_bytes_read": resume.get("storage_bytes_read"), "memory_bytes_read": resume.get("memory_bytes_read"),
+        "storage_bytes_read": resume.get("storage_bytes_read"),
+        "memory_bytes_read": resume.get("memory_bytes_read"),
         "state_bytes": resume.get("state_bytes"),
         "failure_to_first_step_s": None if first is None else round(first - kill, 3),
         "phases_since_kill_s": {k: round(v - kill, 3) for k, v in timeline.items() if v},
@@ -141,15 +178,25 @@ def plot(doc: dict, path: str) -> None:
             j = list(PHASE_NAMES).index(name)
             ax.barh(row, t - prev, left=prev, color=f"C{j}", edgecolor="white", label=PHASE_NAMES[name])
             prev = t
-        ax.text(prev + 0.1, row, f"{r['failure_to_first_step_s']} s, {r['steps_lost']} step(s) lost", va="center",
-                fontsize=8)
+        ax.text(
+            prev + 0.1,
+            row,
+            f"{r['failure_to_first_step_s']} s, {r['steps_lost']} step(s) lost",
+            va="center",
+            fontsize=8,
+        )
     ax.set_yticks(range(len(doc["runs"])), [r["tier"] for r in doc["runs"]])
     ax.set_xlabel("seconds since the worker was killed")
     ax.set_title(f"{doc['model']}: a killed worker restarted by its agent, kill to first new step by phase")
     ax.set_xlim(0, max(max(r["phases_since_kill_s"].values(), default=1) for r in doc["runs"]) * 1.35)
     handles, labels = ax.get_legend_handles_labels()
-    ax.legend(dict(zip(labels, handles)).values(), dict(zip(labels, handles)).keys(), fontsize=7, loc="upper left",
-              bbox_to_anchor=(1.01, 1.0))
+    ax.legend(
+        dict(zip(labels, handles)).values(),
+        dict(zip(labels, handles)).keys(),
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -162,8 +209,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--kill-at", type=int, default=47)
     ap.add_argument("--save-every", type=int, default=30)
-    ap.add_argument("--slow", type=float, default=0.15,
-                    help="seconds of straggler delay per step (the GPU drill's), so a step is not all GPU time")
+    ap.add_argument(
+        "--slow",
+        type=float,
+        default=0.15,
+        help="seconds of straggler delay per step (the GPU drill's), so a step is not all GPU time",
+    )
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--dtype", default="bf16")
@@ -184,19 +235,23 @@ def main() -> None:
     blocked = runs[0]["save_blocked_s"]
     doc = {
         "command": "python benchmarks/memory_tier_gpu.py " + " ".join(sys.argv[1:]),
-        "model": args.model, "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+        "model": args.model,
+        "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
         "runs": runs,
         "d2h_copy_s": copy,
         "memory_save_blocked_median_s": statistics.median(blocked) if blocked else None,
-        "blocked_over_copy": round(statistics.median(blocked) / statistics.median(copy), 3) if blocked and copy
-        and statistics.median(copy) > 0 else None,
+        "blocked_over_copy": round(statistics.median(blocked) / statistics.median(copy), 3)
+        if blocked and copy and statistics.median(copy) > 0
+        else None,
     }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "memory_tier_gpu.json"), "w") as f:
         json.dump(doc, f, indent=1)
     plot(doc, os.path.join(args.out, "memory_tier_gpu.png"))
-    print(f"memory save blocked (median) {doc['memory_save_blocked_median_s']} s, bare copy {copy} s, "
-          f"ratio {doc['blocked_over_copy']}")
+    print(
+        f"memory save blocked (median) {doc['memory_save_blocked_median_s']} s, bare copy {copy} s, "
+        f"ratio {doc['blocked_over_copy']}"
+    )
     print(f"wrote {args.out}/memory_tier_gpu.json and memory_tier_gpu.png")
 
 

@@ -51,8 +51,9 @@ def build_index(preset: str, layout: Layout) -> Index:
         f"rank-{r:05d}.safetensors": FileEntry(path=f"rank-{r:05d}.safetensors", size=8, checksum="xxh3_64:" + "0" * 16)
         for r in range(layout.world)
     }
-    return Index(backend="safetensors", step=1, layout=layout.to_json(), model=spec.to_json(), tensors=tensors,
-                 files=files)
+    return Index(
+        backend="safetensors", step=1, layout=layout.to_json(), model=spec.to_json(), tensors=tensors, files=files
+    )
 
 
 def timed(fn):
@@ -65,9 +66,11 @@ def timed(fn):
 
 def collective(planner, index: Index, target: Layout, options: LoadOptions):
     """What one member of a collective load over all ranks plans: every member's load, then the exchange."""
+
     def run():
         plan = planner["load"](index, target, range(target.world))
         return plan, planner["exchange"](index, plan, options.chunk_bytes, options.round_bytes)
+
     return run
 
 
@@ -96,22 +99,36 @@ def per_rank(index: Index, target: Layout, options: LoadOptions, ranks: list[int
                 t2 = time.process_time()
                 part = rank_exchange(index, target, peers, rank, mine, decisions, options.chunk_bytes, pos)
                 t3 = time.process_time()
-                parts.update(own_plan_and_summary_cpu_s=round(t1 - t0, 3), decisions_cpu_s=round(t2 - t1, 3),
-                             own_part_cpu_s=round(t3 - t2, 3))
+                parts.update(
+                    own_plan_and_summary_cpu_s=round(t1 - t0, 3),
+                    decisions_cpu_s=round(t2 - t1, 3),
+                    own_part_cpu_s=round(t3 - t2, 3),
+                )
                 return part
 
             part, wall, cpu = timed(run)
-            rows.append({"rank": rank, "rep": rep, "wall_s": wall, "cpu_s": cpu, **parts,
-                         "units_of_this_rank": len(part.units), "rounds": len(part.rounds),
-                         "transfers_of_this_rank": sum(len(v) for v in part.units.values())})
+            rows.append(
+                {
+                    "rank": rank,
+                    "rep": rep,
+                    "wall_s": wall,
+                    "cpu_s": cpu,
+                    **parts,
+                    "units_of_this_rank": len(part.units),
+                    "rounds": len(part.rounds),
+                    "transfers_of_this_rank": sum(len(v) for v in part.units.values()),
+                }
+            )
             print("per rank", rows[-1], flush=True)
             del part
     pairs = sum(len(g[0]) for g in gathered)
     return {
         "simulated": "the all_gather of the members' summaries: every member's summary is computed in this process "
-                     "before the timing; each timed run is one member's own load plan and summary, the decisions "
-                     "from all summaries, and its part of the exchange plan",
-        "gathered_pairs": pairs, "gathered_bytes": 3 * 8 * pairs, "runs": rows,
+        "before the timing; each timed run is one member's own load plan and summary, the decisions "
+        "from all summaries, and its part of the exchange plan",
+        "gathered_pairs": pairs,
+        "gathered_bytes": 3 * 8 * pairs,
+        "runs": rows,
     }
 
 
@@ -122,12 +139,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="repetitions of today's planner")
     parser.add_argument("--ref-reps", type=int, default=1, help="repetitions of the planner before issue 21")
     parser.add_argument("--rank-reps", type=int, default=3, help="repetitions of each member's own planning")
-    parser.add_argument("--ranks", type=int, nargs="*", default=[0, 777, 1023],
-                        help="members whose own planning is timed")
-    parser.add_argument("--skip-whole", action="store_true",
-                        help="time only the per-member planning (not the whole-group planners)")
-    parser.add_argument("--groups", type=int, nargs="*", default=None,
-                        help="only time today's collective plan for groups of these sizes (plan_scale_groups.json)")
+    parser.add_argument(
+        "--ranks", type=int, nargs="*", default=[0, 777, 1023], help="members whose own planning is timed"
+    )
+    parser.add_argument(
+        "--skip-whole", action="store_true", help="time only the per-member planning (not the whole-group planners)"
+    )
+    parser.add_argument(
+        "--groups",
+        type=int,
+        nargs="*",
+        default=None,
+        help="only time today's collective plan for groups of these sizes (plan_scale_groups.json)",
+    )
     args = parser.parse_args()
     if args.groups:
         groups(args)
@@ -137,8 +161,12 @@ def main() -> None:
     raw = index.dumps()
     options = LoadOptions()
     result: dict = {
-        "preset": args.preset, "source": source.to_json(), "target": target.to_json(),
-        "logical_tensors": len(index.tensors), "state_bytes": index.nbytes, "index_bytes": len(raw),
+        "preset": args.preset,
+        "source": source.to_json(),
+        "target": target.to_json(),
+        "logical_tensors": len(index.tensors),
+        "state_bytes": index.nbytes,
+        "index_bytes": len(raw),
         "index_build_s": build_s,
         "machine": f"{os.cpu_count()} CPUs (shared), Python {platform.python_version()}",
         "command": "python " + " ".join(sys.argv),
@@ -151,8 +179,12 @@ def main() -> None:
     _, result["load_plan_16_ranks_s"], _ = timed(lambda: plan_load(index, target, range(0, target.world, 64)))
     planners = {
         "today": {"reshard": plan_reshard, "load": plan_load, "exchange": plan_exchange, "reps": args.reps},
-        "before": {"reshard": reference.plan_reshard, "load": reference.plan_load,
-                   "exchange": lambda i, p, c, r: reference.plan_exchange(i, p, c, r), "reps": args.ref_reps},
+        "before": {
+            "reshard": reference.plan_reshard,
+            "load": reference.plan_load,
+            "exchange": lambda i, p, c, r: reference.plan_exchange(i, p, c, r),
+            "reps": args.ref_reps,
+        },
     }
     result["per_rank"] = per_rank(index, target, options, args.ranks, args.rank_reps)
     os.makedirs(args.out, exist_ok=True)
@@ -198,16 +230,23 @@ def groups(args) -> None:
     rows = []
     for n in args.groups:
         for rep in range(args.reps):
+
             def run(n=n):
                 plan = plan_load(index, target, range(n))
                 return plan_exchange(index, plan, options.chunk_bytes, options.round_bytes)
+
             _, wall, cpu = timed(run)
             rows.append({"group": n, "rep": rep, "wall_s": wall, "cpu_s": cpu})
             print(rows[-1], flush=True)
-    result = {"preset": args.preset, "source": source.to_json(), "target": target.to_json(), "runs": rows,
-              "command": "python " + " ".join(sys.argv),
-              "machine": f"{os.cpu_count()} CPUs (shared), Python {platform.python_version()}",
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result = {
+        "preset": args.preset,
+        "source": source.to_json(),
+        "target": target.to_json(),
+        "runs": rows,
+        "command": "python " + " ".join(sys.argv),
+        "machine": f"{os.cpu_count()} CPUs (shared), Python {platform.python_version()}",
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "plan_scale_groups.json"), "w") as f:
         json.dump(result, f, indent=1)
@@ -219,9 +258,11 @@ def plot(runs: dict, members: list, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    measures = [("offline_all_writers", "offline plan,\nall 1,024 writers"),
-                ("collective_1024", "collective load plan,\nall 1,024 members"),
-                ("collective_load_plans", "of which: every\nmember's load plan")]
+    measures = [
+        ("offline_all_writers", "offline plan,\nall 1,024 writers"),
+        ("collective_1024", "collective load plan,\nall 1,024 members"),
+        ("collective_load_plans", "of which: every\nmember's load plan"),
+    ]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for j, (name, colour) in enumerate([("before", "tab:gray"), ("today", "tab:blue")]):
         for i, (key, _) in enumerate(measures):

@@ -40,7 +40,9 @@ def main(out: str) -> None:
         rows = [r for r in _read(path) if "loss" in r][seen:]
         seen += len(rows)
         b.plot([r["step"] for r in rows], [r["loss"] for r in rows], marker=".", label=labels[i - 1])
-        summary["elastic"].append({"phase": labels[i - 1], "steps": [rows[0]["step"], rows[-1]["step"]] if rows else []})
+        summary["elastic"].append(
+            {"phase": labels[i - 1], "steps": [rows[0]["step"], rows[-1]["step"]] if rows else []}
+        )
     b.set_title("elastic: lose a GPU, resume resharded, grow back")
     b.set_xlabel("step")
     b.legend()

@@ -46,12 +46,19 @@ def profile_step(name: str, step, dev: torch.device, steps: int, rows: int, out_
     summary = {
         "wall_ms_per_step_profiled": wall * 1e3,
         # kernels only (device-side events): operator rows repeat their kernels' time
-        "device_ms_per_step": sum(e.self_device_time_total for e in events
-                                  if e.device_type != DeviceType.CPU and not e.is_user_annotation) / steps / 1e3,
-        "kernels_per_step": sum(count.get(k, 0) for k in ("cudaLaunchKernel", "cuLaunchKernel",
-                                                            "cudaLaunchKernelExC", "cuLaunchKernelEx")) / steps,
-        "syncs_per_step": sum(count.get(k, 0) for k in ("cudaStreamSynchronize", "cudaDeviceSynchronize",
-                                                          "cudaEventSynchronize")) / steps,
+        "device_ms_per_step": sum(
+            e.self_device_time_total for e in events if e.device_type != DeviceType.CPU and not e.is_user_annotation
+        )
+        / steps
+        / 1e3,
+        "kernels_per_step": sum(
+            count.get(k, 0) for k in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+        )
+        / steps,
+        "syncs_per_step": sum(
+            count.get(k, 0) for k in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+        )
+        / steps,
         "memcpy_per_step": sum(count.get(k, 0) for k in ("cudaMemcpyAsync", "cudaMemcpy")) / steps,
         "aten_ops_per_step": sum(v for k, v in count.items() if k.startswith("aten::")) / steps,
     }
@@ -91,11 +98,19 @@ def main() -> None:
         for layout in args.ours_layouts.split(",") if args.ours_layouts else [default]:
             zaya_model.CCAProjection.conv_layout = layout
             label = "ours" if layout == default else f"ours conv {layout}"
-            profile_step(label, train_step(lambda: ours.loss(ids), fused_adamw(ours)), dev, args.steps, args.rows, args.out)
+            profile_step(
+                label, train_step(lambda: ours.loss(ids), fused_adamw(ours)), dev, args.steps, args.rows, args.out
+            )
         zaya_model.CCAProjection.conv_layout = default
     if args.only != "ours":
-        profile_step("transformers", train_step(lambda: hf(input_ids=ids, labels=ids).loss, fused_adamw(hf)), dev, args.steps,
-                     args.rows, args.out)
+        profile_step(
+            "transformers",
+            train_step(lambda: hf(input_ids=ids, labels=ids).loss, fused_adamw(hf)),
+            dev,
+            args.steps,
+            args.rows,
+            args.out,
+        )
 
 
 if __name__ == "__main__":

@@ -68,22 +68,28 @@ def dcp_global_plan(tensors, worlds: list[int], limit_s: float) -> list[dict]:
             for entry in tensors.values():
                 for box in rank_boxes(entry, layout, rank):  # every rank proposes what it holds; DCP dedups
                     offsets = torch.Size(box.offsets)
-                    items.append(WriteItem(
-                        index=MetadataIndex(entry.name, offsets),
-                        type=WriteItemType.SHARD,
-                        tensor_data=TensorWriteData(
-                            chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(box.shape)),
-                            properties=props[entry.name],
-                            size=torch.Size(entry.shape),
-                        ),
-                    ))
+                    items.append(
+                        WriteItem(
+                            index=MetadataIndex(entry.name, offsets),
+                            type=WriteItemType.SHARD,
+                            tensor_data=TensorWriteData(
+                                chunk=ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(box.shape)),
+                                properties=props[entry.name],
+                                size=torch.Size(entry.shape),
+                            ),
+                        )
+                    )
             plans.append(SavePlan(items, planner_data={}))
         built_s = time.perf_counter() - started
         started, cpu = time.perf_counter(), time.process_time()
         DefaultSavePlanner().create_global_plan(plans)
-        row = {"world": world, "write_items": sum(len(p.items) for p in plans),
-               "local_plans_built_s": round(built_s, 2), "global_plan_s": round(time.perf_counter() - started, 2),
-               "global_plan_cpu_s": round(time.process_time() - cpu, 2)}
+        row = {
+            "world": world,
+            "write_items": sum(len(p.items) for p in plans),
+            "local_plans_built_s": round(built_s, 2),
+            "global_plan_s": round(time.perf_counter() - started, 2),
+            "global_plan_cpu_s": round(time.process_time() - cpu, 2),
+        }
         print(row, flush=True)
         out.append(row)
         del plans
@@ -109,7 +115,9 @@ def main() -> None:
     location = f"count://{name}/run/step-00000001"
     tally = counting.tally(name)
     result: dict = {
-        "preset": args.preset, "source": source.to_json(), "target": target.to_json(),
+        "preset": args.preset,
+        "source": source.to_json(),
+        "target": target.to_json(),
         "logical_tensors": len(tensors),
         "machine": f"{os.cpu_count()} CPUs (shared), Python {platform.python_version()}, torch {torch.__version__}",
         "command": "python " + " ".join(sys.argv),
@@ -130,7 +138,9 @@ def main() -> None:
     backend = get_backend("safetensors")
     storage = begin_save(location)
     backend.prepare(storage, tensors, boxes)
-    writers = list(range(source.world)) if not args.writers else list(range(0, source.world, source.world // args.writers))
+    writers = (
+        list(range(source.world)) if not args.writers else list(range(0, source.world, source.world // args.writers))
+    )
     entries, write_s = [], []
     for w in writers:
         with tally.as_rank(w):
@@ -143,8 +153,14 @@ def main() -> None:
             write_s.append(time.perf_counter() - started)
         if w % 128 == 0:
             print(f"writer {w}: {write_s[-1]:.2f} s", flush=True)
-    index = Index(backend="safetensors", step=1, layout=source.to_json(), model=spec.to_json(), tensors=tensors,
-                  files={e.path: e for e in backend.finish(storage, entries, tensors)})
+    index = Index(
+        backend="safetensors",
+        step=1,
+        layout=source.to_json(),
+        model=spec.to_json(),
+        tensors=tensors,
+        files={e.path: e for e in backend.finish(storage, entries, tensors)},
+    )
     with tally.as_rank(0):
         commit(location, index)
     save_counts = {r: c.to_json() for r, c in tally.per_rank.items() if r >= 0 or c.write_requests}
@@ -177,9 +193,16 @@ def main() -> None:
                 load_rank_state(location, target, r, stats=stats)
                 load_s = time.perf_counter() - started
             c = tally.per_rank[r]
-            rows.append({"rank": r, "plan_s": round(plan_s, 3), "load_s": round(load_s, 2),
-                         "bytes_needed": stats.bytes_needed, "bytes_read": c.read_bytes,
-                         "read_requests": c.read_requests})
+            rows.append(
+                {
+                    "rank": r,
+                    "plan_s": round(plan_s, 3),
+                    "load_s": round(load_s, 2),
+                    "bytes_needed": stats.bytes_needed,
+                    "bytes_read": c.read_bytes,
+                    "read_requests": c.read_requests,
+                }
+            )
             print(rows[-1], flush=True)
         mean_read = statistics.mean(x["bytes_read"] for x in rows)
         result["resume"] = {
@@ -190,7 +213,9 @@ def main() -> None:
             "read_requests_per_rank": spread([x["read_requests"] for x in rows]),
             "read_over_needed": round(sum(x["bytes_read"] for x in rows) / sum(x["bytes_needed"] for x in rows), 4),
             "extrapolated_bytes_read_all_ranks": int(mean_read * target.world),
-            "extrapolated_read_requests_all_ranks": int(statistics.mean(x["read_requests"] for x in rows) * target.world),
+            "extrapolated_read_requests_all_ranks": int(
+                statistics.mean(x["read_requests"] for x in rows) * target.world
+            ),
         }
     if not args.no_dcp:
         result["dcp_global_plan"] = dcp_global_plan(tensors, args.dcp_worlds, args.dcp_limit_s)
@@ -221,8 +246,14 @@ def plot(result: dict, path: str) -> None:
         rows = result["resume"]["ranks"]
         ax.set_title("resume, sampled target ranks (each alone)")
         ax.bar([str(x["rank"]) for x in rows], [x["bytes_read"] / 1e9 for x in rows], color="tab:blue", label="read")
-        ax.scatter([str(x["rank"]) for x in rows], [x["bytes_needed"] / 1e9 for x in rows], color="black", s=12,
-                   zorder=3, label="needed")
+        ax.scatter(
+            [str(x["rank"]) for x in rows],
+            [x["bytes_needed"] / 1e9 for x in rows],
+            color="black",
+            s=12,
+            zorder=3,
+            label="needed",
+        )
         ax.set_xlabel("target rank")
         ax.set_ylabel("GB")
         ax.legend()

@@ -136,12 +136,17 @@ MAX_DEGREE = 4096
 def layout_options(f: Callable | None = None, *, default_source: bool = False) -> Callable:
     """``--tp/--ep/--dp``: the target parallel layout; each 1 unless given, or with ``default_source`` left
     ``None`` for the command to fill in from its source checkpoint."""
+
     def add(f: Callable) -> Callable:
-        for name, what in (("dp", "data-parallel degree"), ("ep", "expert-parallel degree (divides dp)"),
-                           ("tp", "tensor-parallel degree")):
+        for name, what in (
+            ("dp", "data-parallel degree"),
+            ("ep", "expert-parallel degree (divides dp)"),
+            ("tp", "tensor-parallel degree"),
+        ):
             if default_source:
-                f = click.option(f"--{name}", type=count(1, MAX_DEGREE), default=None,
-                                 help=f"{what}  [default: the source's]")(f)
+                f = click.option(
+                    f"--{name}", type=count(1, MAX_DEGREE), default=None, help=f"{what}  [default: the source's]"
+                )(f)
             else:
                 f = click.option(f"--{name}", type=count(1, MAX_DEGREE), default=1, show_default=True, help=what)(f)
         return f
@@ -175,9 +180,13 @@ format_option = click.option(
 )
 
 #: ``--workers``: parallel file writers.
-workers_option = click.option("--workers", type=count(1, 256), default=offline_workers,
-                              show_default=f"{OFFLINE_WORKERS}, or the machine's cores if fewer",
-                              help="parallel file writers")
+workers_option = click.option(
+    "--workers",
+    type=count(1, 256),
+    default=offline_workers,
+    show_default=f"{OFFLINE_WORKERS}, or the machine's cores if fewer",
+    help="parallel file writers",
+)
 
 
 def describe_overwrite(location: str) -> str | None:
@@ -204,8 +213,10 @@ def describe_overwrite(location: str) -> str | None:
         if others:
             shown = ", ".join(sorted(others)[:3]) + (", ..." if len(others) > 3 else "")
             extra = f" and {len(others)} other entries ({shown})"
-        return (f"--overwrite: removed the run directory that was at {location}: {len(steps)} committed "
-                f"checkpoint(s) (steps {steps[0]}..{steps[-1]}){extra}")
+        return (
+            f"--overwrite: removed the run directory that was at {location}: {len(steps)} committed "
+            f"checkpoint(s) (steps {steps[0]}..{steps[-1]}){extra}"
+        )
     shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
     return f"--overwrite: removed what {location} held: {len(names)} entries ({shown})"
 
@@ -226,5 +237,13 @@ def progress(total: int, desc: str, unit: str = "B"):
     """A tqdm bar on stderr; bytes are shown scaled (KB, MB, GB)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, unit_divisor=1000, file=sys.stderr, leave=False,
-                disable=None)
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=True,
+        unit_divisor=1000,
+        file=sys.stderr,
+        leave=False,
+        disable=None,
+    )

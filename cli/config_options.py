@@ -78,8 +78,9 @@ def _option(f: Field, hints: dict[str, Any]) -> Callable:
     if meta.get("choices"):
         kw["type"] = FormatChoice() if meta["choices"] is backend_names else click.Choice(list(choices_of(meta) or ()))
     elif kind in (int, float):
-        kw["type"] = Number(kind, meta.get("min"), meta.get("max"), lo_open=bool(meta.get("min_open")),
-                            none_as=meta.get("none_as"))
+        kw["type"] = Number(
+            kind, meta.get("min"), meta.get("max"), lo_open=bool(meta.get("min_open")), none_as=meta.get("none_as")
+        )
         if meta.get("none_as") and "default" in kw and kw["default"] is not None:
             kw["default"] = str(kw["default"])
     else:

@@ -66,13 +66,23 @@ def _moeckpt(args: list[str]) -> int:
 
 
 @click.command("demo")
-@click.option("--dir", "workdir", type=Text(), default=None, metavar="DIR",
-              help="where the demo keeps its files (run directory, checkpoints, HF export, loss.png); kept "
-                   "afterwards  [default: a new moeckpt-demo-* directory in the temporary directory]")
-@click.option("--memory-tier/--no-memory-tier", default=True, show_default=True,
-              help="run the drill with the in-memory checkpoint tier (a memory checkpoint every step, each node its "
-                   "own memory directory, node B's deleted with it): the survivors resume from memory; without it "
-                   "they resume from the last persisted checkpoint")
+@click.option(
+    "--dir",
+    "workdir",
+    type=Text(),
+    default=None,
+    metavar="DIR",
+    help="where the demo keeps its files (run directory, checkpoints, HF export, loss.png); kept "
+    "afterwards  [default: a new moeckpt-demo-* directory in the temporary directory]",
+)
+@click.option(
+    "--memory-tier/--no-memory-tier",
+    default=True,
+    show_default=True,
+    help="run the drill with the in-memory checkpoint tier (a memory checkpoint every step, each node its "
+    "own memory directory, node B's deleted with it): the survivors resume from memory; without it "
+    "they resume from the last persisted checkpoint",
+)
 def command(workdir: str | None, memory_tier: bool) -> None:
     """The whole story on this machine, about a minute on 2 CPU cores: zaya-tiny trains on two local nodes of 2
     workers each (two torchrun elastic agents, gloo); one node is lost at step 17 and the survivor resumes on 2
@@ -101,35 +111,50 @@ def command(workdir: str | None, memory_tier: bool) -> None:
         memory = os.path.join(root, "memory") if memory_tier else None
         if memory is not None:
             shutil.rmtree(memory, ignore_errors=True)
-        result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=KILL_AT,
-                                       timeout_s=600, progress=click.echo, memory_root=memory)
+        result = run_shrink_grow_drill(
+            run,
+            cpu_drill_args(run),
+            nproc=2,
+            kill_at_step=KILL_AT,
+            timeout_s=600,
+            progress=click.echo,
+            memory_root=memory,
+        )
         drills.append(result)
         with open(os.path.join(root, DRILL_JSON), "w") as f:  # what the drill saw, for tests and plots
             json.dump(result.to_json(), f)
         resumes = [e for e in result.events() if e.get("event") == "resume"]
         worlds = result.worlds()
         last = result.steps()[-1] if result.steps() else {}
-        ok = (result.exit_codes == {"A": 0, "C": 0} and [w for _, w in worlds] == [4, 2, 4]
-              and last.get("step") == STEPS and len(resumes) == 2)
+        ok = (
+            result.exit_codes == {"A": 0, "C": 0}
+            and [w for _, w in worlds] == [4, 2, 4]
+            and last.get("step") == STEPS
+            and len(resumes) == 2
+        )
         story = "; ".join(
-            f"{w} workers from step {s}" + (f" (resumed step {r['step']}, dp {r['from_layout']['dp']}->"
-                                           f"{r['to_layout']['dp']})" if r else "")
+            f"{w} workers from step {s}"
+            + (f" (resumed step {r['step']}, dp {r['from_layout']['dp']}->{r['to_layout']['dp']})" if r else "")
             for (s, w), r in zip(worlds, [None, *resumes])
         )
         shrink = result.shrink_resume()
         if shrink is not None:
-            click.echo(f"node B lost at step {result.kill_step()}: the survivors resumed from the "
-                       f"{shrink.get('tier') or 'storage'} tier at step {shrink['step']}, {result.steps_lost()} "
-                       f"step(s) lost, {shrink.get('storage_bytes_read', shrink['bytes_read']) / 1e6:.2f} MB read "
-                       "from storage")
+            click.echo(
+                f"node B lost at step {result.kill_step()}: the survivors resumed from the "
+                f"{shrink.get('tier') or 'storage'} tier at step {shrink['step']}, {result.steps_lost()} "
+                f"step(s) lost, {shrink.get('storage_bytes_read', shrink['bytes_read']) / 1e6:.2f} MB read "
+                "from storage"
+            )
         return f"{story}; step {last.get('step')}, loss {last.get('loss', float('nan')):.3f}", ok
 
     step(f"2 nodes x 2 workers (elastic agents); node B dies at step {KILL_AT}; node C joins later", elastic_run)
     step("verify every checksum of the last checkpoint", lambda: _expect(_moeckpt(["verify", run]), 0))
 
     single = os.path.join(root, "ckpt-1x1x1")
-    step("reshard offline to one process (tp1 ep1 dp1)",
-         lambda: _expect(_moeckpt(["reshard", run, single, "--tp", "1", "--ep", "1", "--dp", "1", "--overwrite"]), 0))
+    step(
+        "reshard offline to one process (tp1 ep1 dp1)",
+        lambda: _expect(_moeckpt(["reshard", run, single, "--tp", "1", "--ep", "1", "--dp", "1", "--overwrite"]), 0),
+    )
     step("diff across layouts (identical)", lambda: _expect(_moeckpt(["diff", run, single]), 0))
 
     def corrupt() -> tuple[str, bool]:

@@ -18,9 +18,13 @@ from .params import Text
 @click.command("export-dcp")
 @click.argument("ckpt", type=Text())
 @click.argument("out", type=Text())
-@click.option("--mapping", type=click.Choice(EXPORT_MAPPINGS), default=None,
-              help="torchtitan: torchtitan's Qwen3-MoE names and flattened optimizer; none: our tensor names  "
-                   "[default: torchtitan for a qwen3_moe checkpoint, else none]")
+@click.option(
+    "--mapping",
+    type=click.Choice(EXPORT_MAPPINGS),
+    default=None,
+    help="torchtitan: torchtitan's Qwen3-MoE names and flattened optimizer; none: our tensor names  "
+    "[default: torchtitan for a qwen3_moe checkpoint, else none]",
+)
 @click.option("--overwrite", is_flag=True, help="replace whatever OUT holds; it says what it removes first")
 def command(ckpt, out, mapping, overwrite) -> None:
     """Write CKPT (any layout and storage; a run directory: its newest step) to OUT, a local directory, as a DCP

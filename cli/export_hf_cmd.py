@@ -19,14 +19,25 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 @click.command("export-hf")
 @click.argument("ckpt", type=Text())
 @click.argument("out", type=Text())
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default=None,
-              help="dtype of the exported weights [default: the checkpoint's parameter dtype]")
+@click.option(
+    "--dtype",
+    type=click.Choice(sorted(DTYPES)),
+    default=None,
+    help="dtype of the exported weights [default: the checkpoint's parameter dtype]",
+)
 @click.option("--max-shard-size", default="5GB", show_default=True, help="largest safetensors shard (5GB, 500MB, 2GiB)")
-@click.option("--overwrite", is_flag=True,
-              help="replace a previous export in OUT (other files in OUT, a tokenizer say, are kept)")
-@click.option("--model", "model_name", type=Text(), default=None, metavar="PRESET|JSON",
-              help="for a state-dict checkpoint (moeckpt.save, moeckpt.dcp): the bundled model its tensors are, under "
-                   "their Hugging Face names  [default: the model the checkpoint records]")
+@click.option(
+    "--overwrite", is_flag=True, help="replace a previous export in OUT (other files in OUT, a tokenizer say, are kept)"
+)
+@click.option(
+    "--model",
+    "model_name",
+    type=Text(),
+    default=None,
+    metavar="PRESET|JSON",
+    help="for a state-dict checkpoint (moeckpt.save, moeckpt.dcp): the bundled model its tensors are, under "
+    "their Hugging Face names  [default: the model the checkpoint records]",
+)
 def command(ckpt, out, dtype, max_shard_size, overwrite, model_name) -> None:
     """Write CKPT's weights to OUT as sharded safetensors with config.json, loadable by transformers'
     AutoModelForCausalLM.from_pretrained. CKPT may be a run directory (its newest committed step).
@@ -43,8 +54,15 @@ def command(ckpt, out, dtype, max_shard_size, overwrite, model_name) -> None:
     said = announce_overwrite(out, overwrite)
     try:
         with progress(total, "export-hf") as bar:
-            result = export_hf(ckpt, out, dtype=DTYPES.get(dtype), max_shard_size=size, overwrite=overwrite,
-                               on_bytes=bar.update, model=model)
+            result = export_hf(
+                ckpt,
+                out,
+                dtype=DTYPES.get(dtype),
+                max_shard_size=size,
+                overwrite=overwrite,
+                on_bytes=bar.update,
+                model=model,
+            )
     except ChecksumMismatchError as e:  # the source is damaged: bad input for an export (verify reports it as 1)
         raise DataFileError(str(e)) from None
     said()

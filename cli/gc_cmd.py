@@ -29,10 +29,14 @@ def check_run_dir(run_dir: str) -> None:
         raise NotCommittedError(f"RUN_DIR {run_dir}: no such run directory")
     names = storage.listdir()
     if INDEX_NAME in names:
-        raise NotCommittedError(f"RUN_DIR {run_dir}: is a checkpoint, not a run directory; gc works on the directory "
-                                "that holds step-* checkpoints")
-    if not any(n.startswith(STEP_PREFIX) or (n.startswith(f".{STEP_PREFIX}") and STAGING_SUFFIX in n)
-               or n == "metrics.jsonl" for n in names):
+        raise NotCommittedError(
+            f"RUN_DIR {run_dir}: is a checkpoint, not a run directory; gc works on the directory "
+            "that holds step-* checkpoints"
+        )
+    if not any(
+        n.startswith(STEP_PREFIX) or (n.startswith(f".{STEP_PREFIX}") and STAGING_SUFFIX in n) or n == "metrics.jsonl"
+        for n in names
+    ):
         what = "is empty" if not names else f"holds {len(names)} entries but no step-* checkpoint"
         raise NotCommittedError(f"RUN_DIR {run_dir}: {what}; not a run directory")
 
@@ -46,17 +50,34 @@ def memory_root_of(run_dir: str, parent: str | None) -> str | None:
 
 @click.command("gc")
 @click.argument("run_dir", type=Text())
-@click.option("--keep-last", type=count(1, 10**6), default=3, show_default=True,
-              help="keep the N newest committed steps")
-@click.option("--keep-every", type=count(0), default=0, show_default=True,
-              help="also keep steps that are multiples of K (0: none)")
-@click.option("--upload-grace", type=number(0, 10 * 365 * 86400), default=UPLOAD_GRACE_S, show_default=True,
-              help="abort incomplete multipart uploads (S3) older than this many seconds; 0 aborts all of them")
-@click.option("--memory-dir", type=click.Path(exists=True, file_okay=False), default=None, metavar="PATH",
-              help="where the run's memory tier lives on this host (as train --memory-dir)  [default: /dev/shm]")
+@click.option(
+    "--keep-last", type=count(1, 10**6), default=3, show_default=True, help="keep the N newest committed steps"
+)
+@click.option(
+    "--keep-every",
+    type=count(0),
+    default=0,
+    show_default=True,
+    help="also keep steps that are multiples of K (0: none)",
+)
+@click.option(
+    "--upload-grace",
+    type=number(0, 10 * 365 * 86400),
+    default=UPLOAD_GRACE_S,
+    show_default=True,
+    help="abort incomplete multipart uploads (S3) older than this many seconds; 0 aborts all of them",
+)
+@click.option(
+    "--memory-dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=None,
+    metavar="PATH",
+    help="where the run's memory tier lives on this host (as train --memory-dir)  [default: /dev/shm]",
+)
 @click.option("--dry-run", is_flag=True, help="only print what would be removed")
-def command(run_dir: str, keep_last: int, keep_every: int, upload_grace: float, memory_dir: str | None,
-            dry_run: bool) -> None:
+def command(
+    run_dir: str, keep_last: int, keep_every: int, upload_grace: float, memory_dir: str | None, dry_run: bool
+) -> None:
     """Remove old committed checkpoints of RUN_DIR beyond the policy, and every uncommitted leftover; on S3, abort
     the multipart uploads that killed saves left (their parts are billed until aborted).
 
@@ -72,8 +93,10 @@ def command(run_dir: str, keep_last: int, keep_every: int, upload_grace: float, 
     for name in plan.remove_uncommitted:
         click.echo(f"{verb} {name} (uncommitted leftover)")
     for upload in plan.stale_uploads:
-        click.echo(f"{'would abort' if dry_run else 'aborted'} the upload of {upload.relpath} "
-                   f"(incomplete multipart upload, started {upload.age_s:.0f} s ago)")
+        click.echo(
+            f"{'would abort' if dry_run else 'aborted'} the upload of {upload.relpath} "
+            f"(incomplete multipart upload, started {upload.age_s:.0f} s ago)"
+        )
     if not dry_run:
         # stale uploads first (their parts are billed), then one entry at a time, so that a long removal (many objects
         # on S3) shows its progress

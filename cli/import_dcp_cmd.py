@@ -18,12 +18,23 @@ from .params import Text
 @click.argument("dst", type=Text())
 @layout_options(default_source=True)
 @format_option
-@click.option("--model", "model_name", type=Text(), default=None, metavar="PRESET|JSON",
-              help="PRESET or config.json (ours or a Hugging Face one): the fields tensor shapes do not tell "
-                   "(top-k, RoPE theta, ...) for a named mapping  [default: taken from the shapes, Qwen3-MoE defaults]")
-@click.option("--mapping", type=click.Choice(MAPPINGS), default="none", show_default=True,
-              help="none: keep the names (a generic checkpoint); torchtitan, megatron: map onto the bundled "
-                   "qwen3_moe model (trainable, exportable to Hugging Face)")
+@click.option(
+    "--model",
+    "model_name",
+    type=Text(),
+    default=None,
+    metavar="PRESET|JSON",
+    help="PRESET or config.json (ours or a Hugging Face one): the fields tensor shapes do not tell "
+    "(top-k, RoPE theta, ...) for a named mapping  [default: taken from the shapes, Qwen3-MoE defaults]",
+)
+@click.option(
+    "--mapping",
+    type=click.Choice(MAPPINGS),
+    default="none",
+    show_default=True,
+    help="none: keep the names (a generic checkpoint); torchtitan, megatron: map onto the bundled "
+    "qwen3_moe model (trainable, exportable to Hugging Face)",
+)
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
 @workers_option
 def command(dcp_dir, dst, tp, ep, dp, fmt, model_name, mapping, overwrite, workers) -> None:

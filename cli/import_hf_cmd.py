@@ -24,8 +24,13 @@ DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 @click.argument("dst", type=Text())
 @layout_options
 @format_option
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="fp32", show_default=True,
-              help="parameter dtype of the checkpoint (bf16 also keeps fp32 master weights)")
+@click.option(
+    "--dtype",
+    type=click.Choice(sorted(DTYPES)),
+    default="fp32",
+    show_default=True,
+    help="parameter dtype of the checkpoint (bf16 also keeps fp32 master weights)",
+)
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
 @workers_option
 def command(hf_dir, dst, tp, ep, dp, fmt, dtype, overwrite, workers) -> None:

@@ -44,17 +44,26 @@ def _numel(shape) -> int:
 
 @click.command("init", epilog=f"Presets: {_presets_help()}.")
 @click.argument("out", type=Text())
-@click.option("--model", "model_name", required=True, type=Text(), metavar="PRESET|JSON",
-              help=f"a preset ({', '.join(presets())}), a {{\"arch\", \"config\"}} JSON file or a Hugging Face "
-                   "config.json")
+@click.option(
+    "--model",
+    "model_name",
+    required=True,
+    type=Text(),
+    metavar="PRESET|JSON",
+    help=f'a preset ({", ".join(presets())}), a {{"arch", "config"}} JSON file or a Hugging Face config.json',
+)
 @layout_options
 @format_option
 @click.option("--with-optimizer", is_flag=True, help="also write AdamW state (and fp32 master weights for bf16)")
-@click.option("--seed", type=count(0, 2**63 - 1), default=0, show_default=True,
-              help="values depend only on (seed, tensor name)")
+@click.option(
+    "--seed", type=count(0, 2**63 - 1), default=0, show_default=True, help="values depend only on (seed, tensor name)"
+)
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="fp32", show_default=True, help="parameter dtype")
-@click.option("--overwrite", is_flag=True, help="replace whatever OUT holds (a checkpoint, a run directory, any "
-                                                "files); it says what it removes first")
+@click.option(
+    "--overwrite",
+    is_flag=True,
+    help="replace whatever OUT holds (a checkpoint, a run directory, any files); it says what it removes first",
+)
 @workers_option
 def command(out, model_name, tp, ep, dp, fmt, with_optimizer, seed, dtype, overwrite, workers) -> None:
     """Write a random checkpoint of MODEL to OUT in layout (tp, ep, dp).
@@ -73,12 +82,18 @@ def command(out, model_name, tp, ep, dp, fmt, with_optimizer, seed, dtype, overw
     tensors = logical_tensors(params, param_dtype=DTYPES[dtype], with_optimizer=with_optimizer)
     total = sum(e.nbytes for e in tensors.values())
     # Every value is made in memory before the files are written: refuse what cannot fit before making any.
-    check_fits(total, ranks_here=1, device_type="cpu", what=f"init of {model_name} ({total / 1e9:,.2f} GB)",
-               fix="pick a smaller model (or --dtype bf16)")
+    check_fits(
+        total,
+        ranks_here=1,
+        device_type="cpu",
+        what=f"init of {model_name} ({total / 1e9:,.2f} GB)",
+        fix="pick a smaller model (or --dtype bf16)",
+    )
     _check_disk(out, total)
     said = announce_overwrite(out, overwrite)
     std = getattr(spec.config, "initializer_range", 0.02)
     with progress(total, "init values") as made, progress(total, "init write") as written:
+
         def value(e):
             v = initial_value(e, seed=seed, init=init_of[e.param], std=std)
             made.update(e.nbytes)
@@ -113,5 +128,6 @@ def _check_disk(out: str, nbytes: int) -> None:
         parent = os.path.dirname(parent)
     free = shutil.disk_usage(parent).free
     if nbytes > free:
-        raise click.UsageError(f"OUT {out}: the checkpoint needs {nbytes / 1e9:,.2f} GB, the disk has "
-                               f"{free / 1e9:,.2f} GB free")
+        raise click.UsageError(
+            f"OUT {out}: the checkpoint needs {nbytes / 1e9:,.2f} GB, the disk has {free / 1e9:,.2f} GB free"
+        )

@@ -73,10 +73,15 @@ def _layout_line(info: dict) -> str:
     """The layout (tp, ep, dp) of a trainer's checkpoint; for a state-dict checkpoint, its meshes and shardings."""
     if info["layout"]:
         return " ".join(f"{k}={v}" for k, v in info["layout"].items())
-    parts = [f"mesh {i} {'x'.join(map(str, m['shape']))} over {len(m['ranks'])} ranks" for i, m in
-             enumerate(info["meshes"])]
+    parts = [
+        f"mesh {i} {'x'.join(map(str, m['shape']))} over {len(m['ranks'])} ranks" for i, m in enumerate(info["meshes"])
+    ]
     counts = ", ".join(f"{what}: {n}" for what, n in info["shardings"].items())
-    return "none (a state-dict checkpoint)" + (f"; {'; '.join(parts)}" if parts else "") + f"; tensors by sharding: {counts}"
+    return (
+        "none (a state-dict checkpoint)"
+        + (f"; {'; '.join(parts)}" if parts else "")
+        + f"; tensors by sharding: {counts}"
+    )
 
 
 #: data files listed by name before the rest is summarised.
@@ -103,14 +108,18 @@ def command(ckpt: str, as_json: bool) -> None:
     click.echo(f"model       {info['model'].get('arch')}")
     click.echo(f"step        {info['step']}")
     click.echo(f"layout      {layout}")
-    click.echo(f"tensors     {info['num_tensors']} ({_mb(info['logical_bytes'])} logical, {_mb(info['stored_bytes'])} stored)")
+    click.echo(
+        f"tensors     {info['num_tensors']} ({_mb(info['logical_bytes'])} logical, {_mb(info['stored_bytes'])} stored)"
+    )
     for role, r in info["roles"].items():
         click.echo(f"  {role:<11} {r['tensors']:>6} tensors  {_mb(r['bytes']):>14}")
     chunks = info["stored_objects"] - len(info["files"])
     if info["backend"] == "zarr":
         meta = sum(f["size"] for f in info["files"].values())
-        click.echo(f"files       {len(info['files'])} zarr.json metadata documents ({_mb(meta)}) + {chunks} chunk "
-                   f"objects ({_mb(info['stored_bytes'] - meta)}), one array per tensor; --json lists them")
+        click.echo(
+            f"files       {len(info['files'])} zarr.json metadata documents ({_mb(meta)}) + {chunks} chunk "
+            f"objects ({_mb(info['stored_bytes'] - meta)}), one array per tensor; --json lists them"
+        )
         return
     extra = f" (+ {chunks} chunk objects, not in the index)" if chunks else ""
     click.echo(f"files       {len(info['files'])}{extra}")

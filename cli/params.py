@@ -14,8 +14,15 @@ __all__ = ["Number", "Text", "count", "number"]
 class Number(click.ParamType):
     """An integer or finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``); ``none_as`` spells ``None``."""
 
-    def __init__(self, kind: type = int, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-                 none_as: str | None = None) -> None:
+    def __init__(
+        self,
+        kind: type = int,
+        lo: float | None = None,
+        hi: float | None = None,
+        *,
+        lo_open: bool = False,
+        none_as: str | None = None,
+    ) -> None:
         self.kind, self.lo, self.hi, self.lo_open, self.none_as = kind, lo, hi, lo_open, none_as
         self.name = ("N" if kind is int else "X") + (f"|{none_as}" if none_as else "")
 

@@ -61,7 +61,12 @@ def check_s3_reachable(args: list[str]) -> None:
         except OSError as e:
             error = e
             time.sleep(min(0.1 * tries, max(0.0, deadline - time.monotonic())))
-    why = f"no answer within {CONNECT_TIMEOUT_S:.0f} s" if isinstance(error, TimeoutError) or error is None else (
-        error.strerror or type(error).__name__)
-    raise StorageError(f"{urls[0]}: the S3 endpoint {name} is unreachable after {tries} tries ({why}); check the "
-                       "address, the network and that the service runs")
+    why = (
+        f"no answer within {CONNECT_TIMEOUT_S:.0f} s"
+        if isinstance(error, TimeoutError) or error is None
+        else (error.strerror or type(error).__name__)
+    )
+    raise StorageError(
+        f"{urls[0]}: the S3 endpoint {name} is unreachable after {tries} tries ({why}); check the "
+        "address, the network and that the service runs"
+    )

@@ -27,10 +27,13 @@ from .params import Text, count
     default=None,
     help="on-disk format of the checkpoint written  [default: the source's]",
 )
-@click.option("--workers", type=count(1, 256), default=offline_workers,
-              show_default=f"{OFFLINE_WORKERS}, or the machine's cores if fewer",
-              help="target files written in parallel (by processes from local safetensors to local safetensors, "
-                   "else threads)")
+@click.option(
+    "--workers",
+    type=count(1, 256),
+    default=offline_workers,
+    show_default=f"{OFFLINE_WORKERS}, or the machine's cores if fewer",
+    help="target files written in parallel (by processes from local safetensors to local safetensors, else threads)",
+)
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
 def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     """Write checkpoint SRC (or a run directory's newest step) to DST in layout (tp, ep, dp); a degree not given
@@ -49,8 +52,15 @@ def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     check_layout(index.tensors, layout)
     said = announce_overwrite(dst, overwrite)
     with progress(index.nbytes, f"reshard -> {layout}") as bar:
-        result = reshard(src, dst, layout, backend=fmt, overwrite=overwrite, on_bytes=bar.update,
-                         options=ReshardOptions(workers=workers))
+        result = reshard(
+            src,
+            dst,
+            layout,
+            backend=fmt,
+            overwrite=overwrite,
+            on_bytes=bar.update,
+            options=ReshardOptions(workers=workers),
+        )
     gb = result.bytes_written / 1e9
     said()
     click.echo(

@@ -60,8 +60,13 @@ def command(**values) -> None:
         raise click.BadParameter(str(e), param_hint="'--data'") from None
     elastic = None
     if config.nnodes is not None or config.rdzv_endpoint is not None:
-        elastic = Elastic.parse(config.nnodes or "1", config.rdzv_endpoint, run_id=config.rdzv_id,
-                                max_restarts=config.max_restarts, conf=config.rdzv_conf)
+        elastic = Elastic.parse(
+            config.nnodes or "1",
+            config.rdzv_endpoint,
+            run_id=config.rdzv_id,
+            max_restarts=config.max_restarts,
+            conf=config.rdzv_conf,
+        )
     nproc = config.nproc
     if (elastic is not None or nproc > 1) and not under_torchrun():
         nodes = range(elastic.min_nodes, elastic.max_nodes + 1) if elastic is not None else (1,)
@@ -71,11 +76,15 @@ def command(**values) -> None:
             if not result.all_preempted():
                 raise JobInterruptedError(
                     f"stopped by SIGTERM, but not every worker reached its save (newest checkpoint in "
-                    f"{config.run_dir} is what was committed before)", signal.SIGTERM)
+                    f"{config.run_dir} is what was committed before)",
+                    signal.SIGTERM,
+                )
             status = result.rank0() or {}
             saved = "saved" if status.get("steps_trained", 1) else "nothing new to save"
-            click.echo(f"{name}: stopped by SIGTERM at step {status.get('step')}/{config.steps}, {saved}; checkpoints "
-                       f"in {config.run_dir}")
+            click.echo(
+                f"{name}: stopped by SIGTERM at step {status.get('step')}/{config.steps}, {saved}; checkpoints "
+                f"in {config.run_dir}"
+            )
             return
         status = result.rank0()
         if status is not None:
@@ -101,8 +110,10 @@ def command(**values) -> None:
     last = summary.records[-1] if summary.records else None
     if summary.preempted:
         saved = "saved" if summary.records else "nothing new to save"
-        click.echo(f"{name}: stopped by SIGTERM at step {summary.step}/{config.steps}, {saved}; checkpoints in "
-                   f"{config.run_dir}")
+        click.echo(
+            f"{name}: stopped by SIGTERM at step {summary.step}/{config.steps}, {saved}; checkpoints in "
+            f"{config.run_dir}"
+        )
         return
     _summary(name, config, last, summary.step)
 
@@ -110,8 +121,9 @@ def command(**values) -> None:
 def _summary(name: str, config: TrainConfig, last: dict | None, step: int | None) -> None:
     """The closing line: where the run got to in this invocation, or why there was nothing to do."""
     if last is not None:
-        click.echo(f"{name}: step {last['step']}/{config.steps}, loss {last['loss']:.4f}; checkpoints in "
-                   f"{config.run_dir}")
+        click.echo(
+            f"{name}: step {last['step']}/{config.steps}, loss {last['loss']:.4f}; checkpoints in {config.run_dir}"
+        )
         return
     target = config.steps if config.stop_at is None else config.stop_at
     option = "--steps" if config.stop_at is None else "--stop-at"

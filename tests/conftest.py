@@ -63,6 +63,11 @@ def demo_run(tmp_path_factory):
     import subprocess
 
     root = tmp_path_factory.mktemp("demo")
-    proc = subprocess.run([sys.executable, "-m", "moeckpt.cli.main", "demo", "--dir", str(root)], capture_output=True,
-                          text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "moeckpt.cli.main", "demo", "--dir", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     return proc.returncode, proc.stdout, proc.stderr, root

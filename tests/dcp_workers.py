@@ -20,8 +20,17 @@ import sys
 import torch
 import torch.distributed as dist
 
-TINY = {"dim": 64, "head_dim": 16, "n_layers": 2, "vocab": 256, "n_heads": 4, "n_kv_heads": 2, "moe_hidden": 32,
-        "experts": 4, "top_k": 2}
+TINY = {
+    "dim": 64,
+    "head_dim": 16,
+    "n_layers": 2,
+    "vocab": 256,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "moe_hidden": 32,
+    "experts": 4,
+    "top_k": 2,
+}
 
 
 def torchtitan_config():
@@ -37,25 +46,48 @@ def torchtitan_config():
 
     t = TINY
     return Qwen3Model.Config(
-        vocab_size=t["vocab"], dim=t["dim"], norm=_qwen3_norm(t["dim"]),
+        vocab_size=t["vocab"],
+        dim=t["dim"],
+        norm=_qwen3_norm(t["dim"]),
         tok_embeddings=Embedding.Config(num_embeddings=t["vocab"], embedding_dim=t["dim"], param_init=_EMBEDDING_INIT),
         lm_head=Linear.Config(in_features=t["dim"], out_features=t["vocab"], param_init=_LINEAR_INIT),
         layers=_build_qwen3_moe_layers(
-            fuse_qkv=True, n_layers=t["n_layers"], dim=t["dim"], n_heads=t["n_heads"], n_kv_heads=t["n_kv_heads"],
-            head_dim=t["head_dim"], moe_hidden_dim=t["moe_hidden"], num_experts=t["experts"], top_k=t["top_k"],
-            attn_backend="flex", rope=CosSinRoPE.Config(dim=t["head_dim"], max_seq_len=128, theta=1e6),
-            moe_comm_backend="standard"),
+            fuse_qkv=True,
+            n_layers=t["n_layers"],
+            dim=t["dim"],
+            n_heads=t["n_heads"],
+            n_kv_heads=t["n_kv_heads"],
+            head_dim=t["head_dim"],
+            moe_hidden_dim=t["moe_hidden"],
+            num_experts=t["experts"],
+            top_k=t["top_k"],
+            attn_backend="flex",
+            rope=CosSinRoPE.Config(dim=t["head_dim"], max_seq_len=128, theta=1e6),
+            moe_comm_backend="standard",
+        ),
     )
 
 
 def hf_config_json() -> dict:
     """The moeckpt model config of the tiny model (what --model is given)."""
     t = TINY
-    return {"arch": "qwen3_moe", "config": {
-        "vocab_size": t["vocab"], "hidden_size": t["dim"], "num_hidden_layers": t["n_layers"],
-        "num_attention_heads": t["n_heads"], "num_key_value_heads": t["n_kv_heads"], "head_dim": t["head_dim"],
-        "moe_intermediate_size": t["moe_hidden"], "num_experts": t["experts"], "num_experts_per_tok": t["top_k"],
-        "max_position_embeddings": 128, "rope_theta": 1e6, "rms_norm_eps": 1e-6}}
+    return {
+        "arch": "qwen3_moe",
+        "config": {
+            "vocab_size": t["vocab"],
+            "hidden_size": t["dim"],
+            "num_hidden_layers": t["n_layers"],
+            "num_attention_heads": t["n_heads"],
+            "num_key_value_heads": t["n_kv_heads"],
+            "head_dim": t["head_dim"],
+            "moe_intermediate_size": t["moe_hidden"],
+            "num_experts": t["experts"],
+            "num_experts_per_tok": t["top_k"],
+            "max_position_embeddings": 128,
+            "rope_theta": 1e6,
+            "rms_norm_eps": 1e-6,
+        },
+    }
 
 
 def torchtitan_logits(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -106,18 +138,30 @@ def write_torchtitan(out: str) -> None:
     # torchtitan picks "cuda" when no accelerator is found; its meshes must be CPU (gloo) meshes here.
     parallel_dims.device_type = "cpu"
     world = dist.get_world_size()
-    dims = ParallelDims(dp_replicate=1, dp_shard=world // 2, cp=1, tp=2, pp=1, ep=2, world_size=world,
-                        spmd_backend="partial_dtensor")
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=world // 2, cp=1, tp=2, pp=1, ep=2, world_size=world, spmd_backend="partial_dtensor"
+    )
     dims.build_mesh()
-    par = ParallelismConfig(data_parallel_shard_degree=world // 2, tensor_parallel_degree=2,
-                            expert_parallel_degree=2, spmd_backend="partial_dtensor")
+    par = ParallelismConfig(
+        data_parallel_shard_degree=world // 2,
+        tensor_parallel_degree=2,
+        expert_parallel_degree=2,
+        spmd_backend="partial_dtensor",
+    )
     cfg = torchtitan_config()
     set_qwen3_sharding_config(cfg, enable_sp=False, enable_ep=True)
     torch.manual_seed(0)
     with torch.device("meta"):
         model = cfg.build()
-    parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(), parallelism=par,
-                      compile_config=CompileConfig(), ac_config=None, dump_folder=out)
+    parallelize_qwen3(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(),
+        parallelism=par,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder=out,
+    )
     model.to_empty(device="cpu")
     torch.manual_seed(1)
     g = torch.Generator().manual_seed(1)
@@ -126,8 +170,12 @@ def write_torchtitan(out: str) -> None:
         for _, p in model.named_parameters():  # from seeded full tensors, so every replica holds the same values
             p.copy_(_noise(p, 0.1, g))
     opt = _adamw_steps(list(model.named_parameters()))
-    state = {**ModelWrapper(model).state_dict(), "optimizer": get_flat_optim_state_dict(opt),
-             "train_state": {"step": 2, "ntokens_seen": 64}, "lr_scheduler": {"last_epoch": 2}}
+    state = {
+        **ModelWrapper(model).state_dict(),
+        "optimizer": get_flat_optim_state_dict(opt),
+        "train_state": {"step": 2, "ntokens_seen": 64},
+        "lr_scheduler": {"last_epoch": 2},
+    }
     dcp.save(state, checkpoint_id=out)
 
 
@@ -145,26 +193,37 @@ def write_titan_names(out: str) -> None:
     def rand(*shape):
         return torch.randn(*shape, generator=g) * 0.1
 
-    full = {"tok_embeddings.weight": rand(t["vocab"], h), "norm.weight": 1 + rand(h), "lm_head.weight": rand(t["vocab"], h)}
+    full = {
+        "tok_embeddings.weight": rand(t["vocab"], h),
+        "norm.weight": 1 + rand(h),
+        "lm_head.weight": rand(t["vocab"], h),
+    }
     for i in range(t["n_layers"]):
         p = f"layers.{i}."
-        full.update({
-            p + "attention.qkv_linear.wq.weight": rand(t["n_heads"] * hd, h),
-            p + "attention.qkv_linear.wk.weight": rand(t["n_kv_heads"] * hd, h),
-            p + "attention.qkv_linear.wv.weight": rand(t["n_kv_heads"] * hd, h),
-            p + "attention.wo.weight": rand(h, t["n_heads"] * hd),
-            p + "attention.q_norm.weight": 1 + rand(hd), p + "attention.k_norm.weight": 1 + rand(hd),
-            p + "moe.expert_bias_E": torch.zeros(t["experts"]),
-            p + "moe.routed_experts.inner_experts.w1_EFD": rand(t["experts"], t["moe_hidden"], h),
-            p + "moe.routed_experts.inner_experts.w2_EDF": rand(t["experts"], h, t["moe_hidden"]),
-            p + "moe.routed_experts.inner_experts.w3_EFD": rand(t["experts"], t["moe_hidden"], h),
-            p + "moe.router.gate.weight": rand(t["experts"], h),
-            p + "attention_norm.weight": 1 + rand(h), p + "ffn_norm.weight": 1 + rand(h),
-        })
+        full.update(
+            {
+                p + "attention.qkv_linear.wq.weight": rand(t["n_heads"] * hd, h),
+                p + "attention.qkv_linear.wk.weight": rand(t["n_kv_heads"] * hd, h),
+                p + "attention.qkv_linear.wv.weight": rand(t["n_kv_heads"] * hd, h),
+                p + "attention.wo.weight": rand(h, t["n_heads"] * hd),
+                p + "attention.q_norm.weight": 1 + rand(hd),
+                p + "attention.k_norm.weight": 1 + rand(hd),
+                p + "moe.expert_bias_E": torch.zeros(t["experts"]),
+                p + "moe.routed_experts.inner_experts.w1_EFD": rand(t["experts"], t["moe_hidden"], h),
+                p + "moe.routed_experts.inner_experts.w2_EDF": rand(t["experts"], h, t["moe_hidden"]),
+                p + "moe.routed_experts.inner_experts.w3_EFD": rand(t["experts"], t["moe_hidden"], h),
+                p + "moe.router.gate.weight": rand(t["experts"], h),
+                p + "attention_norm.weight": 1 + rand(h),
+                p + "ffn_norm.weight": 1 + rand(h),
+            }
+        )
 
     def place(name: str, value: torch.Tensor):
-        tp = Shard(0) if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1_EFD", "w3_EFD")) else (
-            Shard(1) if name.endswith(("wo.weight", "w2_EDF")) else Replicate())
+        tp = (
+            Shard(0)
+            if name.endswith(("wq.weight", "wk.weight", "wv.weight", "w1_EFD", "w3_EFD"))
+            else (Shard(1) if name.endswith(("wo.weight", "w2_EDF")) else Replicate())
+        )
         if name.endswith(("w1_EFD", "w3_EFD")):
             tp = Shard(1)
         if name.endswith("w2_EDF"):
@@ -224,18 +283,44 @@ def write_megatron(out: str) -> None:
     torch.manual_seed(0)
     t = TINY
     cfg = TransformerConfig(
-        num_layers=t["n_layers"], hidden_size=t["dim"], num_attention_heads=t["n_heads"],
-        num_query_groups=t["n_kv_heads"], kv_channels=t["head_dim"], ffn_hidden_size=t["dim"],
-        num_moe_experts=t["experts"], moe_router_topk=t["top_k"], moe_ffn_hidden_size=t["moe_hidden"],
-        use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm",
-        qk_layernorm=True, add_bias_linear=False, moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
-        bf16=False, params_dtype=torch.float32, layernorm_epsilon=1e-6, moe_router_pre_softmax=False,
-        moe_aux_loss_coeff=0.0, moe_router_dtype="fp64", hidden_dropout=0.0, attention_dropout=0.0)
-    spec = get_gpt_layer_local_spec(num_experts=t["experts"], moe_grouped_gemm=False, qk_layernorm=True,
-                                    normalization="RMSNorm")
-    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=t["vocab"], max_sequence_length=128,
-                     position_embedding_type="rope", rotary_base=1000000,
-                     share_embeddings_and_output_weights=False).eval()
+        num_layers=t["n_layers"],
+        hidden_size=t["dim"],
+        num_attention_heads=t["n_heads"],
+        num_query_groups=t["n_kv_heads"],
+        kv_channels=t["head_dim"],
+        ffn_hidden_size=t["dim"],
+        num_moe_experts=t["experts"],
+        moe_router_topk=t["top_k"],
+        moe_ffn_hidden_size=t["moe_hidden"],
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        add_bias_linear=False,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        bf16=False,
+        params_dtype=torch.float32,
+        layernorm_epsilon=1e-6,
+        moe_router_pre_softmax=False,
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp64",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    spec = get_gpt_layer_local_spec(
+        num_experts=t["experts"], moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=t["vocab"],
+        max_sequence_length=128,
+        position_embedding_type="rope",
+        rotary_base=1000000,
+        share_embeddings_and_output_weights=False,
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():  # norms start at ones: make every weight distinct
             p.add_(torch.randn_like(p) * 0.05)

@@ -23,7 +23,9 @@ def toy_params() -> list[ParamSpec]:
         ParamSpec(name="attn.v_cur.weight", shape=(2, 8), rule=ShardingRule(tp=TpSplit(dim=0, window=(0, 4)))),
         ParamSpec(name="attn.v_del.weight", shape=(2, 8), rule=ShardingRule(tp=TpSplit(dim=0, window=(2, 4)))),
         ParamSpec(
-            name="moe.experts.gate_up", shape=(4, 12, 8), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=1, blocks=(6, 6)))
+            name="moe.experts.gate_up",
+            shape=(4, 12, 8),
+            rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=1, blocks=(6, 6))),
         ),
         ParamSpec(name="moe.experts.down", shape=(4, 8, 6), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2))),
         ParamSpec(name="norm.weight", shape=(8,), init="ones"),
@@ -84,10 +86,21 @@ def tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 #: a 16-layer Qwen3-MoE whose checkpoint (fp32, no optimizer state) is about 105 MB, largest tensor 4.2 MB: big
 #: enough that holding a writer's share shows in the peak RSS, small enough for CI.
-QWEN_105MB = {"arch": "qwen3_moe", "config": {
-    "vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 16, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 64, "moe_intermediate_size": 128, "num_experts": 16,
-    "num_experts_per_tok": 2, "max_position_embeddings": 512}}
+QWEN_105MB = {
+    "arch": "qwen3_moe",
+    "config": {
+        "vocab_size": 256,
+        "hidden_size": 256,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "moe_intermediate_size": 128,
+        "num_experts": 16,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 512,
+    },
+}
 
 
 def init_qwen_105mb(moeckpt_cli, tmp_path) -> tuple[str, int]:
@@ -97,7 +110,9 @@ def init_qwen_105mb(moeckpt_cli, tmp_path) -> tuple[str, int]:
     from moeckpt.formats.checkpoint import CheckpointReader
 
     (tmp_path / "m.json").write_text(json.dumps(QWEN_105MB))
-    code, _, err = moeckpt_cli("init", tmp_path / "src", "--model", tmp_path / "m.json", "--tp", 1, "--ep", 2, "--dp", 2)
+    code, _, err = moeckpt_cli(
+        "init", tmp_path / "src", "--model", tmp_path / "m.json", "--tp", 1, "--ep", 2, "--dp", 2
+    )
     assert code == 0, err
     nbytes = CheckpointReader(str(tmp_path / "src")).index.nbytes
     assert nbytes > 100e6

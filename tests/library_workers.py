@@ -50,7 +50,11 @@ def save_on_mesh(rank: int, path: str, mesh_shape, specs: dict, extra_plain: boo
 
     mesh = _mesh(mesh_shape)
     full = full_values({k: s for k, (s, _) in specs.items()})
-    sd: dict = {"model": {k: distribute_tensor(full[k], mesh, _placements(p), src_data_rank=None) for k, (_, p) in specs.items()}}
+    sd: dict = {
+        "model": {
+            k: distribute_tensor(full[k], mesh, _placements(p), src_data_rank=None) for k, (_, p) in specs.items()
+        }
+    }
     if extra_plain:
         sd["step"] = 7
         sd["scalar"] = torch.tensor(3.5)
@@ -69,22 +73,35 @@ def load_on_mesh(rank: int, path: str, mesh_shape, specs: dict, out_dir: str) ->
 
     mesh = _mesh(mesh_shape)
     full = full_values({k: s for k, (s, _) in specs.items()})
-    sd = {"model": {k: distribute_tensor(torch.full(full[k].shape, -1.0), mesh, _placements(p), src_data_rank=None)
-                    for k, (_, p) in specs.items()},
-          "step": 0, "scalar": torch.tensor(0.0), "optim": {"param_groups": [{"lr": 0, "betas": (0, 0), "params": []}]}}
+    sd = {
+        "model": {
+            k: distribute_tensor(torch.full(full[k].shape, -1.0), mesh, _placements(p), src_data_rank=None)
+            for k, (_, p) in specs.items()
+        },
+        "step": 0,
+        "scalar": torch.tensor(0.0),
+        "optim": {"param_groups": [{"lr": 0, "betas": (0, 0), "params": []}]},
+    }
     stats = moeckpt.LoadStats()
     values = moeckpt.load(sd, path, stats=stats)
     ok = {}
     for k, d in sd["model"].items():
         ok[k] = bool(torch.equal(d.full_tensor(), full[k]))
-    report = {"ok": ok, "step": sd["step"], "scalar": float(sd["scalar"]), "values": values,
-              "lr": sd["optim"]["param_groups"][0]["lr"], "bytes_read": stats.bytes_read,
-              "bytes_needed": stats.bytes_needed}
+    report = {
+        "ok": ok,
+        "step": sd["step"],
+        "scalar": float(sd["scalar"]),
+        "values": values,
+        "lr": sd["optim"]["param_groups"][0]["lr"],
+        "bytes_read": stats.bytes_read,
+        "bytes_needed": stats.bytes_needed,
+    }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
 
 
 # -- FSDP2 + TP training ------------------------------------------------------------------------------------------
+
 
 class TinyMLP(torch.nn.Module):
     def __init__(self, dim: int = 16, hidden: int = 24) -> None:
@@ -180,6 +197,7 @@ def fsdp_train(rank: int, dp: int, tp: int, out_dir: str, path: str, mode: str) 
 
 # -- torch DCP through moeckpt.dcp -------------------------------------------------------------------------------
 
+
 def dcp_save_on_mesh(rank: int, path: str, mesh_shape, specs: dict, writer: str) -> None:
     """``dcp.save`` arange DTensors through ``moeckpt.dcp.StorageWriter`` (``writer="moeckpt"``) or DCP's own
     FileSystemWriter (``"dcp"``), or ``moeckpt.save`` (``"library"``)."""
@@ -191,8 +209,12 @@ def dcp_save_on_mesh(rank: int, path: str, mesh_shape, specs: dict, writer: str)
 
     mesh = _mesh(mesh_shape)
     full = full_values({k: s for k, (s, _) in specs.items()})
-    sd = {"model": {k: distribute_tensor(full[k], mesh, _placements(p), src_data_rank=None)
-                    for k, (_, p) in specs.items()}, "step": 7}
+    sd = {
+        "model": {
+            k: distribute_tensor(full[k], mesh, _placements(p), src_data_rank=None) for k, (_, p) in specs.items()
+        },
+        "step": 7,
+    }
     if writer == "moeckpt":
         dcp.save(sd, storage_writer=moeckpt.dcp.StorageWriter(path))
     elif writer == "dcp":
@@ -212,8 +234,13 @@ def dcp_load_on_mesh(rank: int, path: str, mesh_shape, specs: dict, out_dir: str
 
     mesh = _mesh(mesh_shape)
     full = full_values({k: s for k, (s, _) in specs.items()})
-    sd = {"model": {k: distribute_tensor(torch.full(full[k].shape, -1.0), mesh, _placements(p), src_data_rank=None)
-                    for k, (_, p) in specs.items()}, "step": 0}
+    sd = {
+        "model": {
+            k: distribute_tensor(torch.full(full[k].shape, -1.0), mesh, _placements(p), src_data_rank=None)
+            for k, (_, p) in specs.items()
+        },
+        "step": 0,
+    }
     if reader == "moeckpt":
         dcp.load(sd, storage_reader=moeckpt.dcp.StorageReader(path))
     else:

@@ -27,14 +27,21 @@ M = Matrices()
 SPECS = [
     ParamSpec(name="col", shape=(8, 6), rule=ShardingRule(tp=TpSplit(dim=0)), matrix=M),
     ParamSpec(name="row", shape=(6, 8), rule=ShardingRule(tp=TpSplit(dim=1)), matrix=M),
-    ParamSpec(name="fused", shape=(4, 12, 5), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=1, blocks=(6, 6))),
-              matrix=Matrices(batch_dim=0, blocks=(6, 6))),
-    ParamSpec(name="down", shape=(4, 5, 6), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2)),
-              matrix=Matrices(batch_dim=0)),
+    ParamSpec(
+        name="fused",
+        shape=(4, 12, 5),
+        rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=1, blocks=(6, 6))),
+        matrix=Matrices(batch_dim=0, blocks=(6, 6)),
+    ),
+    ParamSpec(
+        name="down", shape=(4, 5, 6), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2)), matrix=Matrices(batch_dim=0)
+    ),
     ParamSpec(name="expert_bias", shape=(4, 3), rule=ShardingRule(expert_dim=0)),
     ParamSpec(name="router", shape=(4, 6), matrix=M),
     ParamSpec(name="norm", shape=(6,)),
-    ParamSpec(name="qk", shape=(10, 3), rule=ShardingRule(tp=TpSplit(dim=0, blocks=(4, 6))), matrix=Matrices(blocks=(4, 6))),
+    ParamSpec(
+        name="qk", shape=(10, 3), rule=ShardingRule(tp=TpSplit(dim=0, blocks=(4, 6))), matrix=Matrices(blocks=(4, 6))
+    ),
     ParamSpec(name="v_current", shape=(4, 3), rule=ShardingRule(tp=TpSplit(dim=0, window=(0, 8))), matrix=M),
     ParamSpec(name="v_delayed", shape=(4, 3), rule=ShardingRule(tp=TpSplit(dim=0, window=(4, 8))), matrix=M),
     ParamSpec(name="scale", shape=()),
@@ -42,7 +49,12 @@ SPECS = [
 ]
 LRS = [1e-2, 2e-2, 1.5e-2, 5e-3]
 #: the layouts of the issue, by world size.
-LAYOUTS = {1: Layout(tp=1, ep=1, dp=1), 2: Layout(tp=1, ep=2, dp=2), 4: Layout(tp=2, ep=2, dp=2), 8: Layout(tp=2, ep=1, dp=4)}
+LAYOUTS = {
+    1: Layout(tp=1, ep=1, dp=1),
+    2: Layout(tp=1, ep=2, dp=2),
+    4: Layout(tp=2, ep=2, dp=2),
+    8: Layout(tp=2, ep=1, dp=4),
+}
 
 
 def randn(shape, *key) -> torch.Tensor:
@@ -60,8 +72,9 @@ def grad(spec: ParamSpec, step: int, data_rank: int) -> torch.Tensor:
 
 def local_of(full: torch.Tensor, spec: ParamSpec, layout: Layout, rank: int) -> torch.Tensor:
     """The TP/EP-local tensor of ``rank``: its model-parallel boxes concatenated along the TP dim."""
-    entry = TensorEntry(name=spec.name, shape=spec.shape, dtype="float32", role="param", param=spec.name,
-                        sharding=spec.rule.to_json())
+    entry = TensorEntry(
+        name=spec.name, shape=spec.shape, dtype="float32", role="param", param=spec.name, sharding=spec.rule.to_json()
+    )
     c = layout.coords(rank)
     parts = [full[b.slices()] for b in model_parallel_boxes(entry, layout, c.tp_rank, c.ep_rank)]
     return torch.cat(parts, dim=spec.rule.tp.dim).contiguous() if spec.rule.tp else parts[0].clone()
@@ -102,8 +115,12 @@ def reference(data_ranks: int, config, steps: int = len(LRS), specs=SPECS):
     adam = {s.name: torch.nn.Parameter(weights[s.name].clone()) for s in specs if s.matrix is None}
     decay = [p for p in adam.values() if p.dim() >= 2]
     rest = [p for p in adam.values() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": aw.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=LRS[0], betas=(aw.beta1, aw.beta2), eps=aw.eps)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": aw.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=LRS[0],
+        betas=(aw.beta1, aw.beta2),
+        eps=aw.eps,
+    )
     momentum = {s.name: torch.zeros(s.shape) for s in specs if s.matrix is not None}
     dtype = getattr(torch, config.ns_dtype)
     for t in range(steps):
@@ -147,7 +164,9 @@ def distributed_matches_reference(rank: int, schemes: tuple[str, ...], ns_dtypes
     for scheme in schemes:
         for ns_dtype in ns_dtypes:
             # Small buckets, so that several buckets per group are exercised too.
-            config = MuonConfig(scheme=scheme, ns_dtype=ns_dtype, adamw=AdamWConfig(max_grad_norm=0.5, bucket_mib=0.0001))
+            config = MuonConfig(
+                scheme=scheme, ns_dtype=ns_dtype, adamw=AdamWConfig(max_grad_norm=0.5, bucket_mib=0.0001)
+            )
             params = {s.name: torch.nn.Parameter(local_of(initial(s), s, layout, rank)) for s in SPECS}
             opt = ZeroMuon(params.items(), SPECS, groups, config)
             for t in range(len(LRS)):
@@ -163,14 +182,21 @@ def distributed_matches_reference(rank: int, schemes: tuple[str, ...], ns_dtypes
             what = f"{layout} {scheme} {ns_dtype} rank {rank}"
             for s in SPECS:
                 want = local_of(weights[s.name], s, layout, rank)
-                torch.testing.assert_close(params[s.name].data, want, rtol=0, atol=tol[ns_dtype], msg=f"{what} {s.name}")
+                torch.testing.assert_close(
+                    params[s.name].data, want, rtol=0, atol=tol[ns_dtype], msg=f"{what} {s.name}"
+                )
             pieces = opt.piece_map()
             for s in SPECS:
                 if s.matrix is None:
                     continue
                 for p in pieces.get(f"momentum/{s.name}", []):
-                    torch.testing.assert_close(p.tensor, momentum[s.name][p.box.slices()], rtol=0, atol=1e-6,
-                                               msg=f"{what} momentum/{s.name} {p.box}")
+                    torch.testing.assert_close(
+                        p.tensor,
+                        momentum[s.name][p.box.slices()],
+                        rtol=0,
+                        atol=1e-6,
+                        msg=f"{what} momentum/{s.name} {p.box}",
+                    )
             matrices = {s.name for s in SPECS if s.matrix is not None}
             roles = {name.split("/", 1)[0] for name in pieces if name.split("/", 1)[1] in matrices}
             assert roles <= {"momentum"}, (what, roles)  # no AdamW moments for what Muon steps

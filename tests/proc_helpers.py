@@ -86,6 +86,12 @@ class Launched:
 def launch(*args: str, env: dict[str, str] | None = None) -> Launched:
     """``moeckpt ARGS`` as a new process group (a shell job), its output captured."""
     full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", "moeckpt.cli.main", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=full, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moeckpt.cli.main", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full,
+        start_new_session=True,
+    )
     return Launched(proc)

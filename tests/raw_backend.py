@@ -53,7 +53,9 @@ class RawBackend(BackendBase):
         listed = []
         for i, p in enumerate(q for q in pieces if not q.box.is_empty()):
             if dtypes.from_torch(p.data.dtype) != tensors[p.tensor].dtype:
-                raise ValueError(f"piece of {p.tensor!r} has dtype {p.data.dtype}, the index says {tensors[p.tensor].dtype}")
+                raise ValueError(
+                    f"piece of {p.tensor!r} has dtype {p.data.dtype}, the index says {tensors[p.tensor].dtype}"
+                )
             data = tensor_bytes(p.data)
             path = f"raw-{writer:05d}/{i:06d}.bin"
             storage.write_parts(path, [data])
@@ -89,7 +91,9 @@ class RawBackend(BackendBase):
         try:
             head = storage.read_bytes(entry.path)
         except FileNotFoundError:
-            raise DataFileError(f"{where}: header is missing (listed in the index); the checkpoint is incomplete") from None
+            raise DataFileError(
+                f"{where}: header is missing (listed in the index); the checkpoint is incomplete"
+            ) from None
         if len(head) != entry.size or checksum(head) != entry.checksum:
             raise DataFileError(f"{where}: header differs from the index (size or checksum): it is corrupt")
         try:

@@ -143,8 +143,11 @@ def test_a_file_at_the_destination_is_never_replaced(tmp_path, moeckpt_cli, comm
     ckpt = _zaya_tiny(moeckpt_cli, tmp_path)
     target = tmp_path / "notes.txt"
     target.write_text("keep me")
-    args = {"init": ("init", target, "--model", "zaya-tiny"), "reshard": ("reshard", ckpt, target),
-            "export-hf": ("export-hf", ckpt, target)}[command]
+    args = {
+        "init": ("init", target, "--model", "zaya-tiny"),
+        "reshard": ("reshard", ckpt, target),
+        "export-hf": ("export-hf", ckpt, target),
+    }[command]
     for extra in ((), ("--overwrite",)):
         code, _, err = moeckpt_cli(*args, *extra)
         assert code == 2 and "is a file, not a directory" in _one_line_error(err)
@@ -156,8 +159,11 @@ def test_unwritable_destination_is_one_line(tmp_path, moeckpt_cli, command):
     ckpt = _zaya_tiny(moeckpt_cli, tmp_path)
     (tmp_path / "f").write_text("x")
     where = tmp_path / "f" / "sub"  # a path below a file: cannot be created
-    args = {"init": ("init", where, "--model", "zaya-tiny"), "reshard": ("reshard", ckpt, where),
-            "export-hf": ("export-hf", ckpt, where)}[command]
+    args = {
+        "init": ("init", where, "--model", "zaya-tiny"),
+        "reshard": ("reshard", ckpt, where),
+        "export-hf": ("export-hf", ckpt, where),
+    }[command]
     code, _, err = moeckpt_cli(*args)
     assert code == 2 and "cannot create" in _one_line_error(err)
 
@@ -167,8 +173,11 @@ def test_reshard_never_writes_over_its_source(tmp_path, moeckpt_cli):
     code, _, err = moeckpt_cli("init", run / "step-00000007", "--model", "zaya-tiny")
     assert code == 0, err
     before = sorted(os.listdir(run / "step-00000007"))
-    for dst, word in ((run / "step-00000007", "is the source"), (run / "step-00000007" / "sub", "is inside"),
-                      (run, "holds")):
+    for dst, word in (
+        (run / "step-00000007", "is the source"),
+        (run / "step-00000007" / "sub", "is inside"),
+        (run, "holds"),
+    ):
         for extra in ((), ("--overwrite",)):
             code, _, err = moeckpt_cli("reshard", run, dst, "--dp", 2, *extra)
             assert code == 2 and word in _one_line_error(err)

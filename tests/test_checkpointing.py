@@ -32,7 +32,10 @@ def _save_worker(rank: int, run_dir: str, fail_rank: int) -> None:
     from moeckpt.trainer.checkpointing import CheckpointManager, SaveFailedError
 
     mgr = CheckpointManager(
-        run_dir, tensors=toy_tensors(), layout=LAYOUT, model={"arch": "toy", "config": {}},
+        run_dir,
+        tensors=toy_tensors(),
+        layout=LAYOUT,
+        model={"arch": "toy", "config": {}},
         retention=RetentionPolicy(keep_last=2),
     )
     for step, scale in ((5, 1.0), (10, 2.0), (15, 1.0)):
@@ -73,8 +76,9 @@ def _killed_worker(rank: int, run_dir: str) -> None:
     from moeckpt.trainer.faults import FaultInjector, parse_fault
 
     faults = FaultInjector([parse_fault("kill-during-save:rank=1,step=10")], rank=rank, marker_dir=run_dir)
-    mgr = CheckpointManager(run_dir, tensors=toy_tensors(), layout=LAYOUT, model={"arch": "toy", "config": {}},
-                            faults=faults)
+    mgr = CheckpointManager(
+        run_dir, tensors=toy_tensors(), layout=LAYOUT, model={"arch": "toy", "config": {}}, faults=faults
+    )
     for step in (5, 10):
         mgr.save(step, _local_state(rank), {"step": step})
         mgr.wait()

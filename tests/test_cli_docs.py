@@ -60,5 +60,6 @@ def test_the_documented_defaults_of_train_match_the_config():
             continue
         row = next(line for line in body.splitlines() if line.startswith(f"| `{TrainConfig.option_name(f)}"))
         shown = {"fp32": "fp32", "safetensors": "safetensors", "auto": "auto", "moeckpt": "`moeckpt`"}.get(
-            f.default, f"{f.default:g}" if isinstance(f.default, float) else str(f.default))
+            f.default, f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
+        )
         assert f"default {shown}" in row or f"default: {shown}" in row or f"default {shown})" in row, (f.name, row)

@@ -14,9 +14,18 @@ def _save_with_scalar(location: str, backend: str, scalar: float) -> None:
         "scale": TensorEntry(name="scale", shape=(), dtype="float32", role="buffer", param="scale"),
         "w": TensorEntry(name="w", shape=(4, 3), dtype="float32", role="buffer", param="w"),
     }
-    values = {"scale": torch.tensor(scalar, dtype=torch.float32), "w": torch.arange(12, dtype=torch.float32).reshape(4, 3)}
-    save_full_tensors(location, tensors=tensors, layout=Layout(dp=2), values=lambda e: values[e.name],
-                      model={"arch": "toy", "config": {}}, backend=backend)
+    values = {
+        "scale": torch.tensor(scalar, dtype=torch.float32),
+        "w": torch.arange(12, dtype=torch.float32).reshape(4, 3),
+    }
+    save_full_tensors(
+        location,
+        tensors=tensors,
+        layout=Layout(dp=2),
+        values=lambda e: values[e.name],
+        model={"arch": "toy", "config": {}},
+        backend=backend,
+    )
 
 
 def test_diff_compares_scalar_tensors_bitwise(tmp_path, backend, moeckpt_cli):
@@ -112,7 +121,9 @@ def test_zarr_doc_snippet_reads_a_real_tensor(tmp_path, moeckpt_cli):
     from moeckpt.formats.checkpoint import CheckpointReader
 
     ckpt = tmp_path / "ck"
-    code, out, err = moeckpt_cli("init", ckpt, "--model", "zaya-tiny", "--with-optimizer", "--format", "zarr", "--dp", "2")
+    code, out, err = moeckpt_cli(
+        "init", ckpt, "--model", "zaya-tiny", "--with-optimizer", "--format", "zarr", "--dp", "2"
+    )
     assert code == 0, (out, err)
     snippet = _zarr_doc_snippet()
     stores = re.findall(r'store="([^"]*)"', snippet)

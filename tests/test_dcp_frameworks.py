@@ -57,8 +57,21 @@ def _torchtitan_model(dcp_dir: str):
 
 def test_torchtitan_chain(torchtitan_dcp, tmp_path, moeckpt_cli):
     ck, hf = tmp_path / "ck", tmp_path / "hf"
-    code, _, err = moeckpt_cli("import-dcp", torchtitan_dcp, ck, "--tp", "2", "--ep", "2", "--dp", "2",
-                               "--mapping", "torchtitan", "--model", _model_json(tmp_path))
+    code, _, err = moeckpt_cli(
+        "import-dcp",
+        torchtitan_dcp,
+        ck,
+        "--tp",
+        "2",
+        "--ep",
+        "2",
+        "--dp",
+        "2",
+        "--mapping",
+        "torchtitan",
+        "--model",
+        _model_json(tmp_path),
+    )
     assert code == 0, err
     index = CheckpointReader(str(ck)).index
     assert {t.role for t in index.tensors.values()} == {"param", "exp_avg", "exp_avg_sq"}
@@ -84,15 +97,33 @@ def test_torchtitan_chain(torchtitan_dcp, tmp_path, moeckpt_cli):
 
 def test_torchtitan_round_trip_is_bit_for_bit(torchtitan_dcp, tmp_path, moeckpt_cli):
     ck, back = tmp_path / "ck", tmp_path / "back"
-    assert moeckpt_cli("import-dcp", torchtitan_dcp, ck, "--tp", "2", "--dp", "3", "--mapping", "torchtitan",
-                       "--model", _model_json(tmp_path), "--format", "zarr")[0] == 0
+    assert (
+        moeckpt_cli(
+            "import-dcp",
+            torchtitan_dcp,
+            ck,
+            "--tp",
+            "2",
+            "--dp",
+            "3",
+            "--mapping",
+            "torchtitan",
+            "--model",
+            _model_json(tmp_path),
+            "--format",
+            "zarr",
+        )[0]
+        == 0
+    )
     code, _, err = moeckpt_cli("export-dcp", ck, back)  # torchtitan names: the default for qwen3_moe
     assert code == 0, err
     a, b = open_dcp(torchtitan_dcp), open_dcp(str(back))
     assert set(a.tensors) == set(b.tensors) and set(a.values) == set(b.values)
     for name in a.tensors:
         x, y = a.read_tensor(name), b.read_tensor(name)
-        assert x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), name
+        assert x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), (
+            name
+        )
     assert all(a.read_value(k) == b.read_value(k) for k in a.values)
     # what torchtitan reads: dcp.load into its model gives the same parameters
     original, again = _torchtitan_model(torchtitan_dcp), _torchtitan_model(str(back))
@@ -113,8 +144,21 @@ def test_megatron_chain(megatron_dcp, tmp_path, moeckpt_cli):
     from safetensors.torch import load_file
 
     ck, hf = tmp_path / "ck", tmp_path / "hf"
-    code, _, err = moeckpt_cli("import-dcp", megatron_dcp, ck, "--tp", "2", "--ep", "2", "--dp", "2",
-                               "--mapping", "megatron", "--model", _model_json(tmp_path))
+    code, _, err = moeckpt_cli(
+        "import-dcp",
+        megatron_dcp,
+        ck,
+        "--tp",
+        "2",
+        "--ep",
+        "2",
+        "--dp",
+        "2",
+        "--mapping",
+        "megatron",
+        "--model",
+        _model_json(tmp_path),
+    )
     assert code == 0, err
     assert moeckpt_cli("verify", ck)[0] == 0
     assert moeckpt_cli("export-hf", ck, hf)[0] == 0

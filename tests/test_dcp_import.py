@@ -112,7 +112,9 @@ def test_mapping_none_without_a_layout_keeps_the_dcp_shardings(tmp_path, moeckpt
     reader = CheckpointReader(str(tmp_path / "ck"))
     assert {t.sharding_key for t in reader.index.tensors.values()} == {'{"pieces": "stored"}'}
     assert reader.index.written_version == 2 and sorted(reader.index.files) == [
-        "rank-00000.safetensors", "rank-00001.safetensors"]
+        "rank-00000.safetensors",
+        "rank-00001.safetensors",
+    ]
     rows = {r.tensor: (r.box.offsets, r.file) for r in reader.pieces() if r.tensor == "w"}
     assert len([r for r in reader.pieces() if r.tensor == "w"]) == 2, rows  # the two ranks' row shards of w
     out = {"w": torch.zeros(8, 6), "b": torch.zeros(4)}

@@ -43,8 +43,15 @@ def _save(path, sd) -> str:
 
 @pytest.fixture
 def honest(tmp_path) -> str:
-    sd = {"a": torch.arange(12.0).reshape(3, 4), "b": {"c": torch.ones(2, dtype=torch.bfloat16)},
-          "step": 5, "name": "x", "lr": 1.5, "sizes": [1, 2], "e": torch.empty(0, 3)}
+    sd = {
+        "a": torch.arange(12.0).reshape(3, 4),
+        "b": {"c": torch.ones(2, dtype=torch.bfloat16)},
+        "step": 5,
+        "name": "x",
+        "lr": 1.5,
+        "sizes": [1, 2],
+        "e": torch.empty(0, 3),
+    }
     return _save(tmp_path / "honest", sd)
 
 
@@ -70,8 +77,11 @@ def test_reader_matches_torch_loader(honest):
 
 def test_hostile_metadata_runs_nothing(tmp_path, honest, moeckpt_cli):
     marker = tmp_path / "pwned"
-    for payload in (_Run(os.system, f"touch {marker}"), _Run(eval, f"open({str(marker)!r}, 'w')"),
-                    _Run(getattr, "os", "system")):
+    for payload in (
+        _Run(os.system, f"touch {marker}"),
+        _Run(eval, f"open({str(marker)!r}, 'w')"),
+        _Run(getattr, "os", "system"),
+    ):
         with open(os.path.join(honest, ".metadata"), "wb") as f:
             pickle.dump({"state_dict_metadata": payload}, f)
         with pytest.raises(UnsafePickleError, match="refusing to unpickle .* from .metadata: not a DCP metadata class"):
@@ -99,8 +109,12 @@ def test_admitted_classes_cannot_be_called_with_arguments(honest):
 def test_broken_metadata_is_one_line(honest, tmp_path, moeckpt_cli, damage):
     path = os.path.join(honest, ".metadata")
     raw = _read(path)
-    new = {"truncate": raw[: len(raw) // 2], "garbage": os.urandom(len(raw)), "empty": b"",
-           "not-metadata": pickle.dumps({"a": [1, 2]})}[damage]
+    new = {
+        "truncate": raw[: len(raw) // 2],
+        "garbage": os.urandom(len(raw)),
+        "empty": b"",
+        "not-metadata": pickle.dumps({"a": [1, 2]}),
+    }[damage]
     _write(path, new)
     with pytest.raises((UnsafePickleError, DcpFormatError)):
         open_dcp(honest)

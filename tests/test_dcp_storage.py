@@ -18,16 +18,22 @@ from . import library_workers as w
 
 def test_dcp_save_writes_a_committed_moeckpt_checkpoint_and_dcp_load_reads_it(tmp_path):
     path = str(tmp_path / "c")
-    sd = {"model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)},
-          "step": 3, "optim": {"param_groups": [{"lr": 0.5, "params": ["w"]}]}}
+    sd = {
+        "model": {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)},
+        "step": 3,
+        "optim": {"param_groups": [{"lr": 0.5, "params": ["w"]}]},
+    }
     dcp.save(sd, storage_writer=moeckpt.dcp.StorageWriter(path))
     assert moeckpt.verify(path) == []
     index = json.load(open(os.path.join(path, "moeckpt.json")))
     assert index["tensors"]["model.w"]["sharding"] == {"pieces": "stored"}
     assert index["train_state"]["step"] == 3
     assert not any(n.endswith((".metadata", ".distcp")) for n in os.listdir(path)), "no pickle on disk"
-    out = {"model": {"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)}, "step": 0,
-           "optim": {"param_groups": [{"lr": 0.0, "params": []}]}}
+    out = {
+        "model": {"w": torch.zeros(3, 4), "b": torch.zeros(5, dtype=torch.bfloat16)},
+        "step": 0,
+        "optim": {"param_groups": [{"lr": 0.0, "params": []}]},
+    }
     dcp.load(out, storage_reader=moeckpt.dcp.StorageReader(path))
     assert torch.equal(out["model"]["w"], sd["model"]["w"]) and torch.equal(out["model"]["b"], sd["model"]["b"])
     assert out["step"] == 3 and out["optim"]["param_groups"][0]["lr"] == 0.5
@@ -74,8 +80,9 @@ def test_a_value_that_is_not_json_is_refused_and_nothing_committed(tmp_path):
 
 def test_dcp_load_reads_a_checkpoint_the_trainer_layout_wrote(tmp_path, moeckpt_cli):
     path = str(tmp_path / "c")
-    code, _, err = moeckpt_cli("init", path, "--model", "zaya-tiny", "--tp", "2", "--ep", "2", "--dp", "2",
-                               "--with-optimizer")
+    code, _, err = moeckpt_cli(
+        "init", path, "--model", "zaya-tiny", "--tp", "2", "--ep", "2", "--dp", "2", "--with-optimizer"
+    )
     assert code == 0, err
     reader = moeckpt.CheckpointReader(path)
     names = sorted(reader.index.tensors)[:6] + [n for n in reader.index.tensors if "experts" in n][:2]

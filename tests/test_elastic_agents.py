@@ -20,11 +20,16 @@ pytestmark = [
 ]
 
 
-
 def test_elastic_spec_parsing():
     e = Elastic.parse("1:2", "head:29500", max_restarts=5, conf="last_call_timeout=5")
-    assert e.torchrun_args() == ["--nnodes=1:2", "--rdzv-backend=c10d", "--rdzv-endpoint=head:29500",
-                                 "--rdzv-id=moeckpt", "--max-restarts=5", "--rdzv-conf=last_call_timeout=5"]
+    assert e.torchrun_args() == [
+        "--nnodes=1:2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=head:29500",
+        "--rdzv-id=moeckpt",
+        "--max-restarts=5",
+        "--rdzv-conf=last_call_timeout=5",
+    ]
     assert (Elastic.parse("3", "h:1").min_nodes, Elastic.parse("3", "h:1").max_nodes) == (3, 3)
     for nnodes, endpoint in (("2:1", "h:1"), ("0:2", "h:1"), ("x", "h:1"), ("1:2", None), ("1:2", "head")):
         with pytest.raises(ElasticSpecError):
@@ -38,8 +43,9 @@ def _drill_of_the_demo(demo_run):
     _, out, err, root = demo_run
     path = root / "drill.json"
     assert path.exists(), f"the demo wrote no drill result:\n{out[-3000:]}\n{err[-3000:]}"
-    logs = {p.stem.split("-", 1)[1]: p.read_text(errors="replace")
-            for p in (root / "run" / "drill-logs").glob("node-*.log")}
+    logs = {
+        p.stem.split("-", 1)[1]: p.read_text(errors="replace") for p in (root / "run" / "drill-logs").glob("node-*.log")
+    }
     return DrillResult.from_json(json.loads(path.read_text()), logs), str(root / "run")
 
 
@@ -89,7 +95,8 @@ def test_workers_warn_when_an_elastic_job_shares_the_agent_store():
     from moeckpt.trainer.parallel import shared_store_warning
 
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in shared_store_warning(
-        {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"})
+        {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    )
     assert shared_store_warning({"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "0"}) is None
     assert shared_store_warning({"TORCHELASTIC_USE_AGENT_STORE": "False", "TORCHELASTIC_MAX_RESTARTS": "3"}) is None
     # and our launcher opts out, so its workers never see the shared store
@@ -102,8 +109,22 @@ def test_every_world_an_elastic_job_may_reach_is_checked_before_it_starts(tmp_pa
 
     run = str(tmp_path / "run")
     # ep=2 cannot run once the job shrinks to one node of one worker: refused up front, nothing started
-    code, _, err = moeckpt_cli("train", "--model", "zaya-tiny", "--run-dir", run, "--cpu", "--ep", "2",
-                               "--nproc", "1", "--nnodes", "1:2", "--rdzv-endpoint", "127.0.0.1:1")
+    code, _, err = moeckpt_cli(
+        "train",
+        "--model",
+        "zaya-tiny",
+        "--run-dir",
+        run,
+        "--cpu",
+        "--ep",
+        "2",
+        "--nproc",
+        "1",
+        "--nnodes",
+        "1:2",
+        "--rdzv-endpoint",
+        "127.0.0.1:1",
+    )
     assert code == 2 and "ep=2" in err and not os.path.exists(run)
     # --ep auto: the widest expert parallelism each world allows
     auto = TrainConfig(model="zaya-tiny", run_dir=run, ep=None, global_batch=8)
@@ -120,8 +141,9 @@ def test_the_agents_own_rendezvous_keys_are_taken_out_before_torch_reads_the_res
 
     from moeckpt.trainer import agent
 
-    args = argparse.Namespace(rdzv_conf="join_timeout=300,poll_interval=0.1,last_call_timeout=3,"
-                                        "restart_last_call_timeout=1")
+    args = argparse.Namespace(
+        rdzv_conf="join_timeout=300,poll_interval=0.1,last_call_timeout=3,restart_last_call_timeout=1"
+    )
     assert agent._take_own_keys(args) == {"poll_interval": 0.1, "restart_last_call_timeout": 1.0}
     assert args.rdzv_conf == "join_timeout=300,last_call_timeout=3"
     args = argparse.Namespace(rdzv_conf="")
@@ -145,9 +167,11 @@ def test_workers_are_forked_from_the_warm_server_unless_a_start_method_or_the_op
 
 @pytest.mark.parametrize(
     ("error", "line"),
-    [("FileNotFoundError(2, 'No such file or directory')", ""),
-     ("EOFError()", ""),
-     ("ValueError('bad start')", "moeckpt: a worker could not start: ValueError: bad start\n")],
+    [
+        ("FileNotFoundError(2, 'No such file or directory')", ""),
+        ("EOFError()", ""),
+        ("ValueError('bad start')", "moeckpt: a worker could not start: ValueError: bad start\n"),
+    ],
 )
 def test_a_worker_the_warm_server_cannot_start_ends_without_a_traceback(error, line):
     """The fork server's hook (trainer/warm_server.py): a start that fails because the agent is already gone (its

@@ -22,15 +22,32 @@ def run(tmp_path_factory):
     """Three steps of zaya-tiny with a checkpoint after step 2: step 3's logged loss is the loss of that
     checkpoint's weights on global samples 2B .. 3B-1 of the seed's order."""
     run_dir = tmp_path_factory.mktemp("eval") / "run"
-    train(TrainConfig(model="zaya-tiny", run_dir=str(run_dir), steps=3, save_every=2, seq_len=32,
-                      global_batch=BATCH, seed=7, cpu=True, async_save=False))
+    train(
+        TrainConfig(
+            model="zaya-tiny",
+            run_dir=str(run_dir),
+            steps=3,
+            save_every=2,
+            seq_len=32,
+            global_batch=BATCH,
+            seed=7,
+            cpu=True,
+            async_save=False,
+        )
+    )
     loss = {r["step"]: r["loss"] for r in read_metrics(str(run_dir))}[3]
     return run_dir, loss
 
 
 def _step2_config(run_dir, **kw) -> EvalConfig:
-    return EvalConfig(checkpoint=str(run_dir / "step-00000002"), data=default_text_path(), start_sample=2 * BATCH,
-                      batches=1, shuffle=True, **kw)
+    return EvalConfig(
+        checkpoint=str(run_dir / "step-00000002"),
+        data=default_text_path(),
+        start_sample=2 * BATCH,
+        batches=1,
+        shuffle=True,
+        **kw,
+    )
 
 
 def test_eval_equals_the_trainers_loss_on_the_same_batch(run):
@@ -42,8 +59,16 @@ def test_eval_equals_the_trainers_loss_on_the_same_batch(run):
 def test_eval_cli_and_another_layout(run, moeckpt_cli, tmp_path):
     run_dir, trained = run
     code, out, err = moeckpt_cli(
-        "eval", run_dir / "step-00000002", "--data", default_text_path(), "--start-sample", 2 * BATCH,
-        "--batches", 1, "--shuffle", "--json",
+        "eval",
+        run_dir / "step-00000002",
+        "--data",
+        default_text_path(),
+        "--start-sample",
+        2 * BATCH,
+        "--batches",
+        1,
+        "--shuffle",
+        "--json",
     )
     assert code == 0, err
     assert json.loads(out)["loss"] == pytest.approx(trained, abs=1e-6)

@@ -22,8 +22,17 @@ def test_parse_fault_specs():
     assert parse_fault("nan:step=3") == Fault(kind="nan", step=3)
     assert parse_fault("kill:rank=0,step=2,signal=TERM").signal == "TERM"
     assert parse_fault("slow:step=5,seconds=0.25") == Fault(kind="slow", step=5, seconds=0.25)
-    for bad in ("explode:step=1", "kill:rank=1", "kill:step=x", "nan:step=1,signal=TERM", "hang:step=1,when=now",
-                "slow:step=1", "slow:step=1,seconds=x", "slow:step=1,seconds=-1", "kill:step=1,seconds=1"):
+    for bad in (
+        "explode:step=1",
+        "kill:rank=1",
+        "kill:step=x",
+        "nan:step=1,signal=TERM",
+        "hang:step=1,when=now",
+        "slow:step=1",
+        "slow:step=1,seconds=x",
+        "slow:step=1,seconds=-1",
+        "kill:step=1,seconds=1",
+    ):
         with pytest.raises(FaultSpecError):
             parse_fault(bad)
 
@@ -53,7 +62,9 @@ def test_faults_fire_once_per_run_directory(tmp_path):
 
 
 def _run_child(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_kill_fault_exits_like_a_lost_process(tmp_path):

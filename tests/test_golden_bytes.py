@@ -26,7 +26,9 @@ def _tensors() -> dict[str, TensorEntry]:
     split = ShardingRule(tp=TpSplit(dim=0)).to_json()
     return {
         "w": TensorEntry(name="w", shape=(4, 2), dtype="float32", role="param", param="w", sharding=split),
-        "exp_avg/w": TensorEntry(name="exp_avg/w", shape=(4, 2), dtype="float32", role="exp_avg", param="w", sharding=split),
+        "exp_avg/w": TensorEntry(
+            name="exp_avg/w", shape=(4, 2), dtype="float32", role="exp_avg", param="w", sharding=split
+        ),
         "norm": TensorEntry(name="norm", shape=(3,), dtype="bfloat16", role="param", param="norm", sharding={}),
     }
 
@@ -36,8 +38,10 @@ def _value(entry: TensorEntry) -> torch.Tensor:
     n = 1
     for s in entry.shape:
         n *= s
-    return (torch.arange(n, dtype=torch.float32) + base).reshape(entry.shape).to(
-        torch.bfloat16 if entry.dtype == "bfloat16" else torch.float32
+    return (
+        (torch.arange(n, dtype=torch.float32) + base)
+        .reshape(entry.shape)
+        .to(torch.bfloat16 if entry.dtype == "bfloat16" else torch.float32)
     )
 
 

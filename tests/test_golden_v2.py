@@ -21,8 +21,13 @@ from moeckpt.reshard.mesh import entry_pieces
 from moeckpt.reshard.state_save import _merge
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2")
-FILES = ["moeckpt.json", "rank-00000.safetensors", "rank-00001.safetensors", "rank-00002.safetensors",
-         "rank-00003.safetensors"]
+FILES = [
+    "moeckpt.json",
+    "rank-00000.safetensors",
+    "rank-00001.safetensors",
+    "rank-00002.safetensors",
+    "rank-00003.safetensors",
+]
 DOCS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "format.md")
 
 
@@ -90,8 +95,10 @@ def test_the_specs_snippet_reassembles_every_tensor_with_json_and_safetensors_on
     snippet = re.search(r"## Reading a checkpoint without moeckpt\n\n```python\n(.*?)```", text, re.S).group(1)
     for name, value in _full().items():
         scope: dict = {}
-        exec(snippet.replace('"path/to/checkpoint"', repr(GOLDEN)).replace('"model.embed_tokens.weight"', repr(name)),
-             scope)
+        exec(
+            snippet.replace('"path/to/checkpoint"', repr(GOLDEN)).replace('"model.embed_tokens.weight"', repr(name)),
+            scope,
+        )
         assert torch.equal(scope["full"], value), name
 
 

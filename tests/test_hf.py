@@ -57,8 +57,12 @@ def _from_pretrained(directory):
 def test_export_is_identical_from_every_layout_and_format(tmp_path, moeckpt_cli):
     exports = []
     remote = f"memory://moeckpt-tests/hf-{os.getpid()}/ck"  # any fsspec storage, read by byte ranges
-    sources = [(1, 1, 1, "safetensors", tmp_path / "ck0"), (2, 2, 2, "safetensors", tmp_path / "ck1"),
-               (2, 1, 2, "zarr", tmp_path / "ck2"), (1, 2, 4, "safetensors", remote)]
+    sources = [
+        (1, 1, 1, "safetensors", tmp_path / "ck0"),
+        (2, 2, 2, "safetensors", tmp_path / "ck1"),
+        (2, 1, 2, "zarr", tmp_path / "ck2"),
+        (1, 2, 4, "safetensors", remote),
+    ]
     for i, (tp, ep, dp, fmt, where) in enumerate(sources):
         ckpt = _init(moeckpt_cli, where, "zaya-tiny", tp, ep, dp, "--format", fmt)
         exports.append(_files(_export(moeckpt_cli, ckpt, tmp_path / f"hf{i}", "--max-shard-size", "150KB")))
@@ -127,8 +131,13 @@ def test_fp32_export_of_bf16_training_takes_the_master_weights(tmp_path, moeckpt
 
     values = {n: reader.read_tensor(n) for n in reader.index.tensors}
     values[f"master/{name}"] = master
-    save_full_tensors(str(tmp_path / "ck2"), tensors=reader.index.tensors, layout=Layout(ep=2, dp=2),
-                      values=lambda e: values[e.name], model=reader.index.model)
+    save_full_tensors(
+        str(tmp_path / "ck2"),
+        tensors=reader.index.tensors,
+        layout=Layout(ep=2, dp=2),
+        values=lambda e: values[e.name],
+        model=reader.index.model,
+    )
     out = _export(moeckpt_cli, tmp_path / "ck2", tmp_path / "hf", "--dtype", "fp32")
     got = load_file(str(out / "model-00001-of-00001.safetensors"))[name]
     assert got.dtype == torch.float32 and torch.equal(got, master)
@@ -141,7 +150,9 @@ def test_fp32_export_of_bf16_training_takes_the_master_weights(tmp_path, moeckpt
 def test_import_then_export_is_identical(tmp_path, moeckpt_cli, preset):
     ckpt = _init(moeckpt_cli, tmp_path / "ck", preset, 1, 1, 1)
     first = _export(moeckpt_cli, ckpt, tmp_path / "hf1", "--max-shard-size", "120KB")
-    code, _, err = moeckpt_cli("import-hf", first, tmp_path / "ck2", "--tp", 2, "--ep", 2, "--dp", 2, "--format", "zarr")
+    code, _, err = moeckpt_cli(
+        "import-hf", first, tmp_path / "ck2", "--tp", 2, "--ep", 2, "--dp", 2, "--format", "zarr"
+    )
     assert code == 0, err
     reader = CheckpointReader(str(tmp_path / "ck2"))
     assert reader.index.layout == {"tp": 2, "ep": 2, "dp": 2}
@@ -199,8 +210,9 @@ def test_refusals(tmp_path, moeckpt_cli):
     (hf / "config.json").write_text(json.dumps({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
     refused("import-hf", hf, tmp_path / "y", match="rope scaling 'yarn' is not supported")
     # a shape field missing: named, instead of a default shape and a confusing "tensor ... is missing"
-    (hf / "config.json").write_text(json.dumps({k: v for k, v in config.items()
-                                                if k not in ("num_experts", "num_local_experts")}))
+    (hf / "config.json").write_text(
+        json.dumps({k: v for k, v in config.items() if k not in ("num_experts", "num_local_experts")})
+    )
     refused("import-hf", hf, tmp_path / "y", match="lacks num_experts")
     (hf / "config.json").write_text(json.dumps(config))
 
@@ -243,10 +255,21 @@ def test_import_streams_in_bounded_memory(tmp_path, moeckpt_cli):
     import subprocess
     import sys
 
-    cfg = {"arch": "qwen3_moe", "config": {
-        "vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "moe_intermediate_size": 512, "num_experts": 32,
-        "num_experts_per_tok": 2, "max_position_embeddings": 512}}
+    cfg = {
+        "arch": "qwen3_moe",
+        "config": {
+            "vocab_size": 256,
+            "hidden_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "moe_intermediate_size": 512,
+            "num_experts": 32,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 512,
+        },
+    }
     (tmp_path / "big.json").write_text(json.dumps(cfg))
     _init(moeckpt_cli, tmp_path / "ck", str(tmp_path / "big.json"), 1, 1, 1)
     hf = _export(moeckpt_cli, tmp_path / "ck", tmp_path / "hf")
@@ -255,12 +278,19 @@ def test_import_streams_in_bounded_memory(tmp_path, moeckpt_cli):
 
     def added_peak(mode: str) -> int:
         env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-        out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(hf), str(tmp_path / f"ck-{mode}"), mode],
-                             capture_output=True, text=True, check=True, env=env)
+        out = subprocess.run(
+            [sys.executable, "-c", _RSS_SCRIPT, str(hf), str(tmp_path / f"ck-{mode}"), mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            env=env,
+        )
         return int(out.stdout.strip().splitlines()[-1])
 
     added = added_peak("import")
-    assert added < model_bytes / 4, f"import added {added / 1e6:.1f} MB to the peak RSS for a {model_bytes / 1e6:.1f} MB model"
+    assert added < model_bytes / 4, (
+        f"import added {added / 1e6:.1f} MB to the peak RSS for a {model_bytes / 1e6:.1f} MB model"
+    )
     reader = CheckpointReader(str(tmp_path / "ck-import"))
     assert reader.index.nbytes == 3 * model_bytes  # parameters and two AdamW moments
     _export(moeckpt_cli, tmp_path / "ck-import", tmp_path / "hf2")

@@ -19,8 +19,9 @@ def test_eval_loss_equals_transformers_loss(tmp_path, moeckpt_cli, preset, layou
     assert moeckpt_cli("export-hf", ckpt, hf)[0] == 0
 
     seq, batch, batches = 32, 4, 2
-    ours = evaluate(EvalConfig(checkpoint=ckpt, data=default_text_path(), seq_len=seq, batch_size=batch,
-                               batches=batches, cpu=True))
+    ours = evaluate(
+        EvalConfig(checkpoint=ckpt, data=default_text_path(), seq_len=seq, batch_size=batch, batches=batches, cpu=True)
+    )
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     data = TokenDataset(default_text_path(), seq_len=seq)

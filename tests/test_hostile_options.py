@@ -41,8 +41,17 @@ ACCEPTED: dict[tuple[str, str], set[str]] = {
     ("eval", "--seed"): {"0"},
 }
 #: options and arguments that name a place to write (or a rendezvous id): every non-blank name is legitimate.
-NAMES = {("init", "OUT"), ("demo", "--dir"), ("export-hf", "OUT"), ("import-hf", "DST"), ("reshard", "DST"),
-         ("train", "--run-dir"), ("train", "--rdzv-id"), ("import-dcp", "DST"), ("export-dcp", "OUT")}
+NAMES = {
+    ("init", "OUT"),
+    ("demo", "--dir"),
+    ("export-hf", "OUT"),
+    ("import-hf", "DST"),
+    ("reshard", "DST"),
+    ("train", "--run-dir"),
+    ("train", "--rdzv-id"),
+    ("import-dcp", "DST"),
+    ("export-dcp", "OUT"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +59,12 @@ def inputs(tmp_path_factory):
     """A checkpoint, a Hugging Face export of it, a run directory and a DCP checkpoint, to point the commands at."""
     root = tmp_path_factory.mktemp("hostile-inputs")
     ck, hf, run, dcp = str(root / "ck"), str(root / "hf"), str(root / "run"), str(root / "dcp")
-    for args in (["init", ck, "--model", "zaya-tiny"], ["export-hf", ck, hf],
-                 ["init", os.path.join(run, "step-00000002"), "--model", "zaya-tiny"],
-                 ["export-dcp", ck, dcp, "--mapping", "none"]):
+    for args in (
+        ["init", ck, "--model", "zaya-tiny"],
+        ["export-hf", ck, hf],
+        ["init", os.path.join(run, "step-00000002"), "--model", "zaya-tiny"],
+        ["export-dcp", ck, dcp, "--mapping", "none"],
+    ):
         cli.main(args, standalone_mode=False)
     return {"ck": ck, "hf": hf, "run": run, "dcp": dcp}
 
@@ -70,8 +82,17 @@ def _baseline(command: str, inputs: dict, out: str) -> tuple[list[str], dict[str
         "export-hf": ([ck, os.path.join(out, "hf")], {}),
         "import-hf": ([hf, os.path.join(out, "imported")], {}),
         "reshard": ([ck, os.path.join(out, "resharded")], {}),
-        "train": ([], {"--model": "zaya-tiny", "--run-dir": os.path.join(out, "run"), "--steps": "2", "--cpu": None,
-                       "--seq-len": "16", "--global-batch": "4"}),
+        "train": (
+            [],
+            {
+                "--model": "zaya-tiny",
+                "--run-dir": os.path.join(out, "run"),
+                "--steps": "2",
+                "--cpu": None,
+                "--seq-len": "16",
+                "--global-batch": "4",
+            },
+        ),
         "eval": ([ck], {"--cpu": None}),
         "import-dcp": ([inputs["dcp"], os.path.join(out, "imported")], {}),
         "export-dcp": ([ck, os.path.join(out, "exported")], {"--mapping": "none"}),

@@ -16,10 +16,24 @@ from moeckpt.formats.index import Index, MeshEntry, TensorEntry
 
 def _index(**kw) -> Index:
     mesh = MeshEntry((2, 2), (0, 1, 2, 3))
-    w = TensorEntry(name="w", shape=(4, 2), dtype="float32", role="param", param="w",
-                    sharding={"mesh": 0, "placements": ["S(0)", "R"]}, mesh=mesh)
-    defaults = {"backend": "safetensors", "step": 1, "layout": {}, "model": {"arch": "generic", "config": {}},
-                "tensors": {"w": w}, "files": {}, "meshes": (mesh,)}
+    w = TensorEntry(
+        name="w",
+        shape=(4, 2),
+        dtype="float32",
+        role="param",
+        param="w",
+        sharding={"mesh": 0, "placements": ["S(0)", "R"]},
+        mesh=mesh,
+    )
+    defaults = {
+        "backend": "safetensors",
+        "step": 1,
+        "layout": {},
+        "model": {"arch": "generic", "config": {}},
+        "tensors": {"w": w},
+        "files": {},
+        "meshes": (mesh,),
+    }
     defaults.update(kw)
     return Index(**defaults)
 
@@ -35,7 +49,9 @@ def test_an_index_with_meshes_is_version_2_and_round_trips():
 
 
 def test_an_index_without_meshes_stays_version_1():
-    index = _index(meshes=(), tensors={"n": TensorEntry(name="n", shape=(3,), dtype="float32", role="param", param="n")})
+    index = _index(
+        meshes=(), tensors={"n": TensorEntry(name="n", shape=(3,), dtype="float32", role="param", param="n")}
+    )
     assert json.loads(index.dumps())["format_version"] == 1
     assert "meshes" not in json.loads(index.dumps())
 
@@ -46,15 +62,18 @@ def _doc(**changes) -> bytes:
     return json.dumps(doc).encode()
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"format_version": 1}, "need version 2"),
-    ({"format_version": 3}, "not supported"),
-    ({"meshes": [{"shape": [2, 2], "ranks": [0, 1, 2]}]}, "lists 3 ranks"),
-    ({"meshes": [{"shape": [2, 2], "ranks": [0, 1, 1, 2]}]}, "distinct"),
-    ({"meshes": [{"shape": [0], "ranks": []}]}, "positive integers"),
-    ({"meshes": {"shape": [1]}}, "must be a list"),
-    ({"meshes": []}, "lists 0 mesh"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"format_version": 1}, "need version 2"),
+        ({"format_version": 3}, "not supported"),
+        ({"meshes": [{"shape": [2, 2], "ranks": [0, 1, 2]}]}, "lists 3 ranks"),
+        ({"meshes": [{"shape": [2, 2], "ranks": [0, 1, 1, 2]}]}, "distinct"),
+        ({"meshes": [{"shape": [0], "ranks": []}]}, "positive integers"),
+        ({"meshes": {"shape": [1]}}, "must be a list"),
+        ({"meshes": []}, "lists 0 mesh"),
+    ],
+)
 def test_malformed_meshes_are_refused_with_one_line(changes, message):
     with pytest.raises((CheckpointIndexError, UnsupportedVersionError), match=message) as e:
         Index.loads(_doc(**changes), "ckpt/moeckpt.json")

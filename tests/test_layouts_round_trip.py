@@ -18,9 +18,7 @@ from moeckpt.trainer.models import resolve_model
 from .helpers import tensors_equal
 
 LAYOUTS = [
-    Layout(tp=tp, ep=ep, dp=dp)
-    for tp, ep, dp in itertools.product((1, 2), (1, 2, 4), (1, 2, 4))
-    if dp % ep == 0
+    Layout(tp=tp, ep=ep, dp=dp) for tp, ep, dp in itertools.product((1, 2), (1, 2, 4), (1, 2, 4)) if dp % ep == 0
 ]
 
 

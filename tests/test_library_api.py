@@ -20,6 +20,7 @@ def _read(out_dir, world):
 
 # -- one process -------------------------------------------------------------------------------------------------
 
+
 def _sd():
     return {
         "model": {"layers": [{"w": torch.arange(12.0).reshape(3, 4)}, {"w": torch.ones(2, 2, dtype=torch.bfloat16)}]},
@@ -35,8 +36,10 @@ def test_a_state_dict_round_trips_in_place(tmp_path):
     moeckpt.save(sd, str(tmp_path / "c"), step=5)
     out = {
         "model": {"layers": [{"w": torch.zeros(3, 4)}, {"w": torch.zeros(2, 2, dtype=torch.bfloat16)}]},
-        "step": 0, "scalar": torch.tensor(0.0),
-        "optim": {"param_groups": [{"lr": 0, "betas": (0, 0), "params": []}]}, "empty": torch.ones(0, 3),
+        "step": 0,
+        "scalar": torch.tensor(0.0),
+        "optim": {"param_groups": [{"lr": 0, "betas": (0, 0), "params": []}]},
+        "empty": torch.ones(0, 3),
     }
     values = moeckpt.load(out, str(tmp_path / "c"))
     assert torch.equal(out["model"]["layers"][0]["w"], sd["model"]["layers"][0]["w"])
@@ -54,12 +57,15 @@ class NotJson:
     pass
 
 
-@pytest.mark.parametrize("leaf, message", [
-    (NotJson(), "type NotJson cannot be saved"),
-    ({1, 2}, "type set cannot be saved"),
-    (torch.zeros(2).to_sparse(), "sparse"),
-    (b"bytes", "type bytes cannot be saved"),
-])
+@pytest.mark.parametrize(
+    "leaf, message",
+    [
+        (NotJson(), "type NotJson cannot be saved"),
+        ({1, 2}, "type set cannot be saved"),
+        (torch.zeros(2).to_sparse(), "sparse"),
+        (b"bytes", "type bytes cannot be saved"),
+    ],
+)
 def test_leaves_that_are_not_tensors_or_json_are_refused_naming_the_key(tmp_path, leaf, message):
     with pytest.raises(moeckpt.StateDictError, match=message) as e:
         moeckpt.save({"ok": torch.zeros(1), "bad": {"leaf": leaf}}, str(tmp_path / "c"))

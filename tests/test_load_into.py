@@ -27,7 +27,9 @@ def _save(location: str, layout: Layout) -> torch.Tensor:
     params = [ParamSpec(name="w", shape=(ROWS, COLS), rule=ShardingRule(tp=TpSplit(dim=0)))]
     tensors = logical_tensors(params, param_dtype="float32", with_optimizer=False)
     full = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
-    save_full_tensors(location, tensors=tensors, layout=layout, values=lambda e: full, model={"arch": "toy", "config": {}})
+    save_full_tensors(
+        location, tensors=tensors, layout=layout, values=lambda e: full, model={"arch": "toy", "config": {}}
+    )
     return full
 
 
@@ -124,13 +126,23 @@ def test_a_tp_rank_alone_reads_only_its_slice_of_each_expert(tmp_path, rows, blo
     params = [ParamSpec(name="e", shape=(experts, rows, cols), rule=rule)]
     tensors = logical_tensors(params, param_dtype="float32", with_optimizer=False)
     full = torch.randn(experts, rows, cols, generator=torch.Generator().manual_seed(0))
-    save_full_tensors(str(tmp_path / "a"), tensors=tensors, layout=Layout(tp=1, ep=1, dp=1), values=lambda e: full,
-                      model={"arch": "toy", "config": {}})
+    save_full_tensors(
+        str(tmp_path / "a"),
+        tensors=tensors,
+        layout=Layout(tp=1, ep=1, dp=1),
+        values=lambda e: full,
+        model={"arch": "toy", "config": {}},
+    )
     for threads in (1, 3):
         for rank in (0, 1):
             stats = LoadStats()
-            state = load_rank_state(str(tmp_path / "a"), Layout(tp=2, ep=1, dp=1), rank, stats=stats,
-                                    options=LoadOptions(fill_threads=threads))
+            state = load_rank_state(
+                str(tmp_path / "a"),
+                Layout(tp=2, ep=1, dp=1),
+                rank,
+                stats=stats,
+                options=LoadOptions(fill_threads=threads),
+            )
             for box, t in state["e"]:
                 assert torch.equal(t, full[box.slices()])
             assert stats.bytes_read == stats.bytes_needed == experts * rows * cols * 2

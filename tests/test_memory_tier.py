@@ -18,8 +18,9 @@ BASE = {"model": "zaya-tiny", "steps": 6, "seq_len": 32, "global_batch": 4, "war
 
 
 def _config(tmp_path, **kw) -> TrainConfig:
-    return TrainConfig(run_dir=str(tmp_path / "run"), memory_tier=True, memory_dir=str(tmp_path / "shm"),
-                       **{**BASE, **kw})
+    return TrainConfig(
+        run_dir=str(tmp_path / "run"), memory_tier=True, memory_dir=str(tmp_path / "shm"), **{**BASE, **kw}
+    )
 
 
 def _root(tmp_path) -> str:
@@ -111,7 +112,9 @@ def test_memory_every_k_steps_between_persistent_saves(tmp_path):
     try:
         trainer.config = TrainConfig.from_json({**cfg.to_json(), "stop_at": 5})
         trainer.run()
-        kinds = [(s.step, s.persisted, s.memory is not None and s.memory.committed) for s in trainer.checkpoints.history]
+        kinds = [
+            (s.step, s.persisted, s.memory is not None and s.memory.committed) for s in trainer.checkpoints.history
+        ]
     finally:
         trainer.close()
     assert kinds == [(1, False, True), (2, False, True), (3, False, True), (4, True, True), (5, True, True)]
@@ -149,7 +152,9 @@ def test_each_node_holds_its_buddys_part_and_a_lost_node_costs_no_step(tmp_path)
     for node in ("n0", "n1"):
         step = os.path.join(_node_dir(tmp_path, node), "step-00000003")
         assert sorted(n for n in os.listdir(step) if n.endswith(".safetensors")) == [
-            "rank-00000.safetensors", "rank-00001.safetensors"]
+            "rank-00000.safetensors",
+            "rank-00001.safetensors",
+        ]
     shutil.rmtree(_node_dir(tmp_path, "n1"))  # the node is lost, and its RAM with it
     run_local_world(memory_run, 1, cfg.to_json(), 1, (), (4,), "n0", timeout_s=180)
     event = _resume_event(tmp_path / "run")
@@ -178,14 +183,17 @@ def test_the_elastic_drill_with_the_memory_tier_resumes_from_memory_past_the_per
     from moeckpt.testing.elastic_drill import cpu_drill_args, run_shrink_grow_drill
 
     run, memory = str(tmp_path / "run"), str(tmp_path / "memory")
-    result = run_shrink_grow_drill(run, cpu_drill_args(run), nproc=2, kill_at_step=17, timeout_s=600,
-                                   memory_root=memory)
+    result = run_shrink_grow_drill(
+        run, cpu_drill_args(run), nproc=2, kill_at_step=17, timeout_s=600, memory_root=memory
+    )
     logs = "\n".join(f"--- node {n}\n{text[-4000:]}" for n, text in result.logs.items())
     assert result.exit_codes == {"A": 0, "C": 0}, logs
     assert [w for _, w in result.worlds()] == [4, 2, 4], (result.worlds(), logs)
     resumes = [e for e in result.events() if e.get("event") == "resume"]
     assert [(r["tier"], r["from_layout"]["dp"], r["to_layout"]["dp"]) for r in resumes] == [
-        ("memory", 4, 2), ("memory", 2, 4)], resumes
+        ("memory", 4, 2),
+        ("memory", 2, 4),
+    ], resumes
     shrink = resumes[0]
     # B is killed as soon as step 17 shows in the metrics: step 17's memory checkpoint may still be in flight, so
     # the newest complete one is 17 or 16, past the persisted 15
@@ -224,8 +232,21 @@ def test_the_agent_records_failures_and_restarts_where_asked(tmp_path, monkeypat
 
 def test_the_cli_refuses_a_budget_before_any_worker_starts(tmp_path, moeckpt_cli, monkeypatch):
     monkeypatch.setattr(memory_tier, "_free_bytes", lambda path: 1000)
-    code, out, err = moeckpt_cli("train", "--model", "zaya-tiny", "--run-dir", str(tmp_path / "run"), "--cpu",
-                                 "--steps", "2", "--memory-tier", "--memory-dir", str(tmp_path), "--memory-keep", "4")
+    code, out, err = moeckpt_cli(
+        "train",
+        "--model",
+        "zaya-tiny",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--cpu",
+        "--steps",
+        "2",
+        "--memory-tier",
+        "--memory-dir",
+        str(tmp_path),
+        "--memory-keep",
+        "4",
+    )
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "--memory-keep 4: 4 memory checkpoint(s) need" in lines[0], err
     assert not (tmp_path / "run").exists()
@@ -325,8 +346,14 @@ def test_memory_checkpoints_land_every_step_while_a_slow_persistent_save_is_writ
 
     monkeypatch.setenv("MOECKPT_SLOW_WRITE_S", "2")
     run_dir = f"slow://{tmp_path / 'run'}"
-    cfg = TrainConfig(run_dir=run_dir, memory_tier=True, memory_dir=str(tmp_path / "shm"), memory_every=1,
-                      memory_keep=3, **{**BASE, "steps": 20})
+    cfg = TrainConfig(
+        run_dir=run_dir,
+        memory_tier=True,
+        memory_dir=str(tmp_path / "shm"),
+        memory_every=1,
+        memory_keep=3,
+        **{**BASE, "steps": 20},
+    )
     kill_at, out = 10, str(tmp_path / "at-kill.json")
     run_local_world(slow_persist_run, 2, cfg.to_json(), (3,), kill_at, 0.2, out, timeout_s=240)
     with open(out) as f:

@@ -132,8 +132,10 @@ def test_distinct_boxes_tile_the_tensor_and_holders_are_the_ranks_holding_them(c
 def test_fsdp2_tp_strided_shard_of_uneven_rows():
     # 6 rows, TP 2 then FSDP 2 (mesh dp x tp): each TP half of 3 rows splits 2 + 1 over dp.
     placements = [MeshPlacement("SS", 0, 2), MeshPlacement("S", 0)]
-    rows = {tuple(c): [(b.offsets[0], b.shape[0]) for b, _ in local_boxes((6, 8), (2, 2), c, placements)]
-            for _, c in coords((2, 2))}
+    rows = {
+        tuple(c): [(b.offsets[0], b.shape[0]) for b, _ in local_boxes((6, 8), (2, 2), c, placements)]
+        for _, c in coords((2, 2))
+    }
     assert rows == {(0, 0): [(0, 2)], (0, 1): [(3, 2)], (1, 0): [(2, 1)], (1, 1): [(5, 1)]}
 
 

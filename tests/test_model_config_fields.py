@@ -56,10 +56,17 @@ def test_every_field_refuses_hostile_values(arch, field, tmp_path, moeckpt_cli):
         _refused(tmp_path, moeckpt_cli, doc, field)
 
 
-@pytest.mark.parametrize("model_type, field, value", [
-    ("zaya", "hidden_size", "big"), ("zaya", "vocab_size", -5), ("zaya", "num_experts", 0),
-    ("zaya", "rms_norm_eps", math.nan), ("qwen3_moe", "head_dim", 10**12), ("qwen3_moe", "num_experts", 0),
-])
+@pytest.mark.parametrize(
+    "model_type, field, value",
+    [
+        ("zaya", "hidden_size", "big"),
+        ("zaya", "vocab_size", -5),
+        ("zaya", "num_experts", 0),
+        ("zaya", "rms_norm_eps", math.nan),
+        ("qwen3_moe", "head_dim", 10**12),
+        ("qwen3_moe", "num_experts", 0),
+    ],
+)
 def test_hugging_face_config_json_fields_are_checked_too(model_type, field, value, tmp_path, moeckpt_cli):
     arch = {"zaya": "zaya", "qwen3_moe": "qwen3_moe"}[model_type]
     doc = {"model_type": model_type, **presets()[BASE[arch]].to_json()["config"], field: value}
@@ -68,8 +75,10 @@ def test_hugging_face_config_json_fields_are_checked_too(model_type, field, valu
 
 def test_divisibility_and_derived_sizes_are_checked(tmp_path, moeckpt_cli):
     base = presets()["zaya-tiny"].to_json()["config"]
-    for edit, named in (({"num_attention_heads": 3}, "num_attention_heads"),
-                        ({"num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 15}, "head_dim")):
+    for edit, named in (
+        ({"num_attention_heads": 3}, "num_attention_heads"),
+        ({"num_key_value_heads": 1, "num_attention_heads": 1, "head_dim": 15}, "head_dim"),
+    ):
         path = tmp_path / "model.json"
         path.write_text(json.dumps({"arch": "zaya", "config": {**base, **edit}}))
         code, _, err = moeckpt_cli("init", tmp_path / "ck", "--model", path)

@@ -37,7 +37,7 @@ class _PoisonTail(torch.autograd.Function):
     def forward(ctx, x, w, offs):
         ctx.save_for_backward(x, w, offs)
         y = _REAL_GROUPED_MM(x, w, offs=offs)
-        y[int(offs[-1]):] = float("nan")
+        y[int(offs[-1]) :] = float("nan")
         return y
 
     @staticmethod
@@ -47,15 +47,17 @@ class _PoisonTail(torch.autograd.Function):
             xd, wd = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
             gx, gw = torch.autograd.grad(_REAL_GROUPED_MM(xd, wd, offs=offs), (xd, wd), g.contiguous())
         gx = gx.clone()
-        gx[int(offs[-1]):] = float("nan")
+        gx[int(offs[-1]) :] = float("nan")
         return gx, gw, None
 
 
 _REAL_GROUPED_MM = getattr(torch, "_grouped_mm", None)
 
 
-@pytest.mark.skipif(_REAL_GROUPED_MM is None or not layers.grouped_mm_available(torch.device("cpu"), torch.float32),
-                    reason="this torch build has no CPU grouped matmul")
+@pytest.mark.skipif(
+    _REAL_GROUPED_MM is None or not layers.grouped_mm_available(torch.device("cpu"), torch.float32),
+    reason="this torch build has no CPU grouped matmul",
+)
 @pytest.mark.parametrize("k", [1, 2])
 def test_unwritten_grouped_rows_never_leak(monkeypatch, k):
     ex = _experts()

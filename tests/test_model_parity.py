@@ -202,7 +202,9 @@ def test_vocab_embedding_zeroes_other_ranks_tokens():
     with torch.no_grad():
         emb.weight.copy_(torch.arange(16.0).view(4, 4) + 1)
     out = emb(torch.tensor([[0, 4, 7]]))
-    assert out[0, 0].abs().sum() == 0 and torch.equal(out[0, 1], emb.weight[0]) and torch.equal(out[0, 2], emb.weight[3])
+    assert (
+        out[0, 0].abs().sum() == 0 and torch.equal(out[0, 1], emb.weight[0]) and torch.equal(out[0, 2], emb.weight[3])
+    )
 
 
 def test_grouped_mm_falls_back_to_the_loop_where_the_build_lacks_it(monkeypatch):

@@ -114,9 +114,17 @@ def test_resolve_model_reads_a_hugging_face_config_json(tmp_path):
 
     from moeckpt.trainer.models import resolve_model
 
-    hf = HfZayaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, num_experts=4,
-                      router_hidden_size=16)
+    hf = HfZayaConfig(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=4,
+        router_hidden_size=16,
+    )
     hf.rope_parameters["hybrid"]["rope_theta"] = 12345.0
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf.to_dict()))

@@ -53,17 +53,32 @@ def test_newton_schulz_is_torch_muons_iteration_batched_or_not():
 def test_single_process_matches_torch_muon_and_adamw(clip):
     """2-D matrices under torch.optim.Muon with its Moonlight scaling (``adjust_lr_fn="match_rms_adamw"``: lr times
     0.2 * sqrt(max(rows, cols)), weight decay by the unscaled lr, Nesterov), the rest under torch.optim.AdamW."""
-    specs = [ParamSpec(name="w", shape=(8, 6), matrix=Matrices()), ParamSpec(name="v", shape=(6, 8), matrix=Matrices()),
-             ParamSpec(name="u", shape=(8, 6), matrix=Matrices()), ParamSpec(name="n", shape=(6,)),
-             ParamSpec(name="e", shape=(5, 4))]  # a matrix not marked as one: AdamW
+    specs = [
+        ParamSpec(name="w", shape=(8, 6), matrix=Matrices()),
+        ParamSpec(name="v", shape=(6, 8), matrix=Matrices()),
+        ParamSpec(name="u", shape=(8, 6), matrix=Matrices()),
+        ParamSpec(name="n", shape=(6,)),
+        ParamSpec(name="e", shape=(5, 4)),
+    ]  # a matrix not marked as one: AdamW
     config = MuonConfig(adamw=AdamWConfig(max_grad_norm=0.5 if clip else None, weight_decay=0.1))
     ours = {s.name: torch.nn.Parameter(initial(s)) for s in specs}
     ref = {s.name: torch.nn.Parameter(initial(s)) for s in specs}
     opt = ZeroMuon(ours.items(), specs, ParallelGroups.single(), config)
-    muon = torch.optim.Muon([ref["w"], ref["v"], ref["u"]], lr=LRS[0], weight_decay=0.1, momentum=config.momentum,
-                            nesterov=True, ns_steps=config.ns_steps, adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW([{"params": [ref["e"]], "weight_decay": 0.1}, {"params": [ref["n"]], "weight_decay": 0.0}],
-                              lr=LRS[0], betas=(0.9, 0.95), eps=1e-8)
+    muon = torch.optim.Muon(
+        [ref["w"], ref["v"], ref["u"]],
+        lr=LRS[0],
+        weight_decay=0.1,
+        momentum=config.momentum,
+        nesterov=True,
+        ns_steps=config.ns_steps,
+        adjust_lr_fn="match_rms_adamw",
+    )
+    adamw = torch.optim.AdamW(
+        [{"params": [ref["e"]], "weight_decay": 0.1}, {"params": [ref["n"]], "weight_decay": 0.0}],
+        lr=LRS[0],
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     for t, lr in enumerate(LRS):
         for s in specs:
             ours[s.name].grad = grad(s, t, 0)
@@ -114,8 +129,14 @@ def test_experts_and_fused_blocks_match_the_plain_rules(ns_dtype, tol):
 @pytest.mark.parametrize("world", [1, 2, 4, pytest.param(8, marks=pytest.mark.slow)])
 def test_distributed_layouts_match_the_single_process_rules(world):
     """Layouts (1,1,1), (1,2,2), (2,2,2), (2,1,4): both exchange schemes, Newton-Schulz in fp32 (tight) and bf16."""
-    run_local_world(distributed_matches_reference, world, ("assign", "gather"), ("float32", "bfloat16"),
-                    {"float32": 2e-6, "bfloat16": 2e-3}, timeout_s=300)
+    run_local_world(
+        distributed_matches_reference,
+        world,
+        ("assign", "gather"),
+        ("float32", "bfloat16"),
+        {"float32": 2e-6, "bfloat16": 2e-3},
+        timeout_s=300,
+    )
 
 
 def test_single_process_without_torch_distributed():
@@ -124,8 +145,14 @@ def test_single_process_without_torch_distributed():
 
 # ------------------------------------------------------------------------------------------- the exchange plan
 
-PLAN_LAYOUTS = [Layout(), Layout(tp=1, ep=2, dp=2), Layout(tp=2, ep=2, dp=2), Layout(tp=2, ep=1, dp=4),
-                Layout(tp=1, ep=1, dp=3), Layout(tp=2, ep=4, dp=4)]
+PLAN_LAYOUTS = [
+    Layout(),
+    Layout(tp=1, ep=2, dp=2),
+    Layout(tp=2, ep=2, dp=2),
+    Layout(tp=2, ep=1, dp=4),
+    Layout(tp=1, ep=1, dp=3),
+    Layout(tp=2, ep=4, dp=4),
+]
 
 
 def _muon_specs(model: str) -> list[ParamSpec]:
@@ -181,8 +208,14 @@ def test_every_ranks_plan_agrees_with_the_others(model, scheme):
         for p in plans:
             got = [(t.family, t.box) for t in p.backward if t.dst == p.rank]
             for s in specs:
-                entry = TensorEntry(name=tensor_name(s.name, "momentum"), shape=s.shape, dtype="float32",
-                                    role="momentum", param=s.name, sharding=s.rule.to_json())
+                entry = TensorEntry(
+                    name=tensor_name(s.name, "momentum"),
+                    shape=s.shape,
+                    dtype="float32",
+                    role="momentum",
+                    param=s.name,
+                    sharding=s.rule.to_json(),
+                )
                 mine = rank_boxes(entry, layout, p.rank)
                 fam_ids = {f.index for f in fams.values() if f.param == s.name}
                 back = [t.box for t in p.backward if t.dst == p.rank and t.family in fam_ids]
@@ -209,11 +242,22 @@ def test_assignment_keeps_whole_experts_at_home_and_balances():
 
 # ------------------------------------------------------------------------------------------- rules and state
 
+
 def test_rule_table_of_the_bundled_models():
     """Which tensors Muon steps, from the plans (docs/trainer.md gives the reasons)."""
-    muon_suffixes = ("o_proj.weight", "q_proj.weight", "k_proj.weight", "v_proj_current.weight", "v_proj_delayed.weight",
-                     "v_proj.weight", "mlp.gate.down_proj.weight", "router_mlp.fc1.weight", "router_mlp.fc2.weight",
-                     "experts.gate_up_proj", "experts.down_proj")
+    muon_suffixes = (
+        "o_proj.weight",
+        "q_proj.weight",
+        "k_proj.weight",
+        "v_proj_current.weight",
+        "v_proj_delayed.weight",
+        "v_proj.weight",
+        "mlp.gate.down_proj.weight",
+        "router_mlp.fc1.weight",
+        "router_mlp.fc2.weight",
+        "experts.gate_up_proj",
+        "experts.down_proj",
+    )
     for model in ("zaya-tiny", "qwen3moe-tiny"):
         specs = presets()[model].param_specs()
         params = [(s.name, torch.empty(s.shape)) for s in specs]
@@ -227,16 +271,23 @@ def test_rule_table_of_the_bundled_models():
                 e, two_i, h = s.shape
                 assert [f.shape for f in fs] == [(two_i // 2, h)] * 2 and all(f.batch == e for f in fs)
     names = {s.name for s in presets()["zaya-tiny"].param_specs() if s.matrix is None}
-    for adamw in ("model.embed_tokens.weight", "model.layers.1.mlp.gate.router_mlp.out_proj.weight",
-                  "model.layers.1.self_attn.qkv_proj.conv_qk_grouped.weight", "model.layers.1.mlp.gate.balancing_biases",
-                  "model.layers.1.self_attn.qk_norm.temp", "model.norm.weight"):
+    for adamw in (
+        "model.embed_tokens.weight",
+        "model.layers.1.mlp.gate.router_mlp.out_proj.weight",
+        "model.layers.1.self_attn.qkv_proj.conv_qk_grouped.weight",
+        "model.layers.1.mlp.gate.balancing_biases",
+        "model.layers.1.self_attn.qk_norm.temp",
+        "model.norm.weight",
+    ):
         assert adamw in names
 
 
 def test_bad_matrix_rules_are_refused():
-    for spec, what in ((ParamSpec(name="x", shape=(4, 3, 2), matrix=Matrices()), "not 2-D"),
-                       (ParamSpec(name="x", shape=(4, 3), matrix=Matrices(blocks=(2, 1, 2))), "do not split"),
-                       (ParamSpec(name="x", shape=(4, 3, 2), matrix=Matrices(batch_dim=1)), "batch_dim")):
+    for spec, what in (
+        (ParamSpec(name="x", shape=(4, 3, 2), matrix=Matrices()), "not 2-D"),
+        (ParamSpec(name="x", shape=(4, 3), matrix=Matrices(blocks=(2, 1, 2))), "do not split"),
+        (ParamSpec(name="x", shape=(4, 3, 2), matrix=Matrices(batch_dim=1)), "batch_dim"),
+    ):
         with pytest.raises(LayoutError, match=what):
             families(spec, 0)
 
@@ -254,15 +305,32 @@ def test_momentum_pieces_are_the_rank_boxes_of_the_plan(layout):
             roles = ("master", "momentum") if s.matrix is not None else ("master", "exp_avg", "exp_avg_sq")
             assert opt.roles(s.name) == roles
             for role in roles:
-                entry = TensorEntry(name=tensor_name(s.name, role), shape=s.shape, dtype="float32", role=role,
-                                    param=s.name, sharding=s.rule.to_json())
+                entry = TensorEntry(
+                    name=tensor_name(s.name, role),
+                    shape=s.shape,
+                    dtype="float32",
+                    role=role,
+                    param=s.name,
+                    sharding=s.rule.to_json(),
+                )
                 assert [p.box for p in pieces.get(entry.name, [])] == rank_boxes(entry, layout, rank), (s.name, role)
 
 
 def test_config_refuses_hostile_values():
-    for field, value in (("momentum", float("nan")), ("momentum", 1.0), ("momentum", -0.1), ("momentum", "x"),
-                         ("ns_steps", 0), ("ns_steps", 100), ("ns_steps", 2.5), ("ns_eps", 0.0), ("ns_dtype", "fp8"),
-                         ("update_scale", float("inf")), ("scheme", "broadcast"), ("ns_coefficients", (1.0, 2.0))):
+    for field, value in (
+        ("momentum", float("nan")),
+        ("momentum", 1.0),
+        ("momentum", -0.1),
+        ("momentum", "x"),
+        ("ns_steps", 0),
+        ("ns_steps", 100),
+        ("ns_steps", 2.5),
+        ("ns_eps", 0.0),
+        ("ns_dtype", "fp8"),
+        ("update_scale", float("inf")),
+        ("scheme", "broadcast"),
+        ("ns_coefficients", (1.0, 2.0)),
+    ):
         with pytest.raises(ValueError, match=field):
             MuonConfig(**{field: value})
     assert dataclasses.replace(MuonConfig(), scheme="gather").scheme == "gather"
@@ -282,7 +350,8 @@ def test_comm_bytes_count_the_exchange_buffers(tmp_path):
         base = adamw.comm_bytes()
         mine = muon.comm_bytes()
         assert {k: mine[k] for k in base} == base
-        assert mine["muon_exchange"] == 2 * sum(t.numel for t in muon.plan.forward + muon.plan.backward
-                                                if t.src == rank != t.dst)
+        assert mine["muon_exchange"] == 2 * sum(
+            t.numel for t in muon.plan.forward + muon.plan.backward if t.src == rank != t.dst
+        )
         assert mine["muon_exchange"] > 0
     assert LAYOUTS[8] == Layout(tp=2, ep=1, dp=4)

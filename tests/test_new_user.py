@@ -26,6 +26,7 @@ def _one_line(err: str) -> str:
 
 # -- 18.2: train options out of range are one line, not a traceback ----------------------------------------
 
+
 @pytest.mark.parametrize("option, value", [("--lr", "-1"), ("--lr", "nan"), ("--max-grad-norm", "-1")])
 def test_train_refuses_bad_optimizer_values(option, value, tmp_path, moeckpt_cli):
     code, _, err = moeckpt_cli("train", *TINY, "--run-dir", tmp_path / "r", option, value)
@@ -35,18 +36,24 @@ def test_train_refuses_bad_optimizer_values(option, value, tmp_path, moeckpt_cli
 
 # -- 18.4: gc of what is not a run directory ----------------------------------------------------------------
 
+
 def test_gc_refuses_what_is_not_a_run_directory(tmp_path, moeckpt_cli):
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
     code, _, err = moeckpt_cli("init", tmp_path / "ck", "--model", "zaya-tiny")
     assert code == 0, err
-    for path, why in ((tmp_path / "nope", "no such run directory"), (tmp_path / "empty", "is empty"),
-                      (tmp_path / "file", "is a file"), (tmp_path / "ck", "is a checkpoint")):
+    for path, why in (
+        (tmp_path / "nope", "no such run directory"),
+        (tmp_path / "empty", "is empty"),
+        (tmp_path / "file", "is a file"),
+        (tmp_path / "ck", "is a checkpoint"),
+    ):
         code, out, err = moeckpt_cli("gc", path)
         assert code == 2 and why in _one_line(err) and "kept" not in out, (path, out, err)
 
 
 # -- 18.5: the "nothing to do" line names the run's step ---------------------------------------------------
+
 
 def test_nothing_to_do_names_the_runs_step(tmp_path, moeckpt_cli):
     run = tmp_path / "run"
@@ -57,14 +64,31 @@ def test_nothing_to_do_names_the_runs_step(tmp_path, moeckpt_cli):
     code, out, _ = moeckpt_cli("train", *TINY, "--run-dir", tmp_path / "fresh", "--steps", "4", "--stop-at", "0")
     assert code == 0 and "already at step 0 (--stop-at 0)" in out, out
     # with two workers the line comes from rank 0's report, not from the old metrics ("step 6/3")
-    r = subprocess.run([sys.executable, "-m", "moeckpt.cli.main", "train", *TINY, "--run-dir", str(run), "--steps", "3",
-                        "--nproc", "2"], capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moeckpt.cli.main",
+            "train",
+            *TINY,
+            "--run-dir",
+            str(run),
+            "--steps",
+            "3",
+            "--nproc",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr
     assert "already at step 6 (--steps 3)" in r.stdout and "6/3" not in r.stdout, r.stdout
 
 
 # -- 18.6: export-hf stages and commits ---------------------------------------------------------------------
+
 
 def _flip_last_byte(path: str) -> None:
     with open(path, "r+b") as f:
@@ -86,8 +110,12 @@ def test_export_of_a_damaged_source_names_it_and_leaves_nothing(tmp_path, moeckp
     # a clean source exports to the same OUT without --overwrite: nothing of the failed export is in the way
     assert moeckpt_cli("init", ck, "--model", "zaya-tiny", "--overwrite")[0] == 0
     code, _, err = moeckpt_cli("export-hf", ck, out)
-    assert code == 0 and sorted(os.listdir(out)) == ["config.json", "generation_config.json",
-                                                     "model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+    assert code == 0 and sorted(os.listdir(out)) == [
+        "config.json",
+        "generation_config.json",
+        "model-00001-of-00001.safetensors",
+        "model.safetensors.index.json",
+    ]
 
 
 def test_an_interrupted_export_leaves_nothing(tmp_path, moeckpt_cli, monkeypatch):
@@ -123,6 +151,7 @@ def test_export_overwrite_keeps_foreign_files_and_says_what_it_replaced(tmp_path
 
 # -- 18.7: eval past the end of the data --------------------------------------------------------------------
 
+
 def test_eval_refuses_batches_past_the_data(tmp_path, moeckpt_cli):
     ck = tmp_path / "ck"
     assert moeckpt_cli("init", ck, "--model", "zaya-tiny")[0] == 0
@@ -136,6 +165,7 @@ def test_eval_refuses_batches_past_the_data(tmp_path, moeckpt_cli):
 
 
 # -- 18.8: verify's rule ------------------------------------------------------------------------------------
+
 
 def test_verify_fails_a_corrupt_index_and_a_corrupt_data_file_alike(tmp_path, moeckpt_cli):
     a, b = tmp_path / "a", tmp_path / "b"
@@ -152,26 +182,40 @@ def test_verify_fails_a_corrupt_index_and_a_corrupt_data_file_alike(tmp_path, mo
 
 # -- 18.11: more samples per step than the data has ----------------------------------------------------------
 
+
 def test_a_global_batch_larger_than_the_data_is_refused_at_once(tmp_path, moeckpt_cli):
     t0 = time.monotonic()
-    code, _, err = moeckpt_cli("train", "--model", "zaya-tiny", "--cpu", "--run-dir", tmp_path / "r",
-                               "--global-batch", "100000", "--steps", "2")
+    code, _, err = moeckpt_cli(
+        "train",
+        "--model",
+        "zaya-tiny",
+        "--cpu",
+        "--run-dir",
+        tmp_path / "r",
+        "--global-batch",
+        "100000",
+        "--steps",
+        "2",
+    )
     assert code == 2 and "--global-batch" in _one_line(err) and "samples" in err
     assert time.monotonic() - t0 < 20 and not (tmp_path / "r").exists()
 
 
 # -- friction -----------------------------------------------------------------------------------------------
 
+
 def test_train_shows_progress_and_one_line_per_save(tmp_path, moeckpt_cli):
-    code, out, err = moeckpt_cli("train", *TINY, "--run-dir", tmp_path / "r", "--steps", "6", "--save-every", "3",
-                                 "--log-every", "2")
+    code, out, err = moeckpt_cli(
+        "train", *TINY, "--run-dir", tmp_path / "r", "--steps", "6", "--save-every", "3", "--log-every", "2"
+    )
     assert code == 0, err
     progress = [line for line in out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in progress] == ["2/6", "4/6", "6/6"], out
     for word in ("loss", "lr", "grad norm", "tok/s", "save blocked", "ETA"):
         assert word in progress[0], progress[0]
     assert [line for line in err.splitlines() if "saved step" in line] == [
-        line for line in err.splitlines() if line.startswith("moeckpt: saved step")] and err.count("saved step") == 2
+        line for line in err.splitlines() if line.startswith("moeckpt: saved step")
+    ] and err.count("saved step") == 2
     # a resume in another process count is one line naming the layout change; -q silences progress
     code, out, err = moeckpt_cli("-q", "train", *TINY, "--run-dir", tmp_path / "r", "--steps", "8", "--log-every", "1")
     assert code == 0 and not [line for line in out.splitlines() if line.startswith("step ")] and "resumed" not in err
@@ -242,9 +286,25 @@ def test_nothing_of_a_run_stays_in_the_temporary_directory(tmp_path, monkeypatch
     monkeypatch.setattr(tempfile, "tempdir", str(private))
     with pytest.raises(Exception, match="rank one fails on purpose"):
         run_local_world(_fail_on_rank_one, 2, timeout_s=60)
-    r = subprocess.run([sys.executable, "-m", "moeckpt.cli.main", "train", *TINY, "--run-dir", str(tmp_path / "r"),
-                        "--steps", "2", "--nproc", "2"], capture_output=True, text=True, timeout=240,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(private)})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moeckpt.cli.main",
+            "train",
+            *TINY,
+            "--run-dir",
+            str(tmp_path / "r"),
+            "--steps",
+            "2",
+            "--nproc",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(private)},
+    )
     assert r.returncode == 0, r.stderr
     assert [s for s, _ in committed_steps(str(tmp_path / "r"))] == [2]
     assert os.listdir(private) == []

@@ -40,8 +40,7 @@ def _per_member(index, target, peers, chunk_bytes, round_bytes, readable=None, s
     summaries (here in one process, as the all_gather gives them), the decisions, its part."""
     positions = SourcePositions(index, sources)
     summaries = [
-        summarize(index, plan_load(index, target, [r], sources=sources).ranks[0], chunk_bytes, positions)
-        for r in peers
+        summarize(index, plan_load(index, target, [r], sources=sources).ranks[0], chunk_bytes, positions) for r in peers
     ]
     decisions = decide([(s.ids, s.nbytes, s.tags) for s in summaries], round_bytes, readable=readable)
     return [
@@ -107,8 +106,9 @@ def test_explicit_stored_pieces_plan_as_the_whole_group_did(data):
     if data.draw(st.booleans()):
         readable = [data.draw(st.sets(st.integers(0, a.world - 1), max_size=a.world)) for _ in range(b.world)]
         readable[0] = set(range(a.world))
-    _check(index, b, list(range(b.world)), data.draw(st.sampled_from([64, 4096])), 1 << 14, readable,
-           source_pieces(index))
+    _check(
+        index, b, list(range(b.world)), data.draw(st.sampled_from([64, 4096])), 1 << 14, readable, source_pieces(index)
+    )
 
 
 def test_a_file_no_member_can_read_fails_every_member_alike():
@@ -160,8 +160,16 @@ def _collective(rank: int, location: str, layout: dict, peers: list, readable, o
     load_module.plan_load = counting
     target = Layout(**layout)
     stats = LoadStats()
-    state = load_rank_state(location, target, peers[rank], group=dist.group.WORLD, peers=peers, stats=stats,
-                            readable=readable, options=LoadOptions(round_bytes=32 * 1024, chunk_bytes=8 * 1024))
+    state = load_rank_state(
+        location,
+        target,
+        peers[rank],
+        group=dist.group.WORLD,
+        peers=peers,
+        stats=stats,
+        readable=readable,
+        options=LoadOptions(round_bytes=32 * 1024, chunk_bytes=8 * 1024),
+    )
     load_module.plan_load = real
     reader = CheckpointReader(location)
     alone = load_rank_state(location, target, peers[rank])
@@ -170,8 +178,9 @@ def _collective(rank: int, location: str, layout: dict, peers: list, readable, o
         a[0] == b[0] and torch.equal(a[1], b[1]) for n in state for a, b in zip(state[n], alone[n])
     )
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"exact": exact, "same": same, "read": stats.bytes_read, "rounds": stats.rounds, "planned": planned},
-                  f)
+        json.dump(
+            {"exact": exact, "same": same, "read": stats.bytes_read, "rounds": stats.rounds, "planned": planned}, f
+        )
 
 
 @pytest.mark.slow
@@ -185,8 +194,9 @@ def test_a_collective_load_of_permuted_peers_reads_each_byte_about_once(tmp_path
     tensors, _ = save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))
     target = Layout(tp=1, ep=2, dp=4)  # 4 target ranks, loaded by group ranks in another order
     peers = [2, 0, 3, 1]
-    run_local_world(_collective, 4, str(tmp_path / "a"), target.to_json(), peers, readable, str(tmp_path),
-                    timeout_s=120)
+    run_local_world(
+        _collective, 4, str(tmp_path / "a"), target.to_json(), peers, readable, str(tmp_path), timeout_s=120
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r["exact"] and r["same"] for r in results), results
     assert all(r["planned"] == [1] for r in results), results  # each member planned only its own boxes

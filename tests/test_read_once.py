@@ -46,7 +46,10 @@ def test_each_stored_byte_is_read_once(tmp_path, a, b, workers):
     # A cache of a few chunks, far below the checkpoint (2.6 MB): a writer that read a chunk another one needs
     # keeps it only while the other catches up.
     out = reshard(
-        str(tmp_path / "a"), str(tmp_path / "b"), _layout(b), options=ReshardOptions(workers=workers, cache_bytes=256 << 10)
+        str(tmp_path / "a"),
+        str(tmp_path / "b"),
+        _layout(b),
+        options=ReshardOptions(workers=workers, cache_bytes=256 << 10),
     )
     assert source <= out.bytes_read <= 1.05 * source, out.bytes_read / source
     reader = CheckpointReader(str(tmp_path / "b"))
@@ -66,7 +69,12 @@ def test_writers_reading_the_same_rows_are_grouped_and_weak_sharers_keep_paralle
     def chunks_of(item: ReadItem):
         return [(item.src_box.offsets[0], 100)]
 
-    ranks = [plan(0, list(range(10))), plan(1, list(range(10))), plan(2, list(range(10, 30))), plan(3, list(range(29, 49)))]
+    ranks = [
+        plan(0, list(range(10))),
+        plan(1, list(range(10))),
+        plan(2, list(range(10, 30))),
+        plan(3, list(range(29, 49))),
+    ]
     # 0 and 1 read the same chunks: together. 2 and 3 share one chunk of 20 (below STRONG_SHARE): apart while
     # there are enough workers, reading it twice (100 of 4,900 bytes, within REREAD_SHARE)...
     assert [[r.rank for r in g] for g in sharing_groups(ranks, chunks_of, workers=4)] == [[0, 1], [2], [3]]

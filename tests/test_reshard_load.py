@@ -85,8 +85,9 @@ def _worker(rank: int, port: int, world: int, location: str, layout: dict, out_d
         target = Layout(**layout)
         together, alone = LoadStats(), LoadStats()
         # Small rounds so the exchange takes several all_to_all rounds.
-        state = load_rank_state(location, target, rank, group=dist.group.WORLD, stats=together,
-                                options=LoadOptions(round_bytes=64 * 1024))
+        state = load_rank_state(
+            location, target, rank, group=dist.group.WORLD, stats=together, options=LoadOptions(round_bytes=64 * 1024)
+        )
         solo = load_rank_state(location, target, rank, stats=alone)
         own_stats = LoadStats()
         # Over the group without the exchange: each rank reads its own bytes, only the outcome is agreed.
@@ -101,8 +102,17 @@ def _worker(rank: int, port: int, world: int, location: str, layout: dict, out_d
         reader = CheckpointReader(location)
         exact = all(torch.equal(t, reader.read_box(n, box)) for n, boxes in state.items() for box, t in boxes)
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"same": same, "exact": exact, "together": together.bytes_read, "alone": alone.bytes_read,
-                       "needed": together.bytes_needed, "rounds": together.rounds}, f)
+            json.dump(
+                {
+                    "same": same,
+                    "exact": exact,
+                    "together": together.bytes_read,
+                    "alone": alone.bytes_read,
+                    "needed": together.bytes_needed,
+                    "rounds": together.rounds,
+                },
+                f,
+            )
     finally:
         dist.destroy_process_group()
 
@@ -126,12 +136,15 @@ def test_collective_load_reads_the_checkpoint_about_once(tmp_path, backend):
     assert sum(r["needed"] for r in results) > total
 
 
-@pytest.mark.parametrize("preset, source, target", [
-    ("qwen3moe-tiny", Layout(tp=1, ep=2, dp=2), Layout(tp=2, ep=1, dp=2)),
-    # a placement that spans several zarr cells (ZAYA's fused q/k conv bias at tp 2), same layout and another
-    ("zaya-tiny", Layout(tp=2, ep=2, dp=2), Layout(tp=2, ep=2, dp=2)),
-    ("zaya-tiny", Layout(tp=2, ep=2, dp=2), Layout(tp=1, ep=1, dp=1)),
-])
+@pytest.mark.parametrize(
+    "preset, source, target",
+    [
+        ("qwen3moe-tiny", Layout(tp=1, ep=2, dp=2), Layout(tp=2, ep=1, dp=2)),
+        # a placement that spans several zarr cells (ZAYA's fused q/k conv bias at tp 2), same layout and another
+        ("zaya-tiny", Layout(tp=2, ep=2, dp=2), Layout(tp=2, ep=2, dp=2)),
+        ("zaya-tiny", Layout(tp=2, ep=2, dp=2), Layout(tp=1, ep=1, dp=1)),
+    ],
+)
 def test_load_from_zarr_source(tmp_path, preset, source, target):
     spec = presets()[preset]
     _, values = save_model(str(tmp_path / "z"), spec, source, backend="zarr")
@@ -148,8 +161,14 @@ def _load_damaged(rank: int, location: str, layout: dict, out_dir: str, exchange
     import torch.distributed as dist
 
     try:
-        load_rank_state(location, Layout(**layout), rank, group=dist.group.WORLD,
-                        options=LoadOptions(round_bytes=64 * 1024), exchange=exchange)
+        load_rank_state(
+            location,
+            Layout(**layout),
+            rank,
+            group=dist.group.WORLD,
+            options=LoadOptions(round_bytes=64 * 1024),
+            exchange=exchange,
+        )
         outcome = {"error": None}
     except Exception as e:  # noqa: BLE001 - the test inspects which error each rank got
         outcome = {"error": type(e).__name__, "message": str(e)}
@@ -171,8 +190,9 @@ def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path, e
     save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))
     size = os.path.getsize(tmp_path / "a" / "rank-00001.safetensors")
     flip_byte(str(tmp_path / "a"), "rank-00001.safetensors", size - 3)  # in the data, not the header
-    run_local_world(_load_damaged, 4, str(tmp_path / "a"), Layout(tp=1, ep=2, dp=4).to_json(), str(tmp_path),
-                    exchange, timeout_s=60)
+    run_local_world(
+        _load_damaged, 4, str(tmp_path / "a"), Layout(tp=1, ep=2, dp=4).to_json(), str(tmp_path), exchange, timeout_s=60
+    )
     outcomes = [json.loads((tmp_path / f"damaged{r}.json").read_text()) for r in range(4)]
     assert {o["error"] for o in outcomes} == {"ChecksumMismatchError"}, outcomes
     assert all("rank-00001.safetensors" in o["message"] for o in outcomes), outcomes
@@ -185,18 +205,35 @@ def test_a_rank_loading_alone_reads_about_what_it_needs(tmp_path, moeckpt_cli):
     Qwen3-MoE with a 32 MB embedding and head, checkpoint at (1, 1, 1): at dp 8 each rank's part of the AdamW
     moments is 4 MB of each, exactly checksum blocks, so what a rank reads alone must stay within 5% of it.
     """
-    cfg = {"arch": "qwen3_moe", "config": {
-        "vocab_size": 8192, "hidden_size": 1024, "num_hidden_layers": 1, "num_attention_heads": 8,
-        "num_key_value_heads": 2, "head_dim": 128, "moe_intermediate_size": 64, "num_experts": 8,
-        "num_experts_per_tok": 2, "max_position_embeddings": 512}}
+    cfg = {
+        "arch": "qwen3_moe",
+        "config": {
+            "vocab_size": 8192,
+            "hidden_size": 1024,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 128,
+            "moe_intermediate_size": 64,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 512,
+        },
+    }
     (tmp_path / "m.json").write_text(json.dumps(cfg))
     code, _, err = moeckpt_cli("init", tmp_path / "c", "--model", tmp_path / "m.json", "--with-optimizer")
     assert code == 0, err
     target = Layout(tp=1, ep=1, dp=8)
     for rank in (0, 3, 7):
         stats = LoadStats()
-        load_rank_state(str(tmp_path / "c"), target, rank, roles={"exp_avg", "exp_avg_sq"},
-                        tensors=["exp_avg/model.embed_tokens.weight", "exp_avg_sq/lm_head.weight"], stats=stats)
+        load_rank_state(
+            str(tmp_path / "c"),
+            target,
+            rank,
+            roles={"exp_avg", "exp_avg_sq"},
+            tensors=["exp_avg/model.embed_tokens.weight", "exp_avg_sq/lm_head.weight"],
+            stats=stats,
+        )
         assert stats.bytes_needed == 2 * 4 * 1024 * 1024
         assert stats.bytes_read <= 1.05 * stats.bytes_needed, (rank, stats)
 
@@ -217,6 +254,7 @@ def test_loads_and_reshards_keep_the_cyclic_collector_paused_and_restore_it(tmp_
         def wrapped(*args, **kwargs):
             enabled.append((name, gc.isenabled()))
             return fn(*args, **kwargs)
+
         return wrapped
 
     loads = Index.loads.__func__

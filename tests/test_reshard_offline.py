@@ -70,8 +70,9 @@ def test_formats_and_storages_round_trip(tmp_path, storage_url):
     """safetensors (local) -> zarr on each storage -> safetensors (local): identical tensors, valid checkpoints."""
     spec = presets()["qwen3moe-tiny"]
     _, values = save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))
-    reshard(str(tmp_path / "a"), storage_url, Layout(tp=1, ep=4, dp=4), backend="zarr",
-            options=ReshardOptions(workers=2))
+    reshard(
+        str(tmp_path / "a"), storage_url, Layout(tp=1, ep=4, dp=4), backend="zarr", options=ReshardOptions(workers=2)
+    )
     mid = CheckpointReader(storage_url)
     assert mid.index.backend == "zarr" and verify(mid) == []
     reshard(storage_url, str(tmp_path / "c"), Layout(tp=2, ep=1, dp=3), backend="safetensors")
@@ -186,8 +187,13 @@ def test_zarr_target_streams_in_bounded_memory(tmp_path, moeckpt_cli):
 
     src, nbytes = init_qwen_105mb(moeckpt_cli, tmp_path)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, src, str(tmp_path / "dst")],
-                         capture_output=True, text=True, check=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, src, str(tmp_path / "dst")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     added = int(out.stdout.strip().splitlines()[-1])
     assert added < nbytes / 3, f"reshard to zarr added {added / 1e6:.1f} MB to the peak RSS for {nbytes / 1e6:.1f} MB"
     code, _, err = moeckpt_cli("diff", src, tmp_path / "dst")
@@ -196,8 +202,21 @@ def test_zarr_target_streams_in_bounded_memory(tmp_path, moeckpt_cli):
 
 def test_cli_format_conversion_keeps_the_layout_and_every_bit(tmp_path, moeckpt_cli):
     """`moeckpt reshard SRC DST --format zarr` (issue 3's conversion): degrees not given keep the source's."""
-    code, _, err = moeckpt_cli("init", tmp_path / "s", "--model", "zaya-tiny", "--tp", 2, "--ep", 2, "--dp", 4,
-                               "--with-optimizer", "--dtype", "bf16")
+    code, _, err = moeckpt_cli(
+        "init",
+        tmp_path / "s",
+        "--model",
+        "zaya-tiny",
+        "--tp",
+        2,
+        "--ep",
+        2,
+        "--dp",
+        4,
+        "--with-optimizer",
+        "--dtype",
+        "bf16",
+    )
     assert code == 0, err
     code, out, err = moeckpt_cli("reshard", tmp_path / "s", tmp_path / "z", "--format", "zarr")
     assert code == 0, err

@@ -28,7 +28,9 @@ def _index(spec, layout: Layout, *, dtype: str = "bfloat16") -> Index:
         f"rank-{r:05d}.safetensors": FileEntry(path=f"rank-{r:05d}.safetensors", size=8, checksum="xxh3_64:" + "0" * 16)
         for r in range(layout.world)
     }
-    return Index(backend="safetensors", step=1, layout=layout.to_json(), model=spec.to_json(), tensors=tensors, files=files)
+    return Index(
+        backend="safetensors", step=1, layout=layout.to_json(), model=spec.to_json(), tensors=tensors, files=files
+    )
 
 
 # -- placements: the fast path gives exactly what visiting every rank gives ------------------------------------------
@@ -59,8 +61,14 @@ def entries(draw) -> TensorEntry:
         shape[expert_dim] = 4 * draw(st.integers(1, 2))
     role = draw(st.sampled_from(["param", "exp_avg", "master", "buffer"]))
     rule = ShardingRule(tp=tp, expert_dim=expert_dim)
-    return TensorEntry(name=draw(st.sampled_from(["a", "b.w", "layers.3.x"])), shape=tuple(shape), dtype="float32",
-                       role=role, param="p", sharding=rule.to_json())
+    return TensorEntry(
+        name=draw(st.sampled_from(["a", "b.w", "layers.3.x"])),
+        shape=tuple(shape),
+        dtype="float32",
+        role=role,
+        param="p",
+        sharding=rule.to_json(),
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -90,19 +98,30 @@ def test_fast_placements_equal_definition_on_presets():
 
 def test_placements_pinned_values():
     """Golden values: writers rotate over replicas by name and piece index; ZeRO parts are uneven, then empty."""
-    entry = TensorEntry(name="w", shape=(5, 4), dtype="float32", role="exp_avg", param="w",
-                        sharding=ShardingRule(tp=TpSplit(dim=1)).to_json())
+    entry = TensorEntry(
+        name="w",
+        shape=(5, 4),
+        dtype="float32",
+        role="exp_avg",
+        param="w",
+        sharding=ShardingRule(tp=TpSplit(dim=1)).to_json(),
+    )
     got = [(p.box.to_json(), p.writer) for p in placement.placements(entry, Layout(tp=2, dp=3))]
     assert got == [
-        ([[0, 0], [2, 2]], 0), ([[0, 2], [2, 2]], 1), ([[2, 0], [2, 2]], 2),
-        ([[2, 2], [2, 2]], 3), ([[4, 0], [1, 2]], 4), ([[4, 2], [1, 2]], 5),
+        ([[0, 0], [2, 2]], 0),
+        ([[0, 2], [2, 2]], 1),
+        ([[2, 0], [2, 2]], 2),
+        ([[2, 2], [2, 2]], 3),
+        ([[4, 0], [1, 2]], 4),
+        ([[4, 2], [1, 2]], 5),
     ]
     # Replicated over 2 TP x 2 DP ranks: crc32("norm") % 4 == 0 picks rank 0.
     rep = TensorEntry(name="norm", shape=(3,), dtype="float32", role="param", param="norm")
     assert [(p.box.to_json(), p.writer) for p in placement.placements(rep, Layout(tp=2, dp=2))] == [([[0], [3]], 0)]
     # Experts: expert box e is held by dp ranks e, e+ep (x 2 TP ranks); the writer rotates among those four.
-    experts = TensorEntry(name="e", shape=(4, 3), dtype="float32", role="param", param="e",
-                          sharding=ShardingRule(expert_dim=0).to_json())
+    experts = TensorEntry(
+        name="e", shape=(4, 3), dtype="float32", role="param", param="e", sharding=ShardingRule(expert_dim=0).to_json()
+    )
     got = [(p.box.to_json(), p.writer) for p in placement.placements(experts, Layout(tp=2, ep=2, dp=4))]
     assert got == [([[0, 0], [2, 3]], 4), ([[2, 0], [2, 3]], 7)]
 

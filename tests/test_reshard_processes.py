@@ -21,7 +21,10 @@ from moeckpt.trainer.models import presets
 from .helpers import flip_byte, init_qwen_105mb
 from .reshard_models import save_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not processes.can_fork(), reason="writer processes need fork (Linux)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not processes.can_fork(), reason="writer processes need fork (Linux)"),
+]
 
 SOURCE, TARGET = Layout(tp=2, ep=2, dp=2), Layout(tp=1, ep=4, dp=4)
 
@@ -54,7 +57,9 @@ def test_processes_write_the_same_files_as_threads_and_report_progress(tmp_path,
     seen: list[int] = []
     # Small chunks and cache: every writer process crosses many chunk boundaries and evicts.
     small = {"chunk_bytes": 4096, "slab_bytes": 8192, "cache_bytes": 64 * 1024}
-    out = reshard(str(source), str(tmp_path / "p"), TARGET, on_bytes=seen.append, options=ReshardOptions(workers=3, **small))
+    out = reshard(
+        str(source), str(tmp_path / "p"), TARGET, on_bytes=seen.append, options=ReshardOptions(workers=3, **small)
+    )
     # 4 target writers over at most 3 processes: writers that share source chunks go to one (each byte read once)
     assert len(forks) == 1 and 1 < forks[0] <= 3
     reshard(str(source), str(tmp_path / "t"), TARGET, options=ReshardOptions(workers=1, **small))  # one writer: threads
@@ -115,9 +120,10 @@ def test_mapped_reads_equal_copied_reads_at_unaligned_offsets(source):
     reader = CheckpointReader(str(source))
     refs = {(p.tensor, p.box): p for p in reader.pieces()}
     assert any(p.start % 4 for p in refs.values() if p.dtype == "float32")  # safetensors offsets are not aligned
-    with ChunkReader(reader, refs, chunk_bytes=4096) as copied, ChunkReader(
-        reader, refs, chunk_bytes=4096, map_files=True
-    ) as mapped:
+    with (
+        ChunkReader(reader, refs, chunk_bytes=4096) as copied,
+        ChunkReader(reader, refs, chunk_bytes=4096, map_files=True) as mapped,
+    ):
         for tensor, box in refs:
             n = box.shape[0] if box.ndim else 1
             for lo in range(0, n, max(1, n // 3)):
@@ -190,8 +196,13 @@ def test_writer_processes_stream_in_bounded_memory(tmp_path, moeckpt_cli):
     src, nbytes = init_qwen_105mb(moeckpt_cli, tmp_path)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")  # freed buffers leave the process: peaks are holdings
     (tmp_path / "rss").mkdir()
-    subprocess.run([sys.executable, "-c", _RSS_SCRIPT, src, str(tmp_path / "dst"),
-                    str(tmp_path / "rss")], capture_output=True, text=True, check=True, env=env)
+    subprocess.run(
+        [sys.executable, "-c", _RSS_SCRIPT, src, str(tmp_path / "dst"), str(tmp_path / "rss")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    )
     reports = [json.loads(p.read_text()) for p in (tmp_path / "rss").iterdir()]
     assert sum(r["writers"] for r in reports) == 4
     # tp 1 -> 2: the two new TP ranks of each part read the same stored rows, so they run together in one process

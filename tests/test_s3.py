@@ -61,8 +61,14 @@ def _pieces_by_writer(layout: Layout) -> tuple[dict, dict[int, list[Piece]]]:
 
 
 def _index(tensors, layout: Layout, backend: str) -> Index:
-    return Index(backend=backend, step=10, layout=layout.to_json(), model={"arch": "toy", "config": {}},
-                 tensors=tensors, files={})
+    return Index(
+        backend=backend,
+        step=10,
+        layout=layout.to_json(),
+        model={"arch": "toy", "config": {}},
+        tensors=tensors,
+        files={},
+    )
 
 
 @pytest.fixture
@@ -76,8 +82,17 @@ def flaky_s3(moto_endpoint, monkeypatch):
     import s3fs
 
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
-    monkeypatch.setitem(fsspec.config.conf, "s3", {"config_kwargs": {
-        "retries": {"max_attempts": 1, "mode": "standard"}, "connect_timeout": 2, "read_timeout": 5}})
+    monkeypatch.setitem(
+        fsspec.config.conf,
+        "s3",
+        {
+            "config_kwargs": {
+                "retries": {"max_attempts": 1, "mode": "standard"},
+                "connect_timeout": 2,
+                "read_timeout": 5,
+            }
+        },
+    )
 
     def down() -> None:
         proxy.failing = True
@@ -157,8 +172,12 @@ def test_s3_save_and_reads_of_both_formats_and_plain_zarr(s3_url, moto_endpoint,
         assert tensors_equal(reader.read_tensor(entry.name), want)
     import zarr
 
-    arr = zarr.open_array(store=f"{s3_url}-zarr", path=entry.name, mode="r",
-                          storage_options={"client_kwargs": {"endpoint_url": moto_endpoint}})
+    arr = zarr.open_array(
+        store=f"{s3_url}-zarr",
+        path=entry.name,
+        mode="r",
+        storage_options={"client_kwargs": {"endpoint_url": moto_endpoint}},
+    )
     assert arr.attrs["moeckpt"]["dtype"] == entry.dtype == "float32"
     assert tensors_equal(torch.from_numpy(arr[1:3]), want[1:3])
 
@@ -224,8 +243,9 @@ def test_error_classification_of_real_botocore_errors():
     from botocore.exceptions import ClientError, ConnectionClosedError, EndpointConnectionError
 
     def client_error(code: str, status: int) -> ClientError:
-        return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
-                           "PutObject")
+        return ClientError(
+            {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+        )
 
     assert retry_mod.is_transient(client_error("SlowDown", 503))
     assert retry_mod.is_transient(client_error("InternalError", 500))

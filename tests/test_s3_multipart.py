@@ -43,8 +43,13 @@ def _uploads(endpoint: str, prefix: str) -> list[dict]:
 
 
 def _start_reshard(src: str, dst: str):
-    return subprocess.Popen([sys.executable, "-c", _CLI, "reshard", src, dst, "--tp", "1", "--ep", "1", "--dp", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    return subprocess.Popen(
+        [sys.executable, "-c", _CLI, "reshard", src, dst, "--tp", "1", "--ep", "1", "--dp", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ),
+    )
 
 
 def _wait_for_upload_with_parts(endpoint: str, prefix: str, proc, timeout_s: float = 120.0) -> dict:
@@ -95,16 +100,22 @@ def test_a_killed_save_leaves_an_upload_that_gc_aborts(source, s3_url, moto_endp
     assert list_objects(dst) == []  # the uncommitted data objects are gone too
 
     # A successful save of the same step leaves no upload of its own keys behind.
-    finished = subprocess.run([sys.executable, "-c", _CLI, "reshard", source, dst, "--dp", "1", "--ep", "1"],
-                              capture_output=True, text=True, timeout=600)
+    finished = subprocess.run(
+        [sys.executable, "-c", _CLI, "reshard", source, dst, "--dp", "1", "--ep", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert finished.returncode == 0, finished.stderr
     assert _uploads(moto_endpoint, _key_prefix(run)) == []
     assert verify(CheckpointReader(run)) == []
 
 
-@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "moeckpt: interrupted"),
-                                             (signal.SIGTERM, 143, "moeckpt: stopped by SIGTERM")],
-                         ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig, code, word",
+    [(signal.SIGINT, 130, "moeckpt: interrupted"), (signal.SIGTERM, 143, "moeckpt: stopped by SIGTERM")],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_an_interrupted_save_aborts_its_own_uploads(source, s3_url, moto_endpoint, sig, code, word):
     dst = f"{s3_url}/step-00000100"
     proc = _start_reshard(source, dst)

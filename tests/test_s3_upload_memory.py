@@ -62,7 +62,9 @@ class S3Spy:
 
 
 def _payload(n: int, seed: int = 0) -> bytes:
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+    return (
+        torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)).numpy().tobytes()
+    )
 
 
 def test_defaults_are_explicit_and_bounded():
@@ -134,7 +136,9 @@ def _stream_input():
     """Pieces of a file of a bit over 2 parts of MIN_PART, the big one arriving in slabs, as the resharder sends."""
     g = torch.Generator().manual_seed(3)
     tensors = {
-        "big": TensorEntry(name="big", shape=(3 * MIN_PART // 4 // 1024, 1024), dtype="float32", role="param", param="big"),
+        "big": TensorEntry(
+            name="big", shape=(3 * MIN_PART // 4 // 1024, 1024), dtype="float32", role="param", param="big"
+        ),
         "small": TensorEntry(name="small", shape=(7, 5), dtype="bfloat16", role="param", param="small"),
     }
     pieces = [

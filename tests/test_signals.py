@@ -15,11 +15,25 @@ from moeckpt.trainer.metrics import read_metrics
 
 from .proc_helpers import launch
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc to find the workers")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc to find the workers"),
+]
 
-TRAIN = ("train", "--model", "zaya-tiny", "--seq-len", "16", "--global-batch", "4", "--cpu", "--warmup-steps", "1",
-         "--nproc", "2")
+TRAIN = (
+    "train",
+    "--model",
+    "zaya-tiny",
+    "--seq-len",
+    "16",
+    "--global-batch",
+    "4",
+    "--cpu",
+    "--warmup-steps",
+    "1",
+    "--nproc",
+    "2",
+)
 #: a run too long to finish before the signal: 2000 steps, a checkpoint every 50
 LONG = (*TRAIN, "--steps", "2000", "--save-every", "50", "--log-every", "100")
 
@@ -108,8 +122,17 @@ def test_the_elastic_path_saves_on_sigterm(tmp_path):
     from moeckpt.testing import free_port
 
     run = str(tmp_path / "run")
-    job = launch(*LONG, "--run-dir", run, "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                 "--rdzv-conf", "last_call_timeout=1")
+    job = launch(
+        *LONG,
+        "--run-dir",
+        run,
+        "--nnodes",
+        "1:2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-conf",
+        "last_call_timeout=1",
+    )
     job.wait_for_workers(2)
     _wait_for_training(run, job)
     job.signal(signal.SIGTERM, group=True)
@@ -141,10 +164,22 @@ def test_ctrl_c_in_the_first_second_is_one_line(delay, tmp_path):
 
 # -- automatic restart on one node -------------------------------------------------------------------------
 
+
 def test_a_hung_worker_restarts_the_workers_from_the_newest_checkpoint(tmp_path):
     run = str(tmp_path / "run")
-    job = launch(*TRAIN, "--run-dir", run, "--steps", "8", "--save-every", "3", "--hang-timeout", "5",
-                 "--inject", "hang:rank=1,step=5")
+    job = launch(
+        *TRAIN,
+        "--run-dir",
+        run,
+        "--steps",
+        "8",
+        "--save-every",
+        "3",
+        "--hang-timeout",
+        "5",
+        "--inject",
+        "hang:rank=1,step=5",
+    )
     code, out, err = job.finish(timeout=240)
     assert code == 0, err
     assert "step 8/8" in out
@@ -162,8 +197,20 @@ def test_a_hung_worker_restarts_the_workers_from_the_newest_checkpoint(tmp_path)
 
 def test_without_restarts_left_a_killed_worker_ends_the_job_in_one_line(tmp_path):
     run = str(tmp_path / "run")
-    job = launch(*TRAIN, "--run-dir", run, "--steps", "8", "--save-every", "2", "--max-restarts", "0", "--sync-save",
-                 "--inject", "kill:rank=1,step=3")
+    job = launch(
+        *TRAIN,
+        "--run-dir",
+        run,
+        "--steps",
+        "8",
+        "--save-every",
+        "2",
+        "--max-restarts",
+        "0",
+        "--sync-save",
+        "--inject",
+        "kill:rank=1,step=3",
+    )
     code, _, err = job.finish(timeout=240)
     assert code == 1, err
     _clean(err)

@@ -22,8 +22,9 @@ def bundled(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("as-model")
     ours = str(root / "ours")
-    cli.main(["init", ours, "--model", "qwen3moe-tiny", "--with-optimizer", "--tp", "2", "--dp", "2"],
-             standalone_mode=False)
+    cli.main(
+        ["init", ours, "--model", "qwen3moe-tiny", "--with-optimizer", "--tp", "2", "--dp", "2"], standalone_mode=False
+    )
     reader = CheckpointReader(ours)
     params = {n: reader.read_tensor(n) for n, e in reader.index.tensors.items() if e.role == "param"}
     moments = {n: {r: reader.read_tensor(f"{r}/{n}") for r in ("exp_avg", "exp_avg_sq")} for n in params}
@@ -49,14 +50,27 @@ def test_export_hf_of_a_state_dict_with_model_equals_the_bundled_export(bundled,
 @pytest.mark.slow
 def test_train_init_from_a_state_dict_starts_from_its_weights_and_moments(bundled, tmp_path, moeckpt_cli):
     ours, lib, _ = bundled
-    common = ["--model", "qwen3moe-tiny", "--steps", "2", "--seq-len", "16", "--global-batch", "4", "--cpu",
-              "--warmup-steps", "0"]
+    common = [
+        "--model",
+        "qwen3moe-tiny",
+        "--steps",
+        "2",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "4",
+        "--cpu",
+        "--warmup-steps",
+        "0",
+    ]
     code, _, err = moeckpt_cli("train", "--init-from", lib, "--run-dir", tmp_path / "a", *common)
     assert code == 0, err
     code, _, err = moeckpt_cli("train", "--init-from", ours, "--run-dir", tmp_path / "b", *common)
     assert code == 0, err
-    losses = [[json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl") if '"loss"' in line]
-              for run in ("a", "b")]
+    losses = [
+        [json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl") if '"loss"' in line]
+        for run in ("a", "b")
+    ]
     assert losses[0] == losses[1]  # the same weights and moments: the same steps, bit for bit
     code, _, err = moeckpt_cli("train", "--init-from", lib, "--run-dir", tmp_path / "c", *common[2:])
     assert code == 2 and "pass --model" in err

@@ -114,4 +114,6 @@ def test_raw_round_trips_through_load_and_offline_with_zarr(tmp_path, moeckpt_cl
         assert a.keys() == b.keys()
         for name in a:
             assert [box for box, _ in a[name]] == [box for box, _ in b[name]]
-            assert all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for (_, x), (_, y) in zip(a[name], b[name]))
+            assert all(
+                torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for (_, x), (_, y) in zip(a[name], b[name])
+            )

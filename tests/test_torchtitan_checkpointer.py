@@ -26,8 +26,15 @@ def _torchrun(nproc: int, *args: str) -> None:
     from moeckpt.testing import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           os.path.join(HERE, "titan_workers.py"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        os.path.join(HERE, "titan_workers.py"),
+        *args,
+    ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
 
@@ -72,13 +79,15 @@ def test_the_manager_saves_committed_moeckpt_checkpoints(run_a, moeckpt_cli):
     reader = moeckpt.CheckpointReader(os.path.join(folder, "step-2"))
     saved = {k: v for k, v in tensors.items() if k.startswith(("model/", "optim/"))}
     assert set(reader.index.tensors) == {_stored_name(k) for k in saved}
-    params = [k[len("model/"):] for k in saved if k.startswith("model/") and f"optim/state.{k[6:]}.step" in saved]
+    params = [k[len("model/") :] for k in saved if k.startswith("model/") and f"optim/state.{k[6:]}.step" in saved]
     assert len(params) > 20
     for p in params:  # AdamW's state of every parameter, flattened by torchtitan's OptimizersContainer
         assert all(f"optim/state.{p}.{s}" in saved for s in ("exp_avg", "exp_avg_sq", "step")), p
     for key, want in saved.items():  # on disk: exactly what run A held in memory at step 2
         got = reader.read_tensor(_stored_name(key))
-        assert got.dtype == want.dtype and torch.equal(got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), key
+        assert got.dtype == want.dtype and torch.equal(
+            got.view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)
+        ), key
     values = reader.index.train_state
     assert values["train_state.step"] == 2 and values["lr_scheduler.last_epoch"] == 2
     assert values["dataloader.world_size"] == 2
@@ -130,7 +139,7 @@ def test_resume_on_another_mesh_then_save(run_a, tmp_path):
     _, tensors = _ref(run_a)
     for key, want in tensors.items():
         if key.startswith("step3/model/"):
-            assert torch.equal(reader.read_tensor(key[len("step3/model/"):]), want), key
+            assert torch.equal(reader.read_tensor(key[len("step3/model/") :]), want), key
 
 
 @pytest.mark.slow
@@ -144,7 +153,7 @@ def test_docs_show_the_tested_manager():
     """docs/library.md's torchtitan code is tests/titan_manager.py's, verbatim (the part after its docstring)."""
     with open(os.path.join(HERE, "titan_manager.py")) as f:
         source = f.read()
-    code = source[source.index('"""', 3) + 3:].strip()
+    code = source[source.index('"""', 3) + 3 :].strip()
     with open(os.path.join(os.path.dirname(HERE), "docs", "library.md")) as f:
         docs = f.read()
     assert f"```python\n{code}\n```" in docs
@@ -155,8 +164,14 @@ def test_the_newest_step_is_the_newest_committed_moeckpt_checkpoint(tmp_path):
     from .titan_manager import MoeckptCheckpointManager
 
     manager = MoeckptCheckpointManager.Config(enable=True, keep_latest_k=0).build(
-        dataloader=None, model_parts=[torch.nn.Linear(2, 2)], optimizers=None, lr_schedulers=None, states={},
-        sd_adapter=None, base_folder=str(tmp_path))
+        dataloader=None,
+        model_parts=[torch.nn.Linear(2, 2)],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=str(tmp_path),
+    )
     assert manager._find_load_step() == -1  # no folder yet: a fresh start
     folder = tmp_path / "checkpoint"
     moeckpt.save({"w": torch.ones(2)}, str(folder / "step-2"))
@@ -179,7 +194,8 @@ def test_the_dataloader_state_is_json_and_does_not_reshard():
     next(batches)
     state = loader.state_dict()
     assert set(state) == {"dp_rank_1", "world_size"} and json.loads(state["dp_rank_1"])["dataset_state"] == {
-        "sample_idx": 2}
+        "sample_idx": 2
+    }
     want = next(batches)
     again = JsonStateDataloader(TokenStream(1, 2), dp_rank=1, dp_world_size=2, batch_size=2)
     again.load_state_dict(state)

@@ -16,9 +16,29 @@ def test_train_nproc2_then_resume_in_another_layout(tmp_path, moeckpt_cli):
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "moeckpt.cli.main", "train", *ARGS, "--run-dir", str(run_dir), "--nproc", "2",
-         "--ep", "2", "--stop-at", "4", "--save-every", "2", "--format", "zarr"],
-        capture_output=True, text=True, env=env, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "moeckpt.cli.main",
+            "train",
+            *ARGS,
+            "--run-dir",
+            str(run_dir),
+            "--nproc",
+            "2",
+            "--ep",
+            "2",
+            "--stop-at",
+            "4",
+            "--save-every",
+            "2",
+            "--format",
+            "zarr",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 4/6" in proc.stdout
@@ -80,6 +100,7 @@ def test_fine_tune_an_imported_checkpoint_with_init_from(tmp_path, moeckpt_cli):
     index = CheckpointReader(str(tmp_path / "ft" / "step-00000002")).index
     assert index.train_state["step"] == 2 and index.train_state["consumed_samples"] == 16
     # once the run has a checkpoint, --init-from is ignored: the run resumes from its own
-    code, _, err = moeckpt_cli("train", "--init-from", tmp_path / "imported", "--run-dir", tmp_path / "ft",
-                               "--steps", 3, "--warmup-steps", 1)
+    code, _, err = moeckpt_cli(
+        "train", "--init-from", tmp_path / "imported", "--run-dir", tmp_path / "ft", "--steps", 3, "--warmup-steps", 1
+    )
     assert code == 0 and "resumed" in err and "step-00000002" in err, err

@@ -38,8 +38,9 @@ def test_nan_loss_rolls_back_and_skips_the_bad_window(tmp_path):
 
 def test_nan_rollbacks_are_bounded(tmp_path):
     run = str(tmp_path / "run")
-    cfg = TrainConfig(run_dir=run, steps=10, save_every=2, max_nan_rollbacks=1,
-                      inject=("nan:step=3", "nan:step=4"), **TINY)
+    cfg = TrainConfig(
+        run_dir=run, steps=10, save_every=2, max_nan_rollbacks=1, inject=("nan:step=3", "nan:step=4"), **TINY
+    )
     with pytest.raises(NonFiniteLossError, match="1 rollbacks did not help"):
         train(cfg)
 
@@ -50,26 +51,57 @@ def test_nan_without_checkpoint_stops_with_a_report(tmp_path):
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moeckpt.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "moeckpt.cli.main", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_sigterm_saves_at_the_next_step_and_exits_zero(tmp_path):
     run = str(tmp_path / "run")
-    r = _cli("train", "--model", "zaya-tiny", "--run-dir", run, "--steps", "20", "--global-batch", "4",
-             "--seq-len", "16", "--inject", "kill:rank=0,step=4,signal=TERM")
+    r = _cli(
+        "train",
+        "--model",
+        "zaya-tiny",
+        "--run-dir",
+        run,
+        "--steps",
+        "20",
+        "--global-batch",
+        "4",
+        "--seq-len",
+        "16",
+        "--inject",
+        "kill:rank=0,step=4,signal=TERM",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert [s for s, _ in committed_steps(run)] == [4]
     assert [m["step"] for m in _metrics(run)][-1] == 4
     # and the next invocation continues from there
-    r = _cli("train", "--model", "zaya-tiny", "--run-dir", run, "--steps", "6", "--global-batch", "4", "--seq-len", "16")
+    r = _cli(
+        "train", "--model", "zaya-tiny", "--run-dir", run, "--steps", "6", "--global-batch", "4", "--seq-len", "16"
+    )
     assert r.returncode == 0 and "step 6/6" in r.stdout
 
 
 def test_watchdog_ends_a_hung_step_with_a_report(tmp_path):
     run = str(tmp_path / "run")
-    r = _cli("train", "--model", "zaya-tiny", "--run-dir", run, "--steps", "20", "--global-batch", "4",
-             "--seq-len", "16", "--inject", "hang:rank=0,step=3", "--hang-timeout", "3")
+    r = _cli(
+        "train",
+        "--model",
+        "zaya-tiny",
+        "--run-dir",
+        run,
+        "--steps",
+        "20",
+        "--global-batch",
+        "4",
+        "--seq-len",
+        "16",
+        "--inject",
+        "hang:rank=0,step=3",
+        "--hang-timeout",
+        "3",
+    )
     assert r.returncode == HANG_EXIT_CODE, r.stderr[-2000:]
     assert "no progress" in r.stderr and "after step 2" in r.stderr
     report = open(os.path.join(run, "hang-rank0.txt")).read()
@@ -78,12 +110,37 @@ def test_watchdog_ends_a_hung_step_with_a_report(tmp_path):
 
 def test_a_damaged_checkpoint_is_set_aside_and_resume_takes_the_previous_one(tmp_path):
     run = str(tmp_path / "run")
-    common = ("train", "--model", "zaya-tiny", "--run-dir", run, "--steps", "12", "--save-every", "4",
-              "--global-batch", "4", "--seq-len", "16", "--nproc", "2", "--cpu")
+    common = (
+        "train",
+        "--model",
+        "zaya-tiny",
+        "--run-dir",
+        run,
+        "--steps",
+        "12",
+        "--save-every",
+        "4",
+        "--global-batch",
+        "4",
+        "--seq-len",
+        "16",
+        "--nproc",
+        "2",
+        "--cpu",
+    )
     # rank 1's file of step 8 gets a flipped byte after the commit; the job then dies at step 10 (saves are
     # synchronous here, so step 8 is surely committed by then), for good: no automatic restart
-    r = _cli(*common, "--sync-save", "--inject", "corrupt-file:rank=1,step=8", "--inject", "kill:rank=0,step=10",
-             "--max-restarts", "0", timeout=240)
+    r = _cli(
+        *common,
+        "--sync-save",
+        "--inject",
+        "corrupt-file:rank=1,step=8",
+        "--inject",
+        "kill:rank=0,step=10",
+        "--max-restarts",
+        "0",
+        timeout=240,
+    )
     assert r.returncode != 0
     assert [s for s, _ in committed_steps(run)] == [4, 8]
     before = {m["step"]: m["loss"] for m in _metrics(run) if "loss" in m}
@@ -95,11 +152,12 @@ def test_a_damaged_checkpoint_is_set_aside_and_resume_takes_the_previous_one(tmp
     damaged = [m for m in rows if m.get("event") == "damaged_checkpoint"]
     assert len(damaged) == 1 and damaged[0]["step"] == 8 and "rank-00001.safetensors" in damaged[0]["error"]
     assert os.path.isdir(damaged[0]["moved_to"]) and os.path.basename(damaged[0]["moved_to"]).startswith(
-        "damaged-step-00000008-")
+        "damaged-step-00000008-"
+    )
     resumes = [m for m in rows if m.get("event") == "resume"]
     assert resumes[-1]["step"] == 4  # the previous checkpoint
     # steps 5-9 trained again from the same weights and samples in the same layout: the same losses, bit for bit
-    again = [m for m in rows[rows.index(resumes[-1]):] if "loss" in m]
+    again = [m for m in rows[rows.index(resumes[-1]) :] if "loss" in m]
     assert [m["step"] for m in again] == list(range(5, 13))
     assert all(m["loss"] == before[m["step"]] for m in again if m["step"] in before), (again, before)
     assert [s for s, _ in committed_steps(run)][-1] == 12  # step 8 saved afresh where the damaged one was

@@ -65,7 +65,9 @@ def test_a_file_that_refuses_the_hint_is_still_saved(tmp_path, monkeypatch):
 
 def test_ranges_are_started_in_the_background_in_order_and_close_waits_for_them(monkeypatch):
     seen = []
-    monkeypatch.setattr(writeback, "start_writeback", lambda fd, offset, length: seen.append((fd, offset, length)) or True)
+    monkeypatch.setattr(
+        writeback, "start_writeback", lambda fd, offset, length: seen.append((fd, offset, length)) or True
+    )
     with writeback.Writeback(7) as wb:
         for k in range(5):
             wb.start(k * 10, 10)
@@ -95,7 +97,9 @@ def test_a_parallel_write_is_the_same_file_as_a_streamed_one(tmp_path):
     pieces, tensors = [], {}
     for i, n in enumerate([3 << 20, 10, 2 << 20, 5]):  # large pieces (their writeback started) and small ones
         t = torch.randn(n, generator=torch.Generator().manual_seed(i))
-        tensors[f"t{i}"] = TensorEntry(name=f"t{i}", shape=(n,), dtype="float32", role="param", param=f"t{i}", sharding={})
+        tensors[f"t{i}"] = TensorEntry(
+            name=f"t{i}", shape=(n,), dtype="float32", role="param", param=f"t{i}", sharding={}
+        )
         pieces.append(Piece(f"t{i}", Box.full((n,)), t))
     storage = LocalStorage(str(tmp_path))
     a = write_file(storage, "a.safetensors", pieces, tensors)

@@ -58,8 +58,9 @@ def test_every_dtype_round_trips_and_plain_zarr_reads_it(tmp_path):
     tensors["scalar"] = TensorEntry(name="scalar", shape=(), dtype="float32", role="buffer", param="scalar")
     want = {n: random_value(e, seed=i) for i, (n, e) in enumerate(tensors.items())}
     loc = str(tmp_path / "ckpt")
-    save_full_tensors(loc, tensors=tensors, layout=Layout(dp=2), values=lambda e: want[e.name],
-                      model={"arch": "toy"}, backend="zarr")
+    save_full_tensors(
+        loc, tensors=tensors, layout=Layout(dp=2), values=lambda e: want[e.name], model={"arch": "toy"}, backend="zarr"
+    )
     reader = CheckpointReader(loc)
     assert verify(reader) == []
     for name in tensors:
@@ -79,8 +80,14 @@ def test_plain_zarr_reads_sharded_arrays_partially(tmp_path, monkeypatch):
     entry = TensorEntry(name="exp_avg/w", shape=(24, 16), dtype="bfloat16", role="exp_avg", param="w")
     value = random_value(entry)
     loc = str(tmp_path / "ckpt")
-    save_full_tensors(loc, tensors={"exp_avg/w": entry}, layout=Layout(dp=2), values=lambda e: value,
-                      model={"arch": "toy"}, backend="zarr")
+    save_full_tensors(
+        loc,
+        tensors={"exp_avg/w": entry},
+        layout=Layout(dp=2),
+        values=lambda e: value,
+        model={"arch": "toy"},
+        backend="zarr",
+    )
     arr = zarr.open_array(store=loc, path="exp_avg/w", mode="r")
     assert arr.shards == (12, 16) and arr.chunks == (6, 16)  # one shard per writer; 8 rows fit 256 B, 6 divide 12
     assert tensors_equal(torch.from_numpy(arr[5:19]).view(torch.bfloat16), value[5:19])
@@ -116,7 +123,9 @@ def test_inner_chunks_split_leading_dims_first():
 
 def test_array_metadata_golden():
     """The exact zarr.json of a sharded bf16 array: a format change must be deliberate."""
-    entry = TensorEntry(name="exp_avg/layers.0.w", shape=(8, 4096), dtype="bfloat16", role="exp_avg", param="layers.0.w")
+    entry = TensorEntry(
+        name="exp_avg/layers.0.w", shape=(8, 4096), dtype="bfloat16", role="exp_avg", param="layers.0.w"
+    )
     plan = zb.plan_array(entry, [Box((0, 0), (4, 4096)), Box((4, 0), (4, 4096))])
     assert plan.meta_path == "exp_avg/layers.0.w/zarr.json"
     assert plan.key(Box((4, 0), (4, 4096))) == "exp_avg/layers.0.w/c/1/0"
@@ -132,8 +141,9 @@ def test_array_metadata_golden():
         "attributes": {"moeckpt": {"dtype": "bfloat16", "format_version": 1}},
     }
     assert json.loads(plan.metadata_bytes()) == golden
-    big = zb.plan_array(entry.__class__(**{**entry.__dict__, "shape": (4096, 4096), "dtype": "float32"}),
-                        [Box((0, 0), (4096, 4096))])
+    big = zb.plan_array(
+        entry.__class__(**{**entry.__dict__, "shape": (4096, 4096), "dtype": "float32"}), [Box((0, 0), (4096, 4096))]
+    )
     codec = json.loads(big.metadata_bytes())["codecs"][0]
     assert codec == {
         "name": "sharding_indexed",
@@ -199,8 +209,17 @@ def test_two_writers_never_write_the_same_object(layout):
         assert zb.ZarrBackend().write(storage, w, by_writer[w], tensors) == []
     RecordingFS.label = "finish"
     files = backend.finish(storage, [], tensors)
-    commit(loc, Index(backend="zarr", step=1, layout=layout.to_json(), model={"arch": "toy"}, tensors=tensors,
-                      files={f.path: f for f in files}))
+    commit(
+        loc,
+        Index(
+            backend="zarr",
+            step=1,
+            layout=layout.to_json(),
+            model={"arch": "toy"},
+            tensors=tensors,
+            files={f.path: f for f in files},
+        ),
+    )
 
     documents = ("zarr.json", "moeckpt.json")
     chunk_writes = [(who, path) for who, path in RecordingFS.writes if not path.endswith(documents)]
@@ -229,8 +248,9 @@ def test_partial_read_fetches_only_the_needed_inner_chunks(monkeypatch):
     entry = TensorEntry(name="master/w", shape=(64, 256), dtype="float32", role="master", param="w")  # 64 KiB
     value = random_value(entry)
     loc = "recmem://zarr-partial/ckpt"
-    save_full_tensors(loc, tensors={entry.name: entry}, layout=Layout(), values=lambda e: value,
-                      model={"arch": "toy"}, backend="zarr")
+    save_full_tensors(
+        loc, tensors={entry.name: entry}, layout=Layout(), values=lambda e: value, model={"arch": "toy"}, backend="zarr"
+    )
     reader = CheckpointReader(loc)
     (ref,) = reader.pieces()
     assert ref.chunks == (4, 256)  # 4 rows x 1 KiB = 4 KiB inner chunks
@@ -270,11 +290,21 @@ def test_names_that_cannot_be_zarr_paths_are_refused(tmp_path):
     def entry(n):
         return TensorEntry(name=n, shape=(2,), dtype="float32", role="buffer", param=n)
 
-    for names, match in [(["a", "a/b"], "both an array and a group"), (["x/__meta"], "'__'"),
-                         (["moeckpt.json"], "moeckpt.json")]:
+    for names, match in [
+        (["a", "a/b"], "both an array and a group"),
+        (["x/__meta"], "'__'"),
+        (["moeckpt.json"], "moeckpt.json"),
+    ]:
         with pytest.raises(errors.CheckpointIndexError, match=match):
-            save_full_tensors(str(tmp_path / "c"), tensors={n: entry(n) for n in names}, layout=Layout(),
-                              values=lambda e: torch.zeros(2), model={"arch": "toy"}, backend="zarr", overwrite=True)
+            save_full_tensors(
+                str(tmp_path / "c"),
+                tensors={n: entry(n) for n in names},
+                layout=Layout(),
+                values=lambda e: torch.zeros(2),
+                model={"arch": "toy"},
+                backend="zarr",
+                overwrite=True,
+            )
 
 
 def test_multi_process_save_path_reads_the_grid_from_storage(tmp_path):
@@ -285,12 +315,25 @@ def test_multi_process_save_path_reads_the_grid_from_storage(tmp_path):
     storage = begin_save(loc)
     zb.ZarrBackend().prepare(storage, tensors, {n: [p.box for p in placements(e, layout)] for n, e in tensors.items()})
     for w in range(layout.world):
-        pieces = [Piece(n, p.box, values(e)[p.box.slices()]) for n, e in tensors.items()
-                  for p in placements(e, layout) if p.writer == w]
+        pieces = [
+            Piece(n, p.box, values(e)[p.box.slices()])
+            for n, e in tensors.items()
+            for p in placements(e, layout)
+            if p.writer == w
+        ]
         zb.ZarrBackend().write(storage, w, pieces, tensors)
     files = zb.ZarrBackend().finish(storage, [], tensors)
-    commit(loc, Index(backend="zarr", step=3, layout=layout.to_json(), model={"arch": "toy"}, tensors=tensors,
-                      files={f.path: f for f in files}))
+    commit(
+        loc,
+        Index(
+            backend="zarr",
+            step=3,
+            layout=layout.to_json(),
+            model={"arch": "toy"},
+            tensors=tensors,
+            files={f.path: f for f in files},
+        ),
+    )
     reader = CheckpointReader(loc)
     assert verify(reader) == []
     assert len(reader.index.files) == len(tensors) + len(zb.group_paths(tensors))
@@ -303,8 +346,14 @@ def test_uneven_zero_split_is_one_object_per_piece_and_zarr_reads_the_edge(tmp_p
     for limit, sharded in ((1 << 20, False), (16, True)):
         monkeypatch.setattr(zb, "INNER_CHUNK_BYTES", limit)
         loc = str(tmp_path / f"ckpt-{limit}")
-        save_full_tensors(loc, tensors={entry.name: entry}, layout=Layout(dp=3), values=lambda e: value,
-                          model={"arch": "toy"}, backend="zarr")
+        save_full_tensors(
+            loc,
+            tensors={entry.name: entry},
+            layout=Layout(dp=3),
+            values=lambda e: value,
+            model={"arch": "toy"},
+            backend="zarr",
+        )
         reader = CheckpointReader(loc)
         refs = reader.pieces()
         assert [r.box.shape for r in refs] == [(4, 6), (4, 6), (2, 6)] and (refs[0].chunks is not None) == sharded
@@ -328,17 +377,23 @@ def test_random_partitions_round_trip_through_moeckpt_and_zarr(tmp_path, monkeyp
         return [0, *inner, n]
 
     shape = (rng.randint(1, 13), rng.randint(1, 9))
-    entry = TensorEntry(name="t/x", shape=shape, dtype=rng.choice(["float32", "bfloat16", "int8"]), role="buffer",
-                        param="t/x")
+    entry = TensorEntry(
+        name="t/x", shape=shape, dtype=rng.choice(["float32", "bfloat16", "int8"]), role="buffer", param="t/x"
+    )
     value = random_value(entry, seed)
     r, c = cuts(shape[0]), cuts(shape[1])
-    boxes = [Box((r[i], c[j]), (r[i + 1] - r[i], c[j + 1] - c[j])) for i in range(len(r) - 1) for j in range(len(c) - 1)]
+    boxes = [
+        Box((r[i], c[j]), (r[i + 1] - r[i], c[j + 1] - c[j])) for i in range(len(r) - 1) for j in range(len(c) - 1)
+    ]
     by_writer = {w: [Piece("t/x", b, value[b.slices()]) for k, b in enumerate(boxes) if k % 3 == w] for w in range(3)}
     loc = str(tmp_path / "ckpt")
     from moeckpt.formats.checkpoint import save_pieces
 
-    save_pieces(loc, Index(backend="zarr", step=0, layout={"dp": 3}, model={"arch": "toy"}, tensors={"t/x": entry},
-                           files={}), by_writer)
+    save_pieces(
+        loc,
+        Index(backend="zarr", step=0, layout={"dp": 3}, model={"arch": "toy"}, tensors={"t/x": entry}, files={}),
+        by_writer,
+    )
     reader = CheckpointReader(loc)
     assert verify(reader) == []
     assert tensors_equal(reader.read_tensor("t/x"), value)

@@ -39,8 +39,13 @@ class MoeckptCheckpointManager(CheckpointManager):
         elif async_mode == AsyncMode.ASYNC:
             ret = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg)
         else:
-            ret = dcp.async_save(state_dict, storage_writer=writer, process_group=self.pg,
-                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=self.stager)
+            ret = dcp.async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return ret
@@ -57,8 +62,14 @@ class MoeckptCheckpointManager(CheckpointManager):
         if not filesystem.isdir(folder):
             return -1
         steps = [int(m.group(1)) for name in filesystem.listdir(folder) if (m := re.fullmatch(r"step-(\d+)", name))]
-        return max((s for s in steps if filesystem.isfile(
-            filesystem.join(self._create_checkpoint_id(s, folder), "moeckpt.json"))), default=-1)
+        return max(
+            (
+                s
+                for s in steps
+                if filesystem.isfile(filesystem.join(self._create_checkpoint_id(s, folder), "moeckpt.json"))
+            ),
+            default=-1,
+        )
 
 
 class JsonDataloaderState:
@@ -71,6 +82,8 @@ class JsonDataloaderState:
         if self._rank_id not in state_dict:  # as torchtitan's: no state for this rank, start from the beginning
             return
         if state_dict["world_size"] != self.dp_world_size:
-            raise ValueError(f"dataloader state saved at dp {state_dict['world_size']}, loading at dp "
-                             f"{self.dp_world_size}: torchtitan's dataloader does not reshard")
+            raise ValueError(
+                f"dataloader state saved at dp {state_dict['world_size']}, loading at dp "
+                f"{self.dp_world_size}: torchtitan's dataloader does not reshard"
+            )
         StatefulDataLoader.load_state_dict(self, json.loads(state_dict[self._rank_id]))

@@ -80,9 +80,19 @@ class TokenStream(IterableDataset):
 class Run:
     """The model, optimizers, lr schedulers, dataloader, train state and manager on one mesh."""
 
-    def __init__(self, out: str, dp: int, tp: int, ep: int, *, seed: int, async_mode: str = "disabled",
-                 folder: str = "checkpoint", initial_load_path: str | None = None,
-                 dataloader_cls=JsonStateDataloader):
+    def __init__(
+        self,
+        out: str,
+        dp: int,
+        tp: int,
+        ep: int,
+        *,
+        seed: int,
+        async_mode: str = "disabled",
+        folder: str = "checkpoint",
+        initial_load_path: str | None = None,
+        dataloader_cls=JsonStateDataloader,
+    ):
         from torchtitan.components.optimizer import LRSchedulersContainer
         from torchtitan.components.optimizer.optimizer import default_adamw, register_moe_load_balancing_hook
         from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -92,19 +102,38 @@ class Run:
         from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
         parallel_dims.device_type = "cpu"  # torchtitan picks "cuda" when it finds no accelerator
-        dims = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=ep, world_size=dist.get_world_size(),
-                            spmd_backend="partial_dtensor")
+        dims = ParallelDims(
+            dp_replicate=1,
+            dp_shard=dp,
+            cp=1,
+            tp=tp,
+            pp=1,
+            ep=ep,
+            world_size=dist.get_world_size(),
+            spmd_backend="partial_dtensor",
+        )
         dims.build_mesh()
         dist_utils.set_spmd_backend("partial_dtensor")  # as the trainer does before it builds the model
-        par = ParallelismConfig(data_parallel_shard_degree=dp, tensor_parallel_degree=tp, expert_parallel_degree=ep,
-                                spmd_backend="partial_dtensor")
+        par = ParallelismConfig(
+            data_parallel_shard_degree=dp,
+            tensor_parallel_degree=tp,
+            expert_parallel_degree=ep,
+            spmd_backend="partial_dtensor",
+        )
         cfg = torchtitan_config()
         set_qwen3_sharding_config(cfg, enable_sp=par.enable_sequence_parallel, enable_ep=ep > 1)
         with torch.device("meta"):
             model = cfg.build()
         # fp32 parameters in the forward (torchtitan's mixed_precision_param option): logits comparable across meshes
-        parallelize_qwen3(model, parallel_dims=dims, training=TrainingConfig(mixed_precision_param="float32"),
-                          parallelism=par, compile_config=CompileConfig(), ac_config=None, dump_folder=out)
+        parallelize_qwen3(
+            model,
+            parallel_dims=dims,
+            training=TrainingConfig(mixed_precision_param="float32"),
+            parallelism=par,
+            compile_config=CompileConfig(),
+            ac_config=None,
+            dump_folder=out,
+        )
         model.to_empty(device="cpu")
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -115,19 +144,31 @@ class Run:
         self.model = model
         self.optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
         register_moe_load_balancing_hook(self.optimizers, [model], dims)  # Qwen3-MoE's post_optimizer_build_fn
-        self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=self.optimizers,
-                                                                               training_steps=8)
+        self.lr_schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
+            optimizers=self.optimizers, training_steps=8
+        )
         batch = dims.get_mesh("batch") if dims.dp_enabled else None
         self.dp_rank = batch.get_local_rank() if batch is not None else 0
-        self.dataloader = dataloader_cls(TokenStream(self.dp_rank, dp), dp_rank=self.dp_rank, dp_world_size=dp,
-                                         batch_size=BATCH)
+        self.dataloader = dataloader_cls(
+            TokenStream(self.dp_rank, dp), dp_rank=self.dp_rank, dp_world_size=dp, batch_size=BATCH
+        )
         self.train_state = TrainState()
         self.manager = MoeckptCheckpointManager.Config(
-            enable=True, folder=folder, interval=1, async_mode=async_mode, initial_load_path=initial_load_path,
+            enable=True,
+            folder=folder,
+            interval=1,
+            async_mode=async_mode,
+            initial_load_path=initial_load_path,
             initial_load_model_only=False,
-        ).build(dataloader=self.dataloader, model_parts=[model], optimizers=self.optimizers,
-                lr_schedulers=self.lr_schedulers, states={"train_state": self.train_state}, sd_adapter=None,
-                base_folder=out)
+        ).build(
+            dataloader=self.dataloader,
+            model_parts=[model],
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            states={"train_state": self.train_state},
+            sd_adapter=None,
+            base_folder=out,
+        )
         self.batches = None
 
     def step(self) -> torch.Tensor:
@@ -149,16 +190,24 @@ class Run:
     def tensors(self) -> dict[str, torch.Tensor]:
         """Full tensors of the model's state dict and of the optimizer's flat state (collective)."""
         out = {f"model/{k}": _full(v) for k, v in sorted(self.model.state_dict().items())}
-        out.update({f"optim/{k}": _full(v) for k, v in sorted(self.optimizers.state_dict().items())
-                    if isinstance(v, torch.Tensor)})
+        out.update(
+            {
+                f"optim/{k}": _full(v)
+                for k, v in sorted(self.optimizers.state_dict().items())
+                if isinstance(v, torch.Tensor)
+            }
+        )
         return out
 
     def values(self) -> dict:
         """The non-tensor state torchtitan saves: train state, lr schedule, param groups, data position."""
-        return {"train_state": self.train_state.state_dict(), "lr_scheduler": self.lr_schedulers.state_dict(),
-                "lr": self.lr_schedulers.get_metrics(),
-                "param_groups": {k: v for k, v in self.optimizers.state_dict().items() if not isinstance(v, torch.Tensor)},
-                "dataloader": json.loads(self.dataloader.state_dict()[self.dataloader._rank_id])}
+        return {
+            "train_state": self.train_state.state_dict(),
+            "lr_scheduler": self.lr_schedulers.state_dict(),
+            "lr": self.lr_schedulers.get_metrics(),
+            "param_groups": {k: v for k, v in self.optimizers.state_dict().items() if not isinstance(v, torch.Tensor)},
+            "dataloader": json.loads(self.dataloader.state_dict()[self.dataloader._rank_id]),
+        }
 
     def logits(self) -> torch.Tensor:
         tokens = torch.randint(0, TINY["vocab"], (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
@@ -181,8 +230,11 @@ def _full(t) -> torch.Tensor:
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    )
 
 
 def _json(value):
@@ -216,8 +268,16 @@ def save(out: str, dp: int, tp: int, ep: int, async_mode: str) -> None:
     if dist.get_rank() == 0:
         save_file({k: v.contiguous() for k, v in ref.items()}, os.path.join(out, "ref.safetensors"))
         with open(os.path.join(out, "ref.json"), "w") as f:
-            json.dump({"saved": values, "after_step3": _json(run.values()), "batch3": dict(batches),
-                       "refused": refused, "refused_dir": os.listdir(os.path.join(out, "refused"))}, f)
+            json.dump(
+                {
+                    "saved": values,
+                    "after_step3": _json(run.values()),
+                    "batch3": dict(batches),
+                    "refused": refused,
+                    "refused_dir": os.listdir(os.path.join(out, "refused")),
+                },
+                f,
+            )
     run.manager.close()
 
 
@@ -234,9 +294,12 @@ def load(src: str, dp: int, tp: int, ep: int, report: str, base: str | None) -> 
     got = run.tensors()
     saved = {k: v for k, v in ref.items() if k.startswith(("model/", "optim/"))}
     rep: dict = {
-        "loaded": found, "values": _json(run.values()), "dp_rank": run.dp_rank,
+        "loaded": found,
+        "values": _json(run.values()),
+        "dp_rank": run.dp_rank,
         "differed_before_load": sorted(k for k in saved if k in before and not _bits_equal(before[k], saved[k])),
-        "missing": sorted(set(saved) - set(got)), "extra": sorted(set(got) - set(saved)),
+        "missing": sorted(set(saved) - set(got)),
+        "extra": sorted(set(got) - set(saved)),
         "unequal": sorted(k for k in saved if k in got and not _bits_equal(got[k], saved[k])),
         "logits_max_diff": float((run.logits() - ref["logits"]).abs().max()),
     }

@@ -53,7 +53,9 @@ def _expert_dispatch_check(rank: int, route: str) -> None:
     if route == "rank0":
         idx = [torch.tensor([[0, 1], [1, 4], [0, 4], [1, 0], [4, 1], [0, 1]]) for _ in range(2)]
     else:
-        idx = [torch.randint(0, num + 1, (tokens, k), generator=torch.Generator().manual_seed(20 + r)) for r in range(2)]
+        idx = [
+            torch.randint(0, num + 1, (tokens, k), generator=torch.Generator().manual_seed(20 + r)) for r in range(2)
+        ]
     ws = [torch.rand(tokens, k, generator=torch.Generator().manual_seed(30 + r)) for r in range(2)]
 
     # Reference: one process, both ranks' tokens.
@@ -82,8 +84,14 @@ def _expert_dispatch_check(rank: int, route: str) -> None:
         torch.testing.assert_close(got, ref.grad[lo:hi], rtol=1e-5, atol=1e-5)
 
 
-def memory_run(rank: int, config: dict, steps: int, persist_at: tuple[int, ...], memory_at: tuple[int, ...],
-               node: str | None = None) -> None:
+def memory_run(
+    rank: int,
+    config: dict,
+    steps: int,
+    persist_at: tuple[int, ...],
+    memory_at: tuple[int, ...],
+    node: str | None = None,
+) -> None:
     """Train ``steps`` steps of ``config`` and stop as a crash would (no final save, memory tier left in place),
     saving persistently after the steps in ``persist_at`` and into the memory tier after those in ``memory_at``;
     ``node`` (``{rank}`` formatted) names this rank's simulated node."""
@@ -115,8 +123,9 @@ def train_on_nodes(rank: int, config: dict, nodes: tuple[str, ...]) -> None:
     train(TrainConfig.from_json(config))
 
 
-def slow_persist_run(rank: int, config: dict, persist_at: tuple[int, ...], kill_at: int, step_s: float,
-                     out: str) -> None:
+def slow_persist_run(
+    rank: int, config: dict, persist_at: tuple[int, ...], kill_at: int, step_s: float, out: str
+) -> None:
     """Train to ``kill_at`` on a ``slow://`` run directory, each step taking at least ``step_s`` seconds (a real
     model's step is longer than a memory save; zaya-tiny's is not), saving persistently after the steps in
     ``persist_at`` and into the memory tier every ``memory_every`` steps (as :meth:`Trainer.run` does); at
@@ -149,12 +158,27 @@ def slow_persist_run(rank: int, config: dict, persist_at: tuple[int, ...], kill_
     persisted = [s for s, _ in committed_steps(cfg.run_dir)]
     inflight = trainer.checkpoints._inflight
     persisting = inflight is not None and inflight.thread.is_alive()
-    history = [{"step": s.step, "persisted": s.persisted, "skipped": s.skipped, "blocked_s": s.blocked_s,
-                "memory_s": s.memory.seconds if s.memory is not None else None} for s in trainer.checkpoints.history]
+    history = [
+        {
+            "step": s.step,
+            "persisted": s.persisted,
+            "skipped": s.skipped,
+            "blocked_s": s.blocked_s,
+            "memory_s": s.memory.seconds if s.memory is not None else None,
+        }
+        for s in trainer.checkpoints.history
+    ]
     trainer.checkpoints.wait()
     trainer.metrics.flush()
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"memory_steps": memory_steps, "persisted": persisted, "persisting": persisting,
-                       "history": history, "persist_s": [s.persist_s for s in trainer.checkpoints.history
-                                                         if s.persisted]}, f)
+            json.dump(
+                {
+                    "memory_steps": memory_steps,
+                    "persisted": persisted,
+                    "persisting": persisting,
+                    "history": history,
+                    "persist_s": [s.persist_s for s in trainer.checkpoints.history if s.persisted],
+                },
+                f,
+            )

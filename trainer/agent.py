@@ -70,8 +70,10 @@ class _AgentLines(logging.Handler):
             what = "worker_failed"
         elif _RESTART in msg and "attempts left" in msg and len(record.args or ()) >= 4:
             left, most = record.args[2], record.args[3]  # type: ignore[index]
-            line = (f"moeckpt: restarting the workers (restart {int(most) - int(left) + 1} of {most}); they resume "
-                    "from the newest committed checkpoint")
+            line = (
+                f"moeckpt: restarting the workers (restart {int(most) - int(left) + 1} of {most}); they resume "
+                "from the newest committed checkpoint"
+            )
             what = "restart"
         elif _RESTART in msg and "new nodes" in msg:
             line = "moeckpt: a node joined; restarting the workers in the larger world"
@@ -121,8 +123,9 @@ def _warm_workers(argv: Sequence[str]) -> bool:
 
     if os.environ.get("MOECKPT_AGENT_FORKSERVER", "1") == "0" or os.environ.get("PET_START_METHOD"):
         return False
-    if any(a in ("--start-method", "--start_method") or a.startswith(("--start-method=", "--start_method="))
-           for a in argv):
+    if any(
+        a in ("--start-method", "--start_method") or a.startswith(("--start-method=", "--start_method=")) for a in argv
+    ):
         return False
     return "forkserver" in multiprocessing.get_all_start_methods()
 
@@ -139,8 +142,12 @@ def _use_warm_workers(run_module) -> None:
 
     def config_from_args(args):
         config, cmd, cmd_args = original(args)
-        if (isinstance(cmd, str) and os.path.realpath(cmd) == os.path.realpath(sys.executable)
-                and tuple(cmd_args[:3]) == _OUR_WORKER and len(cmd_args) == 5):
+        if (
+            isinstance(cmd, str)
+            and os.path.realpath(cmd) == os.path.realpath(sys.executable)
+            and tuple(cmd_args[:3]) == _OUR_WORKER
+            and len(cmd_args) == 5
+        ):
             config.start_method = "forkserver"
             return config, forked_main, list(cmd_args[3:])
         return config, cmd, cmd_args
@@ -322,7 +329,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (ValueError, AttributeError, KeyError):
                 first = ""
             sys.stderr.write(
-                f"moeckpt: the workers failed and no restart is left (--max-restarts {args.max_restarts}){first}\n")
+                f"moeckpt: the workers failed and no restart is left (--max-restarts {args.max_restarts}){first}\n"
+            )
             return 1
     except _Stopped as e:
         return 128 + e.signum

@@ -102,7 +102,9 @@ class CheckpointManager:
         self.faults = faults
         self.rank = collectives.rank()
         if collectives.world_size() != layout.world:
-            raise MoeckptError(f"layout {layout} needs {layout.world} ranks, the process group has {collectives.world_size()}")
+            raise MoeckptError(
+                f"layout {layout} needs {layout.world} ranks, the process group has {collectives.world_size()}"
+            )
         # A separate gloo group: the background thread's coordination never interleaves with training collectives
         # (which may be NCCL/RCCL on GPUs).
         self.group = dist.new_group(backend="gloo") if collectives.is_distributed() else None
@@ -129,8 +131,15 @@ class CheckpointManager:
         self.decide_group = None
 
     # -- saving ---------------------------------------------------------------------------------------------
-    def save(self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any], *,
-             persist: bool = True, to_memory: bool = False) -> SaveStats:
+    def save(
+        self,
+        step: int,
+        local_state: dict[str, torch.Tensor],
+        train_state: dict[str, Any],
+        *,
+        persist: bool = True,
+        to_memory: bool = False,
+    ) -> SaveStats:
         """Snapshot ``local_state`` (logical tensor name -> this rank's local tensor) and persist it.
 
         With ``to_memory`` (and a memory tier) the same snapshot is first committed into the memory tier, then,
@@ -150,13 +159,19 @@ class CheckpointManager:
             to_memory = False
         t0 = time.perf_counter()
         pieces = self._snapshot(local_state, self._buffers)
-        stats = SaveStats(step=step, blocked_s=0.0, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
-                          persisted=persist)
+        stats = SaveStats(
+            step=step,
+            blocked_s=0.0,
+            bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
+            persisted=persist,
+        )
         memory_turn = self._memory_turn() if to_memory else None
         self._inflight = self._start(step, pieces, train_state, stats, to_memory, memory_turn, t0, "save")
         return stats
 
-    def _save_memory_only(self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any]) -> SaveStats:
+    def _save_memory_only(
+        self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any]
+    ) -> SaveStats:
         """A memory checkpoint from a fresh snapshot into the memory-only buffers, written in its own thread: a
         persistent write in flight is not waited for (its memory part, if any, is: memory commits stay in order)."""
         if self._busy_anywhere():
@@ -170,18 +185,23 @@ class CheckpointManager:
         self._wait_memory()
         if not self._memory_buffers and self.rank == 0:
             share = sum(e.nbytes for e in self.tensors.values()) / max(1, self.layout.world)
-            log.info("memory-only saves take their own snapshot (host buffers of about %.1f MB per rank, beside the "
-                     "persistent save's), so they need not wait for a persistent save being written", share / 1e6)
+            log.info(
+                "memory-only saves take their own snapshot (host buffers of about %.1f MB per rank, beside the "
+                "persistent save's), so they need not wait for a persistent save being written",
+                share / 1e6,
+            )
         t0 = time.perf_counter()
         pieces = self._snapshot(local_state, self._memory_buffers)
-        stats = SaveStats(step=step, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
-                          persisted=False)
+        stats = SaveStats(
+            step=step, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces), persisted=False
+        )
         memory_turn = self._memory_turn()
         self._memory_inflight = self._start(step, pieces, train_state, stats, True, memory_turn, t0, "memory-save")
         return stats
 
-    def _start(self, step, pieces, train_state, stats: SaveStats, to_memory: bool, memory_turn, t0: float,
-               what: str) -> _InFlight | None:
+    def _start(
+        self, step, pieces, train_state, stats: SaveStats, to_memory: bool, memory_turn, t0: float, what: str
+    ) -> _InFlight | None:
         """Write the snapshot ``pieces``: in a thread of its own when saving asynchronously (returned, to be
         joined), else here; ``stats.blocked_s`` is the time since ``t0`` that training waited."""
         inflight = None
@@ -244,7 +264,9 @@ class CheckpointManager:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.decide_group)
         return bool(flag.item())
 
-    def _snapshot(self, local_state: dict[str, torch.Tensor], buffers: dict[tuple[str, Box], torch.Tensor]) -> list[Piece]:
+    def _snapshot(
+        self, local_state: dict[str, torch.Tensor], buffers: dict[tuple[str, Box], torch.Tensor]
+    ) -> list[Piece]:
         missing = set(self.tensors) - set(local_state)
         if missing:
             raise MoeckptError(f"save: the state lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
@@ -271,16 +293,31 @@ class CheckpointManager:
             torch.cuda.synchronize()
         return pieces
 
-    def _persist_guarded(self, step, pieces, train_state, stats: SaveStats, errors: list[BaseException],
-                         to_memory: bool = False, memory_turn=None) -> None:
+    def _persist_guarded(
+        self,
+        step,
+        pieces,
+        train_state,
+        stats: SaveStats,
+        errors: list[BaseException],
+        to_memory: bool = False,
+        memory_turn=None,
+    ) -> None:
         try:
             self._write(step, pieces, train_state, stats, to_memory, memory_turn)
         except BaseException as e:  # noqa: BLE001 - reported to the training thread by wait()
             errors.append(e)
             stats.error = str(e)
 
-    def _write(self, step: int, pieces: list[Piece], train_state: dict[str, Any], stats: SaveStats,
-               to_memory: bool, memory_turn: tuple[threading.Event | None, threading.Event] | None = None) -> None:
+    def _write(
+        self,
+        step: int,
+        pieces: list[Piece],
+        train_state: dict[str, Any],
+        stats: SaveStats,
+        to_memory: bool,
+        memory_turn: tuple[threading.Event | None, threading.Event] | None = None,
+    ) -> None:
         """The memory tier first (seconds of host memory, the likelier one to be resumed from), then the run
         directory. A failed memory save is logged and costs only that memory checkpoint, never the run."""
         if to_memory and self.memory is not None:
@@ -288,8 +325,14 @@ class CheckpointManager:
             try:
                 if previous is not None:
                     previous.wait()  # the memory write before this one (a thread of its own) has ended
-                stats.memory = self.memory.save(step, pieces, tensors=self.tensors, layout_json=self.layout.to_json(),
-                                                model=self.model, train_state=train_state)
+                stats.memory = self.memory.save(
+                    step,
+                    pieces,
+                    tensors=self.tensors,
+                    layout_json=self.layout.to_json(),
+                    model=self.model,
+                    train_state=train_state,
+                )
             except MoeckptError as e:  # every rank raises it alike (agreed inside), none is left in a collective
                 stats.memory = MemoryStats(step=step, error=str(e))
                 log.warning("memory checkpoint of step %d not committed: %s", step, e)
@@ -345,8 +388,13 @@ class CheckpointManager:
                 train_state=train_state,
             )
             commit(location, index)
-            log.info("saved step %d to %s: %.2f MB in %.2f s", step, location, sum(f.size for f in files) / 1e6,
-                     time.perf_counter() - t0)
+            log.info(
+                "saved step %d to %s: %.2f MB in %.2f s",
+                step,
+                location,
+                sum(f.size for f in files) / 1e6,
+                time.perf_counter() - t0,
+            )
             apply_gc(self.run_dir, replace(plan_gc(self.run_dir, self.retention), remove_uncommitted=[]))
         collectives.barrier(self.group)
         stats.committed = True

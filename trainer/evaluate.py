@@ -61,8 +61,15 @@ class EvalConfig:
     cpu: bool = False
 
     def __post_init__(self) -> None:
-        for name, lo, hi in (("tp", 1, 4096), ("ep", 1, 4096), ("batches", 1, 10**9), ("start_sample", 0, 2**62),
-                             ("seq_len", 1, 2**20), ("batch_size", 1, 2**24), ("seed", 0, 2**63 - 1)):
+        for name, lo, hi in (
+            ("tp", 1, 4096),
+            ("ep", 1, 4096),
+            ("batches", 1, 10**9),
+            ("start_sample", 0, 2**62),
+            ("seq_len", 1, 2**20),
+            ("batch_size", 1, 2**24),
+            ("seed", 0, 2**63 - 1),
+        ):
             value = getattr(self, name)
             if value is None and name in ("seq_len", "batch_size", "seed"):
                 continue
@@ -104,22 +111,44 @@ def check_launch(config: EvalConfig, nproc: int) -> int | None:
     spec = ModelSpec.from_json(reader.index.model)
     layout = choose_layout(nproc, tp=config.tp, ep=config.ep, check=spec.check_layout)
     batch, seq_len = eval_shape(config, reader.index.train_state or {})
-    dataset = TokenDataset(config.data_path, seq_len=seq_len, dtype=config.data_dtype,
-                           vocab_size=getattr(spec.config, "vocab_size", None))
+    dataset = TokenDataset(
+        config.data_path, seq_len=seq_len, dtype=config.data_dtype, vocab_size=getattr(spec.config, "vocab_size", None)
+    )
     return _check(config, spec, layout, dataset, batch, ranks_here=nproc, device_type="cpu" if config.cpu else None)
 
 
-def _check(config: EvalConfig, spec: ModelSpec, layout, dataset: TokenDataset, batch: int, *, ranks_here: int,
-           device_type: str | None) -> int | None:
+def _check(
+    config: EvalConfig,
+    spec: ModelSpec,
+    layout,
+    dataset: TokenDataset,
+    batch: int,
+    *,
+    ranks_here: int,
+    device_type: str | None,
+) -> int | None:
     if batch % layout.dp:
         raise DataError(f"--batch-size {batch} is not divisible by dp = nproc / tp = {layout.dp}")
     epoch = check_samples(config, dataset, batch)
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    need = training_bytes(spec, tp=layout.tp, ep=layout.ep, dp=layout.dp, micro_batch=batch // layout.dp,
-                          seq_len=dataset.seq_len, param_bytes=4, optimizer=False)
-    check_fits(need, ranks_here=ranks_here, device_type=device_type, what=f"evaluating {spec.arch} in {layout}",
-               fix="use a smaller --batch-size or --seq-len, or more ranks (--nproc, --tp, --ep)")
+    need = training_bytes(
+        spec,
+        tp=layout.tp,
+        ep=layout.ep,
+        dp=layout.dp,
+        micro_batch=batch // layout.dp,
+        seq_len=dataset.seq_len,
+        param_bytes=4,
+        optimizer=False,
+    )
+    check_fits(
+        need,
+        ranks_here=ranks_here,
+        device_type=device_type,
+        what=f"evaluating {spec.arch} in {layout}",
+        fix="use a smaller --batch-size or --seq-len, or more ranks (--nproc, --tp, --ep)",
+    )
     return epoch
 
 
@@ -127,18 +156,28 @@ def _param_pieces(model: torch.nn.Module, specs, layout, rank: int) -> list[Stat
     pieces = []
     params = dict(model.named_parameters())
     for spec in specs:
-        entry = TensorEntry(name=spec.name, shape=tuple(spec.shape), dtype="float32", role="param", param=spec.name,
-                            sharding=spec.rule.to_json())
+        entry = TensorEntry(
+            name=spec.name,
+            shape=tuple(spec.shape),
+            dtype="float32",
+            role="param",
+            param=spec.name,
+            sharding=spec.rule.to_json(),
+        )
         local = params[spec.name].detach()
-        pieces.extend(StatePiece(spec.name, "param", box, view) for box, view in split_local(entry, layout, rank, local))
+        pieces.extend(
+            StatePiece(spec.name, "param", box, view) for box, view in split_local(entry, layout, rank, local)
+        )
     return pieces
 
 
 @torch.no_grad()
 def eval_shape(config: EvalConfig, train_state: dict) -> tuple[int, int]:
     """(samples per batch, tokens per sample) of an evaluation: the config's, else the checkpoint's training ones."""
-    return (config.batch_size or int(train_state.get("global_batch", 8)),
-            config.seq_len or int(train_state.get("seq_len", 64)))
+    return (
+        config.batch_size or int(train_state.get("global_batch", 8)),
+        config.seq_len or int(train_state.get("seq_len", 64)),
+    )
 
 
 def evaluate(config: EvalConfig, *, on_batch: Callable[[], None] | None = None) -> float:
@@ -158,8 +197,15 @@ def evaluate(config: EvalConfig, *, on_batch: Callable[[], None] | None = None) 
     batch, seq_len = eval_shape(config, state)
     vocab = getattr(spec.config, "vocab_size", None)
     dataset = TokenDataset(config.data_path, seq_len=seq_len, dtype=config.data_dtype, vocab_size=vocab)
-    _check(config, spec, layout, dataset, batch, ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-           device_type=device.type)
+    _check(
+        config,
+        spec,
+        layout,
+        dataset,
+        batch,
+        ranks_here=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        device_type=device.type,
+    )
     groups = build_groups(layout, device=device)
     rank = groups.coords.rank
     model = build_parallel_model(spec, groups)
@@ -177,8 +223,9 @@ def evaluate(config: EvalConfig, *, on_batch: Callable[[], None] | None = None) 
         raise ResumeError(f"{reader.location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
 
     seed = config.seed if config.seed is not None else int(state.get("seed", 0))
-    loader = BatchLoader(dataset, global_batch=batch, dp_rank=groups.coords.dp_rank, dp=layout.dp, seed=seed,
-                         shuffle=config.shuffle)
+    loader = BatchLoader(
+        dataset, global_batch=batch, dp_rank=groups.coords.dp_rank, dp=layout.dp, seed=seed, shuffle=config.shuffle
+    )
     loader.consumed_samples = config.start_sample
     total = torch.zeros(1, dtype=torch.float64, device=device)
     with torch.no_grad():  # evaluation builds no graph (and keeps none alive across batches)

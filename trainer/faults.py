@@ -64,9 +64,7 @@ def parse_fault(text: str) -> Fault:
     for part in filter(None, rest.split(",")):
         key, eq, value = part.partition("=")
         if not eq or key not in ("rank", "step", "signal", "seconds"):
-            raise FaultSpecError(
-                f"--inject {text!r}: expected rank=N, step=N, signal=TERM or seconds=X, got {part!r}"
-            )
+            raise FaultSpecError(f"--inject {text!r}: expected rank=N, step=N, signal=TERM or seconds=X, got {part!r}")
         fields[key] = value
     try:
         step = int(fields["step"])

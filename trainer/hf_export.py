@@ -87,7 +87,9 @@ def spec_of(reader: CheckpointReader, model_override: ModelSpec | None = None) -
             )
         model = model_override.to_json()
     elif model_override is not None:
-        raise HfExportError(f"{reader.location}: the checkpoint records its model; --model is for state-dict checkpoints")
+        raise HfExportError(
+            f"{reader.location}: the checkpoint records its model; --model is for state-dict checkpoints"
+        )
     else:
         model = reader.index.model
     arch = model.get("arch")
@@ -124,7 +126,9 @@ def plan_tensors(spec: ModelSpec, reader: CheckpointReader) -> list[HfTensor]:
     for p in spec.param_specs():
         entry = reader.index.tensors.get(p.name)
         if entry is None or entry.role != "param":
-            raise HfExportError(f"{reader.location}: parameter {p.name!r} of the {spec.arch} model is not in the checkpoint")
+            raise HfExportError(
+                f"{reader.location}: parameter {p.name!r} of the {spec.arch} model is not in the checkpoint"
+            )
         if tuple(entry.shape) != tuple(p.shape):
             raise HfExportError(
                 f"{reader.location}: {p.name} has shape {list(entry.shape)} but the model config gives {list(p.shape)}"
@@ -152,7 +156,11 @@ def _header(tensors: list[HfTensor], dtype: str) -> bytes:
     offset = 0
     for t in tensors:
         n = t.nbytes(dtype)
-        doc[t.name] = {"dtype": dtypes.to_safetensors(dtype), "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        doc[t.name] = {
+            "dtype": dtypes.to_safetensors(dtype),
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     raw = json.dumps(doc, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -189,7 +197,8 @@ class _Destination:
         committed = any(n in (INDEX_FILE, "config.json") for n in existing)
         if existing and not overwrite and (self.final.is_local or committed or not all(map(_is_own, existing))):
             raise DestinationNotEmptyError(
-                f"{self.final.location}: destination is not empty; pass --overwrite to replace it")
+                f"{self.final.location}: destination is not empty; pass --overwrite to replace it"
+            )
         self.existing = existing
         if self.final.is_local:
             parent, name = os.path.split(os.path.abspath(self.final.location).rstrip(os.sep))
@@ -272,8 +281,15 @@ def export_hf(
         raise HfExportError(f"max shard size must be positive, got {max_shard_size}")
     tensors = plan_tensors(spec, reader)
     # where each parameter is stored: under its own name, or (a state dict) where match_model_names found it
-    stored = ({p: n for (role, p), n in match_model_names(reader.index, spec, reader.location).tensors.items()
-               if role == PARAM} if is_state_dict(reader.index) else {})
+    stored = (
+        {
+            p: n
+            for (role, p), n in match_model_names(reader.index, spec, reader.location).tensors.items()
+            if role == PARAM
+        }
+        if is_state_dict(reader.index)
+        else {}
+    )
     param_dtype = reader.index.tensors[stored.get(tensors[0].source, tensors[0].source)].dtype
     dtype = dtype or param_dtype
     if dtype not in ("bfloat16", "float32", "float16"):
@@ -319,7 +335,9 @@ def _write(reader, spec, storage: Storage, names, shards, tensors, dtype, torch_
                 if on_bytes is not None:
                     on_bytes(len(data))
     total = sum(t.nbytes(dtype) for t in tensors)
-    storage.write_bytes("generation_config.json", _json({"_from_model_config": True, **hf.generation_config(spec.config)}))
+    storage.write_bytes(
+        "generation_config.json", _json({"_from_model_config": True, **hf.generation_config(spec.config)})
+    )
     storage.write_bytes("config.json", _json(hf.to_hf_config(spec.config, dtype=dtype)))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     storage.write_bytes(INDEX_FILE, _json(index))
@@ -331,16 +349,25 @@ def _json(doc: dict) -> bytes:
 
 def parse_size(text: str) -> int:
     """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a byte count, as bytes (HF's ``max_shard_size`` convention)."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+    }
     s = text.strip().upper()
     num = s.rstrip("KMGTIB")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     try:
         value = float(num)
     except ValueError:
         value = -1.0
     if unit not in units or not 0 < value < float("inf") or not 1 <= value * units[unit] <= MAX_SHARD_BYTES:
-        raise HfExportError(
-            f"--max-shard-size {text!r} is not a size such as 5GB, 500MB or 2GiB (1 byte to 1PB)")
+        raise HfExportError(f"--max-shard-size {text!r} is not a size such as 5GB, 500MB or 2GiB (1 byte to 1PB)")
     return int(value * units[unit])

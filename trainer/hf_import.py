@@ -64,10 +64,14 @@ class HfDirectory:
                     extra, absent = sorted(set(header) - mapped), sorted(mapped - set(header))
                     raise HfFormatError(
                         f"{self.storage.path(f)}: does not match {INDEX_FILE}: "
-                        + "; ".join(x for x in (
-                            f"the index maps {absent[:3]} here but the file lacks them" if absent else "",
-                            f"the file holds {extra[:3]} the index maps elsewhere or not at all" if extra else "",
-                        ) if x)
+                        + "; ".join(
+                            x
+                            for x in (
+                                f"the index maps {absent[:3]} here but the file lacks them" if absent else "",
+                                f"the file holds {extra[:3]} the index maps elsewhere or not at all" if extra else "",
+                            )
+                            if x
+                        )
                     )
             self.entries.update(header)
 
@@ -112,7 +116,9 @@ class HfDirectory:
             for s in shape:
                 numel *= s
             if end - begin != numel * dtypes.itemsize(dtype) or 8 + hlen + end > size:
-                raise HfFormatError(f"{where}: {name} has data offsets {[begin, end]} that do not fit its shape or the file")
+                raise HfFormatError(
+                    f"{where}: {name} has data offsets {[begin, end]} that do not fit its shape or the file"
+                )
             out[name] = (relpath, dtype, shape, 8 + hlen + begin, 8 + hlen + end)
         return out
 
@@ -247,8 +253,14 @@ class HfImport:
         """Write and commit the checkpoint at ``dst``, streaming: memory is a few row chunks, not the model.
         ``limits`` are the other fields of :class:`~moeckpt.reshard.options.ReshardOptions` (``chunk_bytes``, ...)."""
         return write_rows(
-            dst, self.index, self.layout, self.read_rows, source_name=self.hf_dir.location, overwrite=overwrite,
-            on_bytes=on_bytes, options=offline_options(workers, **limits),
+            dst,
+            self.index,
+            self.layout,
+            self.read_rows,
+            source_name=self.hf_dir.location,
+            overwrite=overwrite,
+            on_bytes=on_bytes,
+            options=offline_options(workers, **limits),
         )
 
 

@@ -36,8 +36,17 @@ from typing import Any
 
 from moeckpt.formats.errors import MoeckptError
 
-__all__ = ["Elastic", "JobInterruptedError", "JobResult", "LaunchFailedError", "torchrun_command", "torchrun_env",
-           "under_torchrun", "run_torchrun", "main"]
+__all__ = [
+    "Elastic",
+    "JobInterruptedError",
+    "JobResult",
+    "LaunchFailedError",
+    "torchrun_command",
+    "torchrun_env",
+    "under_torchrun",
+    "run_torchrun",
+    "main",
+]
 
 #: what the worker entry point can run.
 JOBS = ("train", "eval")
@@ -112,12 +121,18 @@ class Elastic:
         """From ``--nnodes MIN:MAX`` (or ``N``) and ``--rdzv-endpoint HOST:PORT``; raises :class:`LaunchFailedError`
         with exit code 2 on a malformed value."""
         m = re.fullmatch(r"(\d+)(?::(\d+))?", nnodes.strip())
-        if (m is None or int(m.group(1)) < 1 or int(m.group(2) or m.group(1)) < int(m.group(1))
-                or int(m.group(2) or m.group(1)) > MAX_NODES):
+        if (
+            m is None
+            or int(m.group(1)) < 1
+            or int(m.group(2) or m.group(1)) < int(m.group(1))
+            or int(m.group(2) or m.group(1)) > MAX_NODES
+        ):
             raise ElasticSpecError(
-                f"--nnodes {nnodes!r}: expected MIN:MAX with 1 <= MIN <= MAX <= {MAX_NODES} (or one number N)")
-        port_ok = bool(endpoint and re.fullmatch(r"[^:\s]+:\d+", endpoint)
-                       and 0 < int(endpoint.rsplit(":", 1)[1]) < 65536)
+                f"--nnodes {nnodes!r}: expected MIN:MAX with 1 <= MIN <= MAX <= {MAX_NODES} (or one number N)"
+            )
+        port_ok = bool(
+            endpoint and re.fullmatch(r"[^:\s]+:\d+", endpoint) and 0 < int(endpoint.rsplit(":", 1)[1]) < 65536
+        )
         if not port_ok:
             raise ElasticSpecError(
                 f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT (port 1-65535), the same on every node (the host "
@@ -127,8 +142,11 @@ class Elastic:
 
     def torchrun_args(self) -> list[str]:
         args = [
-            f"--nnodes={self.min_nodes}:{self.max_nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
-            f"--rdzv-id={self.run_id}", f"--max-restarts={self.max_restarts}",
+            f"--nnodes={self.min_nodes}:{self.max_nodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.run_id}",
+            f"--max-restarts={self.max_restarts}",
         ]
         return args + ([f"--rdzv-conf={self.conf}"] if self.conf else [])
 
@@ -137,8 +155,15 @@ class ElasticSpecError(MoeckptError, ValueError):
     """An ``--nnodes`` or ``--rdzv-endpoint`` value that cannot be parsed."""
 
 
-def torchrun_command(job: str, config: dict[str, Any], nproc: int, *, elastic: Elastic | None = None,
-                     max_restarts: int = 0, extra: Sequence[str] = ()) -> list[str]:
+def torchrun_command(
+    job: str,
+    config: dict[str, Any],
+    nproc: int,
+    *,
+    elastic: Elastic | None = None,
+    max_restarts: int = 0,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """The command line that starts ``nproc`` local workers running ``job`` (``train`` or ``eval``) on ``config``:
     a standalone single-node job (restarting its workers up to ``max_restarts`` times), or one node of an elastic
     job (its own ``max_restarts``)."""
@@ -146,9 +171,17 @@ def torchrun_command(job: str, config: dict[str, Any], nproc: int, *, elastic: E
         raise ValueError(f"job={job!r} must be one of {JOBS}")
     mode = elastic.torchrun_args() if elastic is not None else ["--standalone", f"--max-restarts={max_restarts}"]
     return [
-        sys.executable, "-m", "moeckpt.trainer.agent", *mode, f"--nproc-per-node={nproc}",
-        *shutdown_args(), *extra,
-        "-m", "moeckpt.trainer.launch", job, json.dumps(config, separators=(",", ":")),
+        sys.executable,
+        "-m",
+        "moeckpt.trainer.agent",
+        *mode,
+        f"--nproc-per-node={nproc}",
+        *shutdown_args(),
+        *extra,
+        "-m",
+        "moeckpt.trainer.launch",
+        job,
+        json.dumps(config, separators=(",", ":")),
     ]
 
 
@@ -186,8 +219,9 @@ class JobResult:
         return len(self.statuses) == self.nproc and all(s.get("outcome") == "preempted" for s in self.statuses.values())
 
 
-def run_torchrun(job: str, config: dict[str, Any], nproc: int, *, elastic: Elastic | None = None,
-                 max_restarts: int = 0) -> JobResult:
+def run_torchrun(
+    job: str, config: dict[str, Any], nproc: int, *, elastic: Elastic | None = None, max_restarts: int = 0
+) -> JobResult:
     """Run ``job`` in ``nproc`` local workers under torchrun's agent, supervised, and wait.
 
     Raises :class:`LaunchFailedError` when the workers failed (past their restarts) and
@@ -200,8 +234,14 @@ def run_torchrun(job: str, config: dict[str, Any], nproc: int, *, elastic: Elast
         env = torchrun_env(nproc)
         env[STATUS_ENV] = status_dir
         # torchrun's own log directory too, so that nothing of the job stays in the temporary directory
-        cmd = torchrun_command(job, config, nproc, elastic=elastic, max_restarts=max_restarts,
-                               extra=["--log-dir", os.path.join(status_dir, "torchelastic")])
+        cmd = torchrun_command(
+            job,
+            config,
+            nproc,
+            elastic=elastic,
+            max_restarts=max_restarts,
+            extra=["--log-dir", os.path.join(status_dir, "torchelastic")],
+        )
         outcome = supervise(cmd, env=env)
         result = JobResult(nproc=nproc, signal=outcome.signal, statuses=read_statuses(status_dir))
     if outcome.signal is not None and (outcome.signal != signal.SIGTERM or job != "train"):
@@ -252,16 +292,26 @@ def worker(job: str, config: dict[str, Any]) -> dict[str, Any]:
         from .train import TrainConfig, run_training
 
         summary = run_training(TrainConfig.from_json(config))
-        return {"outcome": "preempted" if summary.preempted else "done", "step": summary.step,
-                "steps_trained": len(summary.records), "last": summary.records[-1] if summary.records else None}
+        return {
+            "outcome": "preempted" if summary.preempted else "done",
+            "step": summary.step,
+            "steps_trained": len(summary.records),
+            "last": summary.records[-1] if summary.records else None,
+        }
     from tqdm import tqdm
 
     from .evaluate import EvalConfig, evaluate
 
     cfg = EvalConfig(**config)
     # Rank 0 shows the terminal a bar (tqdm draws nothing when stderr is not a terminal).
-    with tqdm(total=cfg.batches, desc="eval", unit="batch", file=sys.stderr, leave=False,
-              disable=True if os.environ.get("RANK", "0") != "0" else None) as bar:
+    with tqdm(
+        total=cfg.batches,
+        desc="eval",
+        unit="batch",
+        file=sys.stderr,
+        leave=False,
+        disable=True if os.environ.get("RANK", "0") != "0" else None,
+    ) as bar:
         return {"outcome": "done", "loss": evaluate(cfg, on_batch=lambda: bar.update(1))}
 
 
@@ -272,8 +322,10 @@ def _peer_lost(e: BaseException) -> bool:
     if isinstance(e, getattr(dist, "DistError", ())):
         return True
     text = str(e)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                                   "Connection refused"))
+    return any(
+        s in text
+        for s in ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -314,9 +366,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 #: what the agent's fork server imports once, so that a worker forked from it after a restart (or at the first
 #: start) pays no interpreter start and no torch import (:mod:`moeckpt.trainer.agent`).
-WARM_MODULES = ("torch", "torch.distributed", "moeckpt.trainer.launch", "moeckpt.trainer.train",
-                "moeckpt.formats.storages.local", "moeckpt.trainer.models.zaya.model",
-                "moeckpt.trainer.models.qwen3_moe.model", "moeckpt.trainer.warm_server")
+WARM_MODULES = (
+    "torch",
+    "torch.distributed",
+    "moeckpt.trainer.launch",
+    "moeckpt.trainer.train",
+    "moeckpt.formats.storages.local",
+    "moeckpt.trainer.models.zaya.model",
+    "moeckpt.trainer.models.qwen3_moe.model",
+    "moeckpt.trainer.warm_server",
+)
 
 
 def forked_main(job: str, config_json: str) -> None:

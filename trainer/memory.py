@@ -41,8 +41,18 @@ def _numel(shape) -> int:
     return n
 
 
-def training_bytes(spec, *, tp: int, ep: int, dp: int, micro_batch: int, seq_len: int, param_bytes: int,
-                   optimizer: bool = True, params: int | None = None) -> int:
+def training_bytes(
+    spec,
+    *,
+    tp: int,
+    ep: int,
+    dp: int,
+    micro_batch: int,
+    seq_len: int,
+    param_bytes: int,
+    optimizer: bool = True,
+    params: int | None = None,
+) -> int:
     """A lower bound of one rank's memory: its share of parameters and gradients, its ZeRO-1 share of the fp32
     optimizer state (and master weights when parameters are narrower), the fp32 logits of its micro-batch and one
     activation per layer. ``params``: the model's parameter count, when the caller has it already."""

@@ -146,8 +146,9 @@ def remove_run_memory(run_dir: str, parent: str | None = None) -> str | None:
     return root
 
 
-def check_host_budget(run_dir: str, parent: str | None, *, keep: int, replicas: int, state_bytes: int,
-                      ranks_here: int, world: int) -> int:
+def check_host_budget(
+    run_dir: str, parent: str | None, *, keep: int, replicas: int, state_bytes: int, ranks_here: int, world: int
+) -> int:
     """Before any worker starts: refuse (:class:`MemoryBudgetError`) a host whose memory directory cannot hold
     ``keep`` memory checkpoints of its ``ranks_here`` ranks' share of a ``world``-rank job (and of its buddies'
     shares); the run's own memory checkpoints there count as free. Returns the bytes needed."""
@@ -443,7 +444,7 @@ def _pack(staging: Storage, files: list[dict]) -> torch.Tensor:
         if len(data) != f["size"]:
             raise MemorySaveError(f"{staging.path(f['path'])}: {len(data)} bytes, {f['size']} were written")
         if data:
-            out[offset:offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            out[offset : offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         offset += len(data)
     return out
 

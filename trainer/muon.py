@@ -90,8 +90,13 @@ class MuonConfig:
         return self.adamw.weight_decay
 
 
-def newton_schulz(x: torch.Tensor, steps: int = 5, coefficients: Sequence[float] = NS_COEFFICIENTS,
-                  eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def newton_schulz(
+    x: torch.Tensor,
+    steps: int = 5,
+    coefficients: Sequence[float] = NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """The quintic Newton-Schulz iteration on ``x [..., rows, cols]`` (one matrix or a batch), in ``dtype``.
 
     Approximately ``U V^T`` of each matrix's SVD (singular values land in about [0.7, 1.2], which does not hurt
@@ -167,7 +172,9 @@ class ZeroMuon(ZeroAdamW):
         # What Newton-Schulz reads (the update, cast) and writes back (the orthogonalized update), per bucket.
         self._u = {id(b): torch.zeros(b.total, dtype=dt, device=dev) for b in self._muon_buckets}
         self._o = {id(b): torch.zeros(b.total, dtype=dt, device=dev) for b in self._muon_buckets}
-        self._stacks = {shape: torch.zeros(len(ms), *shape, dtype=dt, device=dev) for shape, ms in plan.computes.items()}
+        self._stacks = {
+            shape: torch.zeros(len(ms), *shape, dtype=dt, device=dev) for shape, ms in plan.computes.items()
+        }
         position = plan.position()
 
         def part(t: Transfer, buffers: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -190,10 +197,12 @@ class ZeroMuon(ZeroAdamW):
             return view if f.batched else view[0]
 
         world = layout.world
-        self._fwd = _Exchange.build(plan.forward, rank, world, dt, dev,
-                                    source=lambda t: part(t, self._u), target=stacked)
-        self._back = _Exchange.build(plan.backward, rank, world, dt, dev,
-                                     source=stacked, target=lambda t: part(t, self._o))
+        self._fwd = _Exchange.build(
+            plan.forward, rank, world, dt, dev, source=lambda t: part(t, self._u), target=stacked
+        )
+        self._back = _Exchange.build(
+            plan.backward, rank, world, dt, dev, source=stacked, target=lambda t: part(t, self._o)
+        )
         self._exchanging = world > 1 and self.groups.world is not None
         # The scaled update per parameter: one add over its segment when all its matrices share a shape.
         self._apply: dict[int, list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
@@ -212,8 +221,13 @@ class ZeroMuon(ZeroAdamW):
                         s = z.intersect(f.box())
                         if s is not None:
                             rel = s.relative_to(z).slices()
-                            ops.append((_part_view(b.master, p)[sl][rel], _part_view(self._o[id(b)], p)[sl][rel],
-                                        scale * math.sqrt(max(f.shape))))
+                            ops.append(
+                                (
+                                    _part_view(b.master, p)[sl][rel],
+                                    _part_view(self._o[id(b)], p)[sl][rel],
+                                    scale * math.sqrt(max(f.shape)),
+                                )
+                            )
             self._apply[id(b)] = ops
 
     # ------------------------------------------------------------------------------------------------- step

@@ -89,8 +89,16 @@ def families(spec: ParamSpec, index: int) -> list[Family]:
         raise LayoutError(f"{spec.name}: matrix blocks {list(blocks)} do not split its {rows} rows")
     out, row0 = [], 0
     for j, b in enumerate(blocks):
-        out.append(Family(index=index + j, param=spec.name, batch=shape[0] if batched else 1, batched=batched,
-                          row0=row0, shape=(b, cols)))
+        out.append(
+            Family(
+                index=index + j,
+                param=spec.name,
+                batch=shape[0] if batched else 1,
+                batched=batched,
+                row0=row0,
+                shape=(b, cols),
+            )
+        )
         row0 += b
     return out
 
@@ -107,8 +115,14 @@ def _holders(geo, i: int) -> tuple[int, ...]:
 def matrix_pieces(spec: ParamSpec, fams: Sequence[Family], layout: Layout) -> dict[tuple[int, int], list[_Piece]]:
     """Every stored piece of every matrix of ``fams`` (one parameter) in ``layout``: ``(family index, matrix)`` ->
     ``[(box of that matrix, holder ranks)]``, in box order."""
-    entry = TensorEntry(name=tensor_name(spec.name, MOMENTUM), shape=tuple(spec.shape), dtype="float32",
-                        role=MOMENTUM, param=spec.name, sharding=spec.rule.to_json())
+    entry = TensorEntry(
+        name=tensor_name(spec.name, MOMENTUM),
+        shape=tuple(spec.shape),
+        dtype="float32",
+        role=MOMENTUM,
+        param=spec.name,
+        sharding=spec.rule.to_json(),
+    )
     geo = geometry(entry, layout)
     out: dict[tuple[int, int], list[_Piece]] = {(f.index, e): [] for f in fams for e in range(f.batch)}
     for i, z in enumerate(geo.boxes):
@@ -213,11 +227,20 @@ def _merge(transfers: list[tuple[Transfer, int, int]], fams: dict[int, Family]) 
     out: list[Transfer] = []
     run: tuple[Transfer, int, int] | None = None
     for t, e, n in sorted(transfers, key=lambda x: (x[0].src, x[0].dst, x[0].family, x[0].offsets[1:], x[1])):
-        if (run is not None and fams[t.family].batched and (run[0].src, run[0].dst, run[0].family) == (t.src, t.dst, t.family)
-                and run[0].offsets[1:] == t.offsets[1:] and run[0].shape[1:] == t.shape[1:] and run[1] + run[2] == e):
+        if (
+            run is not None
+            and fams[t.family].batched
+            and (run[0].src, run[0].dst, run[0].family) == (t.src, t.dst, t.family)
+            and run[0].offsets[1:] == t.offsets[1:]
+            and run[0].shape[1:] == t.shape[1:]
+            and run[1] + run[2] == e
+        ):
             first = run[0]
-            run = (Transfer(first.family, first.offsets, (run[2] + n, *first.shape[1:]), first.src, first.dst),
-                   run[1], run[2] + n)
+            run = (
+                Transfer(first.family, first.offsets, (run[2] + n, *first.shape[1:]), first.src, first.dst),
+                run[1],
+                run[2] + n,
+            )
             continue
         if run is not None:
             out.append(run[0])
@@ -273,5 +296,6 @@ def rank_plan(specs: Sequence[ParamSpec], layout: Layout, rank: int, scheme: str
                         backward.append((Transfer(fam, box.offsets, box.shape, a, h), e, 1))
             elif rank in hs:
                 backward.append((Transfer(fam, box.offsets, box.shape, rank, rank), e, 1))
-    return RankPlan(rank=rank, families=fams, computes=computes, forward=_merge(forward, fams),
-                    backward=_merge(backward, fams))
+    return RankPlan(
+        rank=rank, families=fams, computes=computes, forward=_merge(forward, fams), backward=_merge(backward, fams)
+    )

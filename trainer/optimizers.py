@@ -34,8 +34,15 @@ class OptimizerMismatchError(MoeckptError, ValueError):
     """A checkpoint's optimizer state was written by another optimizer than the run's."""
 
 
-def build_optimizer(name: str, params: Iterable[tuple[str, torch.Tensor]], specs: Mapping[str, ParamSpec] | Iterable[ParamSpec],
-                    groups: ParallelGroups, adamw: AdamWConfig, *, muon: MuonConfig | None = None) -> ZeroAdamW:
+def build_optimizer(
+    name: str,
+    params: Iterable[tuple[str, torch.Tensor]],
+    specs: Mapping[str, ParamSpec] | Iterable[ParamSpec],
+    groups: ParallelGroups,
+    adamw: AdamWConfig,
+    *,
+    muon: MuonConfig | None = None,
+) -> ZeroAdamW:
     """The ZeRO-1 optimizer ``name`` (``adamw`` or ``muon``); Muon takes ``muon`` with ``adamw`` as its AdamW part."""
     if name == "adamw":
         return ZeroAdamW(params, specs, groups, adamw)

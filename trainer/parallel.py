@@ -111,12 +111,8 @@ def group_ranks(layout: Layout) -> dict[str, list[list[int]]]:
     return {
         "tp": [[rank(tp_rank=t, dp_rank=d) for t in range(tp)] for d in range(layout.dp)],
         "dp": [[rank(tp_rank=t, dp_rank=d) for d in range(layout.dp)] for t in range(tp)],
-        "ep": [
-            [rank(tp_rank=t, dp_rank=k * ep + e) for e in range(ep)] for t in range(tp) for k in range(edp)
-        ],
-        "edp": [
-            [rank(tp_rank=t, dp_rank=k * ep + e) for k in range(edp)] for t in range(tp) for e in range(ep)
-        ],
+        "ep": [[rank(tp_rank=t, dp_rank=k * ep + e) for e in range(ep)] for t in range(tp) for k in range(edp)],
+        "edp": [[rank(tp_rank=t, dp_rank=k * ep + e) for k in range(edp)] for t in range(tp) for e in range(ep)],
     }
 
 
@@ -238,8 +234,10 @@ def choose_layout(
         raise LayoutError(f"world size must be a positive integer, got {world!r}")
     tp = 1 if tp is None else tp
     if type(tp) is not int or tp < 1 or world % tp:
-        raise LayoutError(f"tp={tp!r} must be a positive integer dividing the world size {world} "
-                          "(--nproc, times the nodes of an elastic job)")
+        raise LayoutError(
+            f"tp={tp!r} must be a positive integer dividing the world size {world} "
+            "(--nproc, times the nodes of an elastic job)"
+        )
     dp = world // tp
     if ep is not None:
         if type(ep) is not int or ep < 1 or dp % ep:

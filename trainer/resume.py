@@ -24,14 +24,19 @@ from moeckpt.reshard.load import LoadStats, exchange_pays, load_rank_state
 from .optimizers import check_resume_optimizer
 from .zero import StatePiece, ZeroOptimizer
 
-__all__ = ["DAMAGED_CHECKPOINT_ERRORS", "ResumeError", "Restored", "exchanges", "load_pieces", "restore",
-           "restore_from_state_dict"]
+__all__ = [
+    "DAMAGED_CHECKPOINT_ERRORS",
+    "ResumeError",
+    "Restored",
+    "exchanges",
+    "load_pieces",
+    "restore",
+    "restore_from_state_dict",
+]
 
 #: what a damaged checkpoint raises on load (on every rank of a collective load alike): the trainer then falls
 #: back to the previous checkpoint. Other errors (another model, a permission problem) stop the run instead.
 DAMAGED_CHECKPOINT_ERRORS = (ChecksumMismatchError, DataFileError)
-
-
 
 
 class ResumeError(MoeckptError, ValueError):
@@ -58,9 +63,18 @@ class Restored:
     optimizer_reset: bool = False
 
 
-def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layout, rank: int, *,
-                roles: Iterable[str], group=None, stats: LoadStats | None = None, exchange: bool = True,
-                readable=None) -> set[str]:
+def load_pieces(
+    reader: CheckpointReader,
+    pieces: list[StatePiece],
+    layout: Layout,
+    rank: int,
+    *,
+    roles: Iterable[str],
+    group=None,
+    stats: LoadStats | None = None,
+    exchange: bool = True,
+    readable=None,
+) -> set[str]:
     """Copy the checkpoint's data into ``pieces`` (live views: a rank's boxes in ``layout``); returns the names
     of the checkpoint's logical tensors of ``roles`` (pieces of others are left untouched).
 
@@ -75,8 +89,18 @@ def load_pieces(reader: CheckpointReader, pieces: list[StatePiece], layout: Layo
     out = {(p.name, p.box): p.tensor for p in pieces}
     devices = {p.tensor.device for p in pieces}
     device = devices.pop() if len(devices) == 1 else None
-    state = load_rank_state(reader, layout, rank, tensors=present, group=group, stats=stats, exchange=exchange,
-                            device=device, out=out, readable=readable)
+    state = load_rank_state(
+        reader,
+        layout,
+        rank,
+        tensors=present,
+        group=group,
+        stats=stats,
+        exchange=exchange,
+        device=device,
+        out=out,
+        readable=readable,
+    )
     by_box = {name: dict(boxes) for name, boxes in state.items()}
     for piece in pieces:
         boxes = by_box.get(piece.name)
@@ -101,8 +125,16 @@ def exchanges(reads: str, location: str, group) -> bool:
 
 
 @torch.no_grad()
-def restore(location: str, optimizer: ZeroOptimizer, *, model_json: dict, group=None, reads: str = "auto",
-            reset_optimizer: bool = False, readable=None) -> Restored:
+def restore(
+    location: str,
+    optimizer: ZeroOptimizer,
+    *,
+    model_json: dict,
+    group=None,
+    reads: str = "auto",
+    reset_optimizer: bool = False,
+    readable=None,
+) -> Restored:
     """Load the checkpoint at ``location`` into ``optimizer``'s parameters and state (this rank's boxes).
 
     ``model_json`` (``ModelSpec.to_json()``) must match the checkpoint's model; ``group`` (a gloo group of the
@@ -129,9 +161,17 @@ def restore(location: str, optimizer: ZeroOptimizer, *, model_json: dict, group=
     if missing:
         raise ResumeError(f"{location}: the checkpoint lacks {len(missing)} model tensors, e.g. {missing[:3]}")
     state_pieces = optimizer.pieces()
-    loaded = load_pieces(reader, params + state_pieces, layout, rank,
-                         roles=TRAINING_ROLES if load_state else WEIGHT_ROLES, group=group, stats=stats,
-                         exchange=exchange, readable=readable)
+    loaded = load_pieces(
+        reader,
+        params + state_pieces,
+        layout,
+        rank,
+        roles=TRAINING_ROLES if load_state else WEIGHT_ROLES,
+        group=group,
+        stats=stats,
+        exchange=exchange,
+        readable=readable,
+    )
     masters = {p.name for p in state_pieces if p.role == MASTER}
     if masters and masters <= loaded:
         optimizer.load_params_from_master()
@@ -169,10 +209,14 @@ def restore_from_state_dict(location: str, optimizer: ZeroOptimizer, spec, *, gr
     reader = CheckpointReader(location)
     names = match_model_names(reader.index, spec, reader.location)
     wanted = [(names.tensors[(PARAM, p.param)], p.box, p.tensor) for p in optimizer.param_pieces()]
-    wanted += [(names.tensors[(p.role, p.param)], p.box, p.tensor) for p in optimizer.pieces()
-               if (p.role, p.param) in names.tensors]
+    wanted += [
+        (names.tensors[(p.role, p.param)], p.box, p.tensor)
+        for p in optimizer.pieces()
+        if (p.role, p.param) in names.tensors
+    ]
     stats = LoadStats()
     load_boxes(reader, wanted, group=group, stats=stats)
     optimizer.load_master_from_params()
-    return Restored(location=reader.location, step=int(reader.index.step), train_state={},
-                    source_layout=Layout(), stats=stats)
+    return Restored(
+        location=reader.location, step=int(reader.index.step), train_state={}, source_layout=Layout(), stats=stats
+    )

@@ -56,8 +56,17 @@ from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore, r
 from .schedule import LRSchedule, ScheduleConfig
 from .watchdog import Watchdog
 
-__all__ = ["DTYPES", "RESUME_READS", "NonFiniteLossError", "RunSummary", "TrainConfig", "Trainer", "check_launch",
-           "run_training", "train"]
+__all__ = [
+    "DTYPES",
+    "RESUME_READS",
+    "NonFiniteLossError",
+    "RunSummary",
+    "TrainConfig",
+    "Trainer",
+    "check_launch",
+    "run_training",
+    "train",
+]
 
 #: ``--dtype`` values and the parameter dtype they select.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -89,8 +98,10 @@ def run_model(config: TrainConfig) -> ModelSpec:
         return resolve_model(config.model)
     index = CheckpointReader(config.init_from).index
     if is_state_dict(index):
-        raise ResumeError(f"--init-from {config.init_from}: a state-dict checkpoint records no model; pass --model "
-                          "naming the bundled model its tensors are (Hugging Face names)")
+        raise ResumeError(
+            f"--init-from {config.init_from}: a state-dict checkpoint records no model; pass --model "
+            "naming the bundled model its tensors are (Hugging Face names)"
+        )
     return ModelSpec.from_json(index.model)
 
 
@@ -103,8 +114,9 @@ def check_run_dir(config: TrainConfig) -> None:
         )
 
 
-def check_launch(config: TrainConfig, nproc: int, *, worlds: Sequence[int] | None = None,
-                 device_type: str | None = None) -> None:
+def check_launch(
+    config: TrainConfig, nproc: int, *, worlds: Sequence[int] | None = None, device_type: str | None = None
+) -> None:
     """Refuse, before any process starts, a model, layout, data file or memory budget that cannot work with
     ``nproc`` processes on this host in a world of ``nproc`` (or of each size in ``worlds``, for an elastic job):
     each worker would otherwise fail alone, behind torchrun's generic exit code."""
@@ -115,14 +127,27 @@ def check_launch(config: TrainConfig, nproc: int, *, worlds: Sequence[int] | Non
     params = sum(math.prod(p.shape) for p in spec.param_specs())
     for world in worlds or (nproc,):
         layout = choose_layout(world, tp=config.tp, ep=config.ep, check=spec.check_layout)
-        check_shape(config, spec, layout, dataset, ranks_here=nproc, params=params,
-                    device_type=device_type or _device_type(config))
+        check_shape(
+            config,
+            spec,
+            layout,
+            dataset,
+            ranks_here=nproc,
+            params=params,
+            device_type=device_type or _device_type(config),
+        )
         if config.memory_tier:
             # weights, an fp32 master for lower-precision weights, and at most two fp32 moments per parameter
             per_param = DTYPES[config.dtype].itemsize + (4 if config.dtype != "fp32" else 0) + 8
-            check_host_budget(config.run_dir, config.memory_dir, keep=config.memory_keep,
-                              replicas=config.memory_replicas, state_bytes=params * per_param, ranks_here=nproc,
-                              world=world)
+            check_host_budget(
+                config.run_dir,
+                config.memory_dir,
+                keep=config.memory_keep,
+                replicas=config.memory_replicas,
+                state_bytes=params * per_param,
+                ranks_here=nproc,
+                world=world,
+            )
 
 
 def _device_type(config: TrainConfig) -> str:
@@ -130,12 +155,24 @@ def _device_type(config: TrainConfig) -> str:
 
 
 def open_dataset(config: TrainConfig, spec: ModelSpec) -> TokenDataset:
-    return TokenDataset(config.data or default_text_path(), seq_len=config.seq_len, dtype=config.data_dtype,
-                        vocab_size=getattr(spec.config, "vocab_size", None))
+    return TokenDataset(
+        config.data or default_text_path(),
+        seq_len=config.seq_len,
+        dtype=config.data_dtype,
+        vocab_size=getattr(spec.config, "vocab_size", None),
+    )
 
 
-def check_shape(config: TrainConfig, spec: ModelSpec, layout, dataset: TokenDataset, *, ranks_here: int,
-                device_type: str, params: int | None = None) -> None:
+def check_shape(
+    config: TrainConfig,
+    spec: ModelSpec,
+    layout,
+    dataset: TokenDataset,
+    *,
+    ranks_here: int,
+    device_type: str,
+    params: int | None = None,
+) -> None:
     """Refuse a batch the data or the layout cannot give, or a run the memory cannot hold, before allocating."""
     if config.global_batch % layout.dp:
         raise DataError(
@@ -150,11 +187,23 @@ def check_shape(config: TrainConfig, spec: ModelSpec, layout, dataset: TokenData
     max_pos = getattr(spec.config, "max_position_embeddings", None)
     if max_pos is not None and config.seq_len > max_pos:
         raise DataError(f"--seq-len {config.seq_len} is longer than the model's max_position_embeddings={max_pos}")
-    need = training_bytes(spec, tp=layout.tp, ep=layout.ep, dp=layout.dp, micro_batch=config.global_batch // layout.dp,
-                          seq_len=config.seq_len, param_bytes=DTYPES[config.dtype].itemsize, params=params)
-    check_fits(need, ranks_here=ranks_here, device_type=device_type, what=f"training {spec.arch} in layout {layout}",
-               fix="use a smaller model, --global-batch or --seq-len, more ranks (--nproc, --tp, --ep), "
-                   "or --dtype bf16")
+    need = training_bytes(
+        spec,
+        tp=layout.tp,
+        ep=layout.ep,
+        dp=layout.dp,
+        micro_batch=config.global_batch // layout.dp,
+        seq_len=config.seq_len,
+        param_bytes=DTYPES[config.dtype].itemsize,
+        params=params,
+    )
+    check_fits(
+        need,
+        ranks_here=ranks_here,
+        device_type=device_type,
+        what=f"training {spec.arch} in layout {layout}",
+        fix="use a smaller model, --global-batch or --seq-len, more ranks (--nproc, --tp, --ep), or --dtype bf16",
+    )
 
 
 def setup_world(config: TrainConfig) -> torch.device:
@@ -171,8 +220,9 @@ def setup_world(config: TrainConfig) -> torch.device:
 class Trainer:
     """One rank's training state: model shard, optimizer, data, schedule, checkpoints and metrics."""
 
-    def __init__(self, config: TrainConfig, *, device: torch.device | None = None,
-                 marks: dict[str, float | None] | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, *, device: torch.device | None = None, marks: dict[str, float | None] | None = None
+    ) -> None:
         self.config = config
         #: wall-clock marks of this start (:mod:`.phases`), logged as a ``restart_phases`` event after the first step.
         self.marks: dict[str, float | None] = dict(marks or {})
@@ -197,14 +247,19 @@ class Trainer:
         self.model.train()
         params = self.spec.param_specs()
         self.optimizer = build_optimizer(
-            config.optimizer, self.model.named_parameters(), params, self.groups,
+            config.optimizer,
+            self.model.named_parameters(),
+            params,
+            self.groups,
             AdamWConfig(weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm or None),
             muon=MuonConfig(momentum=config.muon_momentum, ns_steps=config.muon_ns_steps, scheme=config.muon_scheme),
         )
         self._params = params
         warmup = min(config.warmup_steps, config.steps)
         self.schedule = LRSchedule(
-            ScheduleConfig(lr=config.lr, warmup_steps=warmup, decay_steps=config.steps, min_lr_ratio=config.min_lr_ratio)
+            ScheduleConfig(
+                lr=config.lr, warmup_steps=warmup, decay_steps=config.steps, min_lr_ratio=config.min_lr_ratio
+            )
         )
         self.loader = BatchLoader(
             dataset,
@@ -214,8 +269,9 @@ class Trainer:
             seed=config.seed,
         )
         param_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
-        self.tensors: dict[str, TensorEntry] = logical_tensors(params, param_dtype=param_dtype,
-                                                               optimizer_roles=self.optimizer.roles)
+        self.tensors: dict[str, TensorEntry] = logical_tensors(
+            params, param_dtype=param_dtype, optimizer_roles=self.optimizer.roles
+        )
         self.checkpoints = CheckpointManager(
             config.run_dir,
             tensors=self.tensors,
@@ -254,21 +310,28 @@ class Trainer:
             if spec.init != "normal":
                 continue
             if current is None or current[0] != piece.param:
-                entry = TensorEntry(name=spec.name, shape=tuple(spec.shape), dtype="float32", role="param",
-                                    param=spec.name)
+                entry = TensorEntry(
+                    name=spec.name, shape=tuple(spec.shape), dtype="float32", role="param", param=spec.name
+                )
                 current = (piece.param, initial_value(entry, seed=self.config.seed, std=std))
             piece.tensor.copy_(current[1][piece.box.slices()])
         self.optimizer.load_master_from_params()
 
     def _memory_tier(self, config: TrainConfig) -> MemoryTier:
         """Join the memory tier (collective): the run's id from its run directory, the budget checked."""
-        rid = collectives.broadcast_json(run_id(config.run_dir, create=True) if self.rank == 0 else None, 0,
-                                         self.checkpoints.group)
+        rid = collectives.broadcast_json(
+            run_id(config.run_dir, create=True) if self.rank == 0 else None, 0, self.checkpoints.group
+        )
         # Its own gloo group: a memory-only save is written beside a persistent one still in flight (which talks
         # over the checkpoint manager's group), never behind it.
         group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        tier = MemoryTier(run_root(config.memory_dir, rid), group=group, keep=config.memory_keep,
-                          replicas=config.memory_replicas, state_bytes=sum(e.nbytes for e in self.tensors.values()))
+        tier = MemoryTier(
+            run_root(config.memory_dir, rid),
+            group=group,
+            keep=config.memory_keep,
+            replicas=config.memory_replicas,
+            state_bytes=sum(e.nbytes for e in self.tensors.values()),
+        )
         tier.check_budget()
         return tier
 
@@ -294,28 +357,47 @@ class Trainer:
             [restored.stats.bytes_read, restored.stats.bytes_needed, restored.stats.seconds], self.checkpoints.group
         )
         read = sum(r[0] for r in everyone)
-        self.metrics.write({
-            "event": "resume", "step": self.step, "tier": self.resume_tier,
-            "memory_bytes_read": read if self.resume_tier == "memory" else 0,
-            "storage_bytes_read": read if self.resume_tier == "storage" else 0,
-            "from_layout": restored.source_layout.to_json(),
-            "to_layout": self.groups.layout.to_json(),
-            # storage reads of all ranks against the bytes the new layout holds (replicas counted once per rank)
-            "bytes_read": sum(r[0] for r in everyone), "bytes_needed": sum(r[1] for r in everyone),
-            "state_bytes": sum(e.nbytes for e in self.tensors.values()), "exchanged": restored.exchanged,
-            "time": time.time(),
-            "seconds": max(r[2] for r in everyone), "optimizer_reset": restored.optimizer_reset,
-        })
+        self.metrics.write(
+            {
+                "event": "resume",
+                "step": self.step,
+                "tier": self.resume_tier,
+                "memory_bytes_read": read if self.resume_tier == "memory" else 0,
+                "storage_bytes_read": read if self.resume_tier == "storage" else 0,
+                "from_layout": restored.source_layout.to_json(),
+                "to_layout": self.groups.layout.to_json(),
+                # storage reads of all ranks against the bytes the new layout holds (replicas counted once per rank)
+                "bytes_read": sum(r[0] for r in everyone),
+                "bytes_needed": sum(r[1] for r in everyone),
+                "state_bytes": sum(e.nbytes for e in self.tensors.values()),
+                "exchanged": restored.exchanged,
+                "time": time.time(),
+                "seconds": max(r[2] for r in everyone),
+                "optimizer_reset": restored.optimizer_reset,
+            }
+        )
         if self.rank == 0:
             st = restored.stats
             restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
             why = f" after restart {restart} of the workers" if restart else ""
-            fresh = f"; its optimizer state is not {self.optimizer.name}'s: started fresh" if restored.optimizer_reset else ""
+            fresh = (
+                f"; its optimizer state is not {self.optimizer.name}'s: started fresh"
+                if restored.optimizer_reset
+                else ""
+            )
             log.info(
                 "resumed from %s %s (step %d, written in layout %s) into layout %s%s: rank 0 read %.2f MB for %.2f "
-                "MB of state in %.2f s%s", "host memory" if self.resume_tier == "memory" else "storage",
-                restored.location, self.step, restored.source_layout, self.groups.layout, why,
-                st.bytes_read / 1e6, st.bytes_needed / 1e6, st.seconds, fresh,
+                "MB of state in %.2f s%s",
+                "host memory" if self.resume_tier == "memory" else "storage",
+                restored.location,
+                self.step,
+                restored.source_layout,
+                self.groups.layout,
+                why,
+                st.bytes_read / 1e6,
+                st.bytes_needed / 1e6,
+                st.seconds,
+                fresh,
             )
             if restored.source_layout != self.groups.layout:
                 log.info("layout change: %s -> %s (resharded at load)", restored.source_layout, self.groups.layout)
@@ -325,18 +407,35 @@ class Trainer:
         if is_state_dict(CheckpointReader(location).index):  # another trainer's state dict under our model's names
             restored = restore_from_state_dict(location, self.optimizer, self.spec, group=self.checkpoints.group)
         else:
-            restored = restore(location, self.optimizer, model_json=self.spec.to_json(), group=self.checkpoints.group,
-                               reads=self.config.resume_reads, reset_optimizer=self.config.reset_optimizer)
-        self.metrics.write({
-            "event": "init_from", "location": restored.location, "checkpoint_step": restored.step,
-            "from_layout": restored.source_layout.to_json(), "to_layout": self.groups.layout.to_json(),
-            "time": time.time(),
-        })
+            restored = restore(
+                location,
+                self.optimizer,
+                model_json=self.spec.to_json(),
+                group=self.checkpoints.group,
+                reads=self.config.resume_reads,
+                reset_optimizer=self.config.reset_optimizer,
+            )
+        self.metrics.write(
+            {
+                "event": "init_from",
+                "location": restored.location,
+                "checkpoint_step": restored.step,
+                "from_layout": restored.source_layout.to_json(),
+                "to_layout": self.groups.layout.to_json(),
+                "time": time.time(),
+            }
+        )
         if self.rank == 0:
             st = restored.stats
-            log.info("starting from %s (its step %d, layout %s) in layout %s: rank 0 read %.2f MB in %.2f s",
-                     restored.location, restored.step, restored.source_layout, self.groups.layout,
-                     st.bytes_read / 1e6, st.seconds)
+            log.info(
+                "starting from %s (its step %d, layout %s) in layout %s: rank 0 read %.2f MB in %.2f s",
+                restored.location,
+                restored.step,
+                restored.source_layout,
+                self.groups.layout,
+                st.bytes_read / 1e6,
+                st.seconds,
+            )
 
     def _restore_newest_intact(self) -> Restored | None:
         """Load the newest committed checkpoint that reads back intact (collective); ``None`` for a fresh run.
@@ -347,7 +446,10 @@ class Trainer:
         # Rank 0 decides, so every rank loads the same step even if a listing (S3) differs between ranks.
         candidates = collectives.broadcast_json(
             [[step, st.location] for step, st in reversed(committed_steps(self.config.run_dir))]
-            if self.rank == 0 else None, 0, self.checkpoints.group,
+            if self.rank == 0
+            else None,
+            0,
+            self.checkpoints.group,
         )
         if self.memory is not None:
             restored = self._restore_from_memory(not_before=candidates[0][0] if candidates else None)
@@ -356,9 +458,14 @@ class Trainer:
                 return restored
         for step, location in candidates:
             try:
-                restored = restore(location, self.optimizer, model_json=self.spec.to_json(),
-                                   group=self.checkpoints.group, reads=self.config.resume_reads,
-                                   reset_optimizer=self.config.reset_optimizer)
+                restored = restore(
+                    location,
+                    self.optimizer,
+                    model_json=self.spec.to_json(),
+                    group=self.checkpoints.group,
+                    reads=self.config.resume_reads,
+                    reset_optimizer=self.config.reset_optimizer,
+                )
                 self.resume_tier = "storage"  # only a resume has a tier: a fresh start prints no restart phases
                 return restored
             except DAMAGED_CHECKPOINT_ERRORS as e:
@@ -404,14 +511,26 @@ class Trainer:
             # staging) instead of the routed exchange.
             readable = None
         try:
-            return restore(tier.location(step), self.optimizer, model_json=self.spec.to_json(),
-                           group=self.checkpoints.group, reset_optimizer=self.config.reset_optimizer,
-                           readable=readable)
+            return restore(
+                tier.location(step),
+                self.optimizer,
+                model_json=self.spec.to_json(),
+                group=self.checkpoints.group,
+                reset_optimizer=self.config.reset_optimizer,
+                readable=readable,
+            )
         except DAMAGED_CHECKPOINT_ERRORS as e:
             if self.rank == 0:
                 log.warning("memory checkpoint of step %d is damaged (%s); resuming from storage", step, e)
-                self.metrics.write({"event": "damaged_checkpoint", "tier": "memory", "step": step, "error": str(e),
-                                    "time": time.time()})
+                self.metrics.write(
+                    {
+                        "event": "damaged_checkpoint",
+                        "tier": "memory",
+                        "step": step,
+                        "error": str(e),
+                        "time": time.time(),
+                    }
+                )
             return None
 
     def _set_aside_damaged(self, step: int, location: str, error: Exception) -> None:
@@ -420,10 +539,21 @@ class Trainer:
         moved = None
         if self.rank == 0:
             moved = quarantine(location)
-            log.warning("checkpoint of step %d is damaged (%s); moved it to %s and resuming from the previous one",
-                        step, error, moved)
-            self.metrics.write({"event": "damaged_checkpoint", "step": step, "error": str(error),
-                                "moved_to": moved, "time": time.time()})
+            log.warning(
+                "checkpoint of step %d is damaged (%s); moved it to %s and resuming from the previous one",
+                step,
+                error,
+                moved,
+            )
+            self.metrics.write(
+                {
+                    "event": "damaged_checkpoint",
+                    "step": step,
+                    "error": str(error),
+                    "moved_to": moved,
+                    "time": time.time(),
+                }
+            )
         collectives.broadcast_json(moved, 0, self.checkpoints.group)
 
     # ------------------------------------------------------------------------------------------- steps
@@ -504,8 +634,9 @@ class Trainer:
         (``memory``, default: with every persistent save when the tier is on); returns the seconds training was
         blocked (one snapshot for both)."""
         memory = self.memory is not None and (persist if memory is None else memory)
-        stats = self.checkpoints.save(self.step, self.local_state(), self.train_state(), persist=persist,
-                                      to_memory=memory)
+        stats = self.checkpoints.save(
+            self.step, self.local_state(), self.train_state(), persist=persist, to_memory=memory
+        )
         self.last_save = stats
         return stats.blocked_s
 
@@ -537,8 +668,9 @@ class Trainer:
                     self.roll_back(record["loss"])
                     continue
                 persist = bool(cfg.save_every and self.step % cfg.save_every == 0) or self.step == stop
-                memory = self.memory is not None and (self.step % cfg.memory_every == 0 if cfg.memory_every
-                                                      else persist)
+                memory = self.memory is not None and (
+                    self.step % cfg.memory_every == 0 if cfg.memory_every else persist
+                )
                 if persist or memory:
                     record["save_blocked_s"] = self.save(persist=persist, memory=memory)
                     if self.last_save.skipped:
@@ -572,9 +704,18 @@ class Trainer:
         self.marks["first_step"] = first_step
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         durations = phase_durations(self.marks)
-        self.metrics.write({"event": "restart_phases", "step": self.step, "restart": restart,
-                            "tier": self.resume_tier, "world": self.groups.layout.world, "marks": self.marks,
-                            "seconds": durations, "time": time.time()})
+        self.metrics.write(
+            {
+                "event": "restart_phases",
+                "step": self.step,
+                "restart": restart,
+                "tier": self.resume_tier,
+                "world": self.groups.layout.world,
+                "marks": self.marks,
+                "seconds": durations,
+                "time": time.time(),
+            }
+        )
         if self.rank == 0 and self.resume_tier is not None:
             log.info("start to first step: %s", ", ".join(f"{k} {v:.2f} s" for k, v in durations.items()))
 
@@ -607,11 +748,23 @@ class Trainer:
         self.schedule.steps = int(restored.train_state.get("schedule", {}).get("steps", self.step))
         self.loader.load_state_dict(position)  # skip the window: continue after the bad batch
         if self.rank == 0:
-            log.warning("loss %s: rolled back to %s (step %d), skipping to sample %d (rollback %d of %d)", loss,
-                        restored.location, self.step, self.loader.consumed_samples, self.nan_rollbacks,
-                        cfg.max_nan_rollbacks)
-        self.metrics.write({"step": self.step, "event": "nan_rollback", "bad_loss": str(loss),
-                            "consumed_samples": self.loader.consumed_samples})
+            log.warning(
+                "loss %s: rolled back to %s (step %d), skipping to sample %d (rollback %d of %d)",
+                loss,
+                restored.location,
+                self.step,
+                self.loader.consumed_samples,
+                self.nan_rollbacks,
+                cfg.max_nan_rollbacks,
+            )
+        self.metrics.write(
+            {
+                "step": self.step,
+                "event": "nan_rollback",
+                "bad_loss": str(loss),
+                "consumed_samples": self.loader.consumed_samples,
+            }
+        )
 
     def close(self) -> None:
         self.checkpoints.close()
@@ -639,8 +792,11 @@ def run_training(config: TrainConfig) -> RunSummary:
             # Stopped by SIGTERM (the agent re-forming the world, a preemption) it stays for the next world.
             trainer.memory.remove_all()
         if trainer.stopped_early and trainer.rank == 0:
-            log.info("stopped on SIGTERM at step %d%s", trainer.step,
-                     ", its checkpoint committed" if records else " before training a step: nothing new to save")
+            log.info(
+                "stopped on SIGTERM at step %d%s",
+                trainer.step,
+                ", its checkpoint committed" if records else " before training a step: nothing new to save",
+            )
         return RunSummary(records=records, step=trainer.step, preempted=trainer.stopped_early)
     finally:
         preempted.restore()
@@ -671,8 +827,14 @@ class _Progress:
         eta = elapsed / done * (self.stop - step) if done > 0 else 0.0
         progress().info(
             "step %d/%d  loss %.4f  lr %.2e  grad norm %.3f  %s tok/s  save blocked %.2f s  ETA %s",
-            step, self.total, record["loss"], record["lr"], record["grad_norm"], _si(record["tokens_per_s"]),
-            self.blocked, _duration(eta),
+            step,
+            self.total,
+            record["loss"],
+            record["lr"],
+            record["grad_norm"],
+            _si(record["tokens_per_s"]),
+            self.blocked,
+            _duration(eta),
         )
         self.blocked = 0.0
 

@@ -55,8 +55,7 @@ class Watchdog:
                 self._fire(idle)
 
     def _fire(self, idle: float) -> None:
-        what = (f"no progress for {idle:.0f}s (timeout {self.timeout_s:.0f}s) after {self._where}; the {self.what} "
-                "hung")
+        what = f"no progress for {idle:.0f}s (timeout {self.timeout_s:.0f}s) after {self._where}; the {self.what} hung"
         where = None
         if self.report_path:
             try:
@@ -72,8 +71,12 @@ class Watchdog:
             log.error("watchdog: %s; stacks of every thread follow", what)
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         else:
-            log.error("watchdog: %s; every thread's stack is in %s; exiting %d so the agent restarts the workers",
-                      what, where, HANG_EXIT_CODE)
+            log.error(
+                "watchdog: %s; every thread's stack is in %s; exiting %d so the agent restarts the workers",
+                what,
+                where,
+                HANG_EXIT_CODE,
+            )
         for h in logging.getLogger("moeckpt").handlers:
             h.flush()
         os._exit(HANG_EXIT_CODE)

@@ -74,8 +74,9 @@ def match_model_names(index: Index, spec: ModelSpec, where: str) -> NameMap:
             keys = {p.name: f"{opt_prefix}state.{found[(PARAM, p.name)]}{suffix}" for p in params}
             if not all(k in names for k in keys.values()):
                 keys = {p.name: f"{opt_prefix}state.{p.name}{suffix}" for p in params}
-            if all(k in names and index.tensors[k].shape == index.tensors[found[(PARAM, n)]].shape
-                   for n, k in keys.items()):
+            if all(
+                k in names and index.tensors[k].shape == index.tensors[found[(PARAM, n)]].shape for n, k in keys.items()
+            ):
                 found.update({(role, n): k for n, k in keys.items()})
                 break
     if sum(role != PARAM for role, _ in found) not in (0, len(MOMENT_ROLES) * len(params)):

@@ -35,12 +35,19 @@ class Mapped:
 
 
 #: Qwen3-MoE fields no tensor shape tells; a mapping takes them from ``--model`` or these defaults (with a note).
-UNSHAPED_FIELDS = ("num_experts_per_tok", "norm_topk_prob", "rms_norm_eps", "rope_theta", "max_position_embeddings",
-                   "initializer_range")
+UNSHAPED_FIELDS = (
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "initializer_range",
+)
 
 
-def qwen3_config(shapes: dict[str, int], tied: bool, model: ModelSpec | None, where: str,
-                 notes: list[str]) -> Qwen3MoeConfig:
+def qwen3_config(
+    shapes: dict[str, int], tied: bool, model: ModelSpec | None, where: str, notes: list[str]
+) -> Qwen3MoeConfig:
     """The Qwen3-MoE config of a checkpoint whose shapes give ``shapes`` (the shape fields), checked against
     ``model`` (``--model``) when given; the other fields come from ``model`` or the defaults, with a note."""
     shapes = dict(shapes, tie_word_embeddings=tied)
@@ -87,12 +94,15 @@ def check_shapes(tensors: dict, slots: list[Slot], dcp, where: str) -> None:
             raise MappingError(f"{where}: {s.source} maps to {s.target}, which the model config does not have")
         end = tuple(o + n for o, n in zip(s.offsets, s.shape))
         if len(end) != len(entry.shape) or any(e > n for e, n in zip(end, entry.shape)):
-            raise MappingError(f"{where}: {s.source} has shape {list(dcp.tensors[s.source].shape)}, which does not "
-                               f"fit {s.target} of shape {list(entry.shape)}")
+            raise MappingError(
+                f"{where}: {s.source} has shape {list(dcp.tensors[s.source].shape)}, which does not "
+                f"fit {s.target} of shape {list(entry.shape)}"
+            )
 
 
-def qkv_group_slots(source: str, shape: tuple[int, ...], layer: int | None, prefix: str, role: str,
-                    cfg: Qwen3MoeConfig) -> list[Slot]:
+def qkv_group_slots(
+    source: str, shape: tuple[int, ...], layer: int | None, prefix: str, role: str, cfg: Qwen3MoeConfig
+) -> list[Slot]:
     """Slots of a Q/K/V weight fused *per key/value group* (Megatron's ``linear_qkv``, torchtitan's ``wqkv``): for
     each of the G groups its H/G query heads, one key head, one value head, ``head_dim`` rows each. ``layer`` is
     the index into a leading layer dim (Megatron's stacked layers), ``None`` when there is none."""
@@ -103,8 +113,11 @@ def qkv_group_slots(source: str, shape: tuple[int, ...], layer: int | None, pref
     out = []
     for g in range(groups):
         base = g * (qpg + 2) * hd
-        for part, lo, n, at in (("q_proj", base, qpg * hd, g * qpg * hd), ("k_proj", base + qpg * hd, hd, g * hd),
-                                ("v_proj", base + (qpg + 1) * hd, hd, g * hd)):
+        for part, lo, n, at in (
+            ("q_proj", base, qpg * hd, g * qpg * hd),
+            ("k_proj", base + qpg * hd, hd, g * hd),
+            ("v_proj", base + (qpg + 1) * hd, hd, g * hd),
+        ):
             region = Box(lead + (lo, 0), (1,) * drop + (n, hidden))
             out.append(Slot(source, region, role_name(f"{prefix}self_attn.{part}.weight", role), (at, 0), drop))
     return out

@@ -74,8 +74,10 @@ def _plan_none(reader: CheckpointReader) -> dict[str, Source]:
 def _plan_torchtitan(reader: CheckpointReader) -> tuple[dict[str, Source], dict[str, torch.Tensor]]:
     index = reader.index
     if index.model.get("arch") != QWEN3_MOE:
-        raise MappingError(f"{reader.location}: --mapping torchtitan writes qwen3_moe checkpoints; this one is "
-                           f"{index.model.get('arch')!r} (use --mapping none)")
+        raise MappingError(
+            f"{reader.location}: --mapping torchtitan writes qwen3_moe checkpoints; this one is "
+            f"{index.model.get('arch')!r} (use --mapping none)"
+        )
     spec = ModelSpec.from_json(index.model)
     out: dict[str, Source] = {}
     roles = [r for r in ("exp_avg", "exp_avg_sq") if all(f"{r}/{p.name}" in index.tensors for p in spec.param_specs())]
@@ -95,7 +97,8 @@ def _plan_torchtitan(reader: CheckpointReader) -> tuple[dict[str, Source], dict[
             dtype = index.tensors[f"{role}/{parts[0][0]}"].dtype
             rows = sum(b.shape[0] for _, b, _ in parts)
             out[f"optimizer.state.{fqn}.{role}"] = Source(
-                (rows, cfg.hidden_size), dtype, tuple(Part(f"{role}/{n}", b, o) for n, b, o in parts))
+                (rows, cfg.hidden_size), dtype, tuple(Part(f"{role}/{n}", b, o) for n, b, o in parts)
+            )
     extra = {name: torch.zeros(shape) for name, shape in torchtitan.export_extra(spec.config).items()}
     return out, extra
 
@@ -128,8 +131,14 @@ class _LazyPlanner:
         return Planner()
 
 
-def export_dcp(ckpt: str, out: str, *, mapping: str | None = None, overwrite: bool = False,
-               on_bytes: Callable[[int], None] | None = None) -> dict:
+def export_dcp(
+    ckpt: str,
+    out: str,
+    *,
+    mapping: str | None = None,
+    overwrite: bool = False,
+    on_bytes: Callable[[int], None] | None = None,
+) -> dict:
     """Write checkpoint ``ckpt`` as a DCP checkpoint at ``out``; returns ``{"tensors": n, "bytes": b, "mapping": m}``."""
     import torch.distributed.checkpoint as dcp
 
@@ -169,7 +178,10 @@ def export_dcp(ckpt: str, out: str, *, mapping: str | None = None, overwrite: bo
     with warnings.catch_warnings():
         # dcp.save warns that it runs in a single process without a process group: that is what export does.
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(storage.location, single_file_per_rank=True,
-                                                             thread_count=1), planner=planner, no_dist=True)
-    return {"tensors": len(sources) + len(extra), "bytes": sum(s.nbytes for s in sources.values()),
-            "mapping": mapping}
+        dcp.save(
+            state,
+            storage_writer=dcp.FileSystemWriter(storage.location, single_file_per_rank=True, thread_count=1),
+            planner=planner,
+            no_dist=True,
+        )
+    return {"tensors": len(sources) + len(extra), "bytes": sum(s.nbytes for s in sources.values()), "mapping": mapping}

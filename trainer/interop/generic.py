@@ -30,8 +30,10 @@ def safe_name(name: str, where: str) -> str:
     try:
         check_relative_path(name, where)
     except ValueError:
-        raise MappingError(f"{where}: DCP key {name!r} is not a safe tensor name (no '..', no leading '/', no "
-                           "backslash, no empty part)") from None
+        raise MappingError(
+            f"{where}: DCP key {name!r} is not a safe tensor name (no '..', no leading '/', no "
+            "backslash, no empty part)"
+        ) from None
     if any(ord(c) < 32 for c in name):
         raise MappingError(f"{where}: DCP key {name!r} holds a control character")
     return name
@@ -47,7 +49,9 @@ def read_values(dcp: DcpCheckpoint, names, notes: list[str]) -> dict[str, object
         else:
             out[name] = value
     if dropped:
-        notes.append(f"{len(dropped)} non-tensor value(s) are not plain JSON data and were dropped, e.g. {dropped[0]!r}")
+        notes.append(
+            f"{len(dropped)} non-tensor value(s) are not plain JSON data and were dropped, e.g. {dropped[0]!r}"
+        )
     return out
 
 

@@ -41,8 +41,11 @@ from .common import (
     role_name,
 )
 
-_TOP = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-        "decoder.final_layernorm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+_TOP = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
 _LAYER = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "input_layernorm.weight": "input_layernorm.weight",
@@ -55,8 +58,10 @@ _LAYER = {
 }
 _QKV = "self_attention.linear_qkv.weight"
 _BIAS = "mlp.router.expert_bias"
-_FUSED_EXPERTS = {"mlp.experts.experts.linear_fc1.weight": "mlp.experts.gate_up_proj",
-                  "mlp.experts.experts.linear_fc2.weight": "mlp.experts.down_proj"}
+_FUSED_EXPERTS = {
+    "mlp.experts.experts.linear_fc1.weight": "mlp.experts.gate_up_proj",
+    "mlp.experts.experts.linear_fc2.weight": "mlp.experts.down_proj",
+}
 _ONE_EXPERT = [
     (re.compile(r"^mlp\.experts\.(\d+)\.linear_fc1\.weight$"), "mlp.experts.gate_up_proj"),
     (re.compile(r"^mlp\.experts\.(\d+)\.linear_fc2\.weight$"), "mlp.experts.down_proj"),
@@ -119,8 +124,9 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
         raise MappingError(f"{where}: no embedding.word_embeddings.weight: not a Megatron GPT checkpoint")
     for n, k in keys.items():
         if k.rest == _BIAS and torch.count_nonzero(dcp.read_tensor(n)).item():
-            raise MappingError(f"{where}: {n} is not zero: the router was trained with expert biases, which Qwen3-MoE "
-                               "does not compute")
+            raise MappingError(
+                f"{where}: {n} is not zero: the router was trained with expert biases, which Qwen3-MoE does not compute"
+            )
     shapes, layers = _shapes(dcp, keys, where)
     cfg = qwen3_config(shapes, "output_layer.weight" not in keys, model, where, notes)
     dtype = dcp.tensors["embedding.word_embeddings.weight"].dtype
@@ -129,13 +135,17 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
     full = {"exp_avg", "exp_avg_sq"} | ({"master"} if dtype != "float32" else set())
     with_optimizer = all(full <= set(opt.get(n, {})) for n in real)
     if opt and not with_optimizer:
-        notes.append(f"optimizer state dropped: it does not hold {', '.join(sorted(full))} for every parameter "
-                     f"(found {', '.join(sorted(have)) or 'none'})")
+        notes.append(
+            f"optimizer state dropped: it does not hold {', '.join(sorted(full))} for every parameter "
+            f"(found {', '.join(sorted(have)) or 'none'})"
+        )
     elif not opt:
         notes.append("no optimizer state in the checkpoint: the result holds parameters only")
     if with_optimizer:
-        notes.append("the AdamW step count is in Megatron's common.pt, which moeckpt does not unpickle: bias "
-                     "correction restarts from step 0")
+        notes.append(
+            "the AdamW step count is in Megatron's common.pt, which moeckpt does not unpickle: bias "
+            "correction restarts from step 0"
+        )
     tensors = qwen3_tensors(cfg, dtype, with_optimizer)
     roles = ["param"] + (sorted(full) if with_optimizer else [])
     if with_optimizer and dtype == "float32" and any("master" in opt.get(n, {}) for n in real):
@@ -146,8 +156,9 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
             src = n if role == "param" else opt[n][role]
             slots += _slots(keys[n], src, dcp.tensors[src].shape, role, cfg, layers)
     check_shapes(tensors, slots, dcp, where)
-    return Mapped(model={"arch": QWEN3_MOE, "config": cfg.to_json()}, tensors=tensors, slots=slots, notes=notes,
-                  train_state={})
+    return Mapped(
+        model={"arch": QWEN3_MOE, "config": cfg.to_json()}, tensors=tensors, slots=slots, notes=notes, train_state={}
+    )
 
 
 def _check_backend(dcp: DcpCheckpoint, notes: list[str]) -> None:
@@ -162,19 +173,30 @@ def _check_backend(dcp: DcpCheckpoint, notes: list[str]) -> None:
         raise MappingError(f"{dcp.storage.path(METADATA_JSON)}: not valid JSON ({e})") from None
     backend = doc.get("sharded_backend") if isinstance(doc, dict) else None
     if backend != "torch_dist":
-        raise MappingError(f"{dcp.storage.path(METADATA_JSON)}: sharded_backend is {backend!r}; moeckpt reads the "
-                           "torch_dist backend (re-save with --ckpt-format torch_dist)")
+        raise MappingError(
+            f"{dcp.storage.path(METADATA_JSON)}: sharded_backend is {backend!r}; moeckpt reads the "
+            "torch_dist backend (re-save with --ckpt-format torch_dist)"
+        )
 
 
 def _known(k: _Key) -> bool:
     if not k.in_layer:
         return k.key in _TOP
-    return (k.rest in _LAYER or k.rest in (_QKV, _BIAS) or k.rest in _FUSED_EXPERTS
-            or any(p.match(k.rest) for p, _ in _ONE_EXPERT))
+    return (
+        k.rest in _LAYER
+        or k.rest in (_QKV, _BIAS)
+        or k.rest in _FUSED_EXPERTS
+        or any(p.match(k.rest) for p, _ in _ONE_EXPERT)
+    )
 
 
-def _region(shape: tuple[int, ...], stacked: bool, layer: int, inner_lo: tuple[int, ...] = (),
-            inner_shape: tuple[int, ...] | None = None) -> Box:
+def _region(
+    shape: tuple[int, ...],
+    stacked: bool,
+    layer: int,
+    inner_lo: tuple[int, ...] = (),
+    inner_shape: tuple[int, ...] | None = None,
+) -> Box:
     inner = shape[1:] if stacked else shape
     lo = inner_lo + (0,) * (len(inner) - len(inner_lo))
     size = inner_shape if inner_shape is not None else tuple(s - o for s, o in zip(inner, lo))
@@ -190,19 +212,41 @@ def _slots(k: _Key, src: str, shape: tuple[int, ...], role: str, cfg, layers: in
         drop = 1 if k.stacked else 0
         pre = f"model.layers.{layer}."
         if k.rest in _LAYER:
-            out.append(Slot(src, _region(shape, k.stacked, layer), role_name(pre + _LAYER[k.rest], role),
-                            (0,) * (len(shape) - drop), drop))
+            out.append(
+                Slot(
+                    src,
+                    _region(shape, k.stacked, layer),
+                    role_name(pre + _LAYER[k.rest], role),
+                    (0,) * (len(shape) - drop),
+                    drop,
+                )
+            )
         elif k.rest == _QKV:
             out += qkv_group_slots(src, shape, layer if k.stacked else None, pre, role, cfg)
         elif k.rest in _FUSED_EXPERTS:
-            out.append(Slot(src, _region(shape, k.stacked, layer), role_name(pre + _FUSED_EXPERTS[k.rest], role),
-                            (0, 0, 0), drop))
+            out.append(
+                Slot(
+                    src,
+                    _region(shape, k.stacked, layer),
+                    role_name(pre + _FUSED_EXPERTS[k.rest], role),
+                    (0, 0, 0),
+                    drop,
+                )
+            )
         else:
             for pattern, plan in _ONE_EXPERT:
                 m = pattern.match(k.rest)
                 if m:
-                    out.append(Slot(src, _region(shape, k.stacked, layer), role_name(pre + plan, role),
-                                    (int(m.group(1)), 0, 0), drop, lift=1))
+                    out.append(
+                        Slot(
+                            src,
+                            _region(shape, k.stacked, layer),
+                            role_name(pre + plan, role),
+                            (int(m.group(1)), 0, 0),
+                            drop,
+                            lift=1,
+                        )
+                    )
     return out
 
 
@@ -216,8 +260,10 @@ def _shapes(dcp: DcpCheckpoint, keys: dict[str, _Key], where: str) -> tuple[dict
     vocab, hidden = dcp.tensors["embedding.word_embeddings.weight"].shape
     qkv, proj, qn = find(_QKV), find("self_attention.linear_proj.weight"), find("self_attention.q_layernorm.weight")
     if qkv is None or proj is None or qn is None:
-        raise MappingError(f"{where}: no linear_qkv, linear_proj and q_layernorm weights: not a Qwen3-style Megatron "
-                           "GPT model (q/k layer norms are needed)")
+        raise MappingError(
+            f"{where}: no linear_qkv, linear_proj and q_layernorm weights: not a Qwen3-style Megatron "
+            "GPT model (q/k layer norms are needed)"
+        )
     stacked = qkv[0].stacked
     layers = qkv[1][0] if stacked else 1 + max(k.layer for k in keys.values() if k.layer is not None)
     inner = (lambda s: s[1:]) if stacked else (lambda s: s)
@@ -225,19 +271,39 @@ def _shapes(dcp: DcpCheckpoint, keys: dict[str, _Key], where: str) -> tuple[dict
     heads = inner(proj[1])[1] // head_dim
     rows = inner(qkv[1])[0] // head_dim
     if (rows - heads) % 2 or rows <= heads:
-        raise MappingError(f"{where}: linear_qkv has {rows} heads of rows for {heads} query heads: not fused per "
-                           "query group")
+        raise MappingError(
+            f"{where}: linear_qkv has {rows} heads of rows for {heads} query heads: not fused per query group"
+        )
     fc2 = find("mlp.experts.experts.linear_fc2.weight")
     if fc2 is not None:
         experts, _h, inter = inner(fc2[1])
     else:
-        ids = sorted({int(m.group(1)) for k in keys.values() for p, plan in _ONE_EXPERT
-                      if plan.endswith("down_proj") and (m := p.match(k.rest))})
-        one = next((dcp.tensors[n].shape for n, k in keys.items()
-                    if any(p.match(k.rest) for p, plan in _ONE_EXPERT if plan.endswith("down_proj"))), None)
+        ids = sorted(
+            {
+                int(m.group(1))
+                for k in keys.values()
+                for p, plan in _ONE_EXPERT
+                if plan.endswith("down_proj") and (m := p.match(k.rest))
+            }
+        )
+        one = next(
+            (
+                dcp.tensors[n].shape
+                for n, k in keys.items()
+                if any(p.match(k.rest) for p, plan in _ONE_EXPERT if plan.endswith("down_proj"))
+            ),
+            None,
+        )
         if not ids or one is None:
             raise MappingError(f"{where}: no expert weights (linear_fc2): not a MoE model")
         experts, inter = len(ids), inner(one)[-1]
-    return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "head_dim": head_dim,
-                "num_attention_heads": heads, "num_key_value_heads": (rows - heads) // 2, "num_experts": experts,
-                "moe_intermediate_size": inter}, layers
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "head_dim": head_dim,
+        "num_attention_heads": heads,
+        "num_key_value_heads": (rows - heads) // 2,
+        "num_experts": experts,
+        "moe_intermediate_size": inter,
+    }, layers

@@ -33,8 +33,11 @@ from .common import (
 )
 from .generic import VALUES_KEY, read_values
 
-_TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight"}
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
 #: per-layer names, torchtitan 0.3 first (the names export writes), then older spellings.
 _LAYER = {
     "attention.qkv_linear.wq.weight": "self_attn.q_proj.weight",
@@ -138,12 +141,18 @@ def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped
         if isinstance(plan, tuple):
             opt_params[fqn] = plan
     moments = {fqn for fqn, got in opt_keys.items() if {"exp_avg", "exp_avg_sq"} <= set(got)}
-    with_optimizer = bool(opt_params) and set(opt_params) <= moments and _covers(opt_params, model_keys) and (
-        dtype == "float32")
+    with_optimizer = (
+        bool(opt_params) and set(opt_params) <= moments and _covers(opt_params, model_keys) and (dtype == "float32")
+    )
     if opt_keys and not with_optimizer:
-        notes.append("optimizer state dropped: " + (
-            f"parameters are {dtype} and the checkpoint has no fp32 master copy" if dtype != "float32"
-            else "it does not hold exp_avg and exp_avg_sq for every parameter (not AdamW?)"))
+        notes.append(
+            "optimizer state dropped: "
+            + (
+                f"parameters are {dtype} and the checkpoint has no fp32 master copy"
+                if dtype != "float32"
+                else "it does not hold exp_avg and exp_avg_sq for every parameter (not AdamW?)"
+            )
+        )
     elif not opt_keys:
         notes.append("no optimizer state in the checkpoint: the result holds parameters only")
     tensors = qwen3_tensors(cfg, dtype, with_optimizer)
@@ -167,12 +176,18 @@ def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped
         steps = {_scalar(dcp, opt_keys[n]["step"]) for n in opt_params if "step" in opt_keys[n]}
         if len(steps) == 1 and type(next(iter(steps))) is int:
             train_state["optimizer"] = {"steps": next(iter(steps))}
-    return Mapped(model={"arch": QWEN3_MOE, "config": cfg.to_json()}, tensors=tensors, slots=slots,
-                  train_state=train_state, notes=notes)
+    return Mapped(
+        model={"arch": QWEN3_MOE, "config": cfg.to_json()},
+        tensors=tensors,
+        slots=slots,
+        train_state=train_state,
+        notes=notes,
+    )
 
 
 def _covers(opt_params: dict, model_keys: dict) -> bool:
     """Whether the optimizer's parameters are exactly the model's (the fused wqkv standing for wq, wk and wv)."""
+
     def targets(plans) -> set[str]:
         out = set()
         for plan, block in plans:
@@ -210,19 +225,31 @@ def _shapes(dcp: DcpCheckpoint, keys: dict, where: str) -> dict[str, int]:
 
     vocab, hidden = shape("tok_embeddings.weight")
     layers = 1 + max((int(m.group(1)) for n in keys if (m := _LAYER_RE.match(n))), default=-1)
-    q = next((n for n in ("layers.0.attention.qkv_linear.wq.weight", "layers.0.attention.wq.weight") if n in keys), None)
-    w1 = next((n for n in ("layers.0.moe.routed_experts.inner_experts.w1_EFD", "layers.0.moe.experts.w1") if n in keys), None)
+    q = next(
+        (n for n in ("layers.0.attention.qkv_linear.wq.weight", "layers.0.attention.wq.weight") if n in keys), None
+    )
+    w1 = next(
+        (n for n in ("layers.0.moe.routed_experts.inner_experts.w1_EFD", "layers.0.moe.experts.w1") if n in keys), None
+    )
     if q is None or w1 is None or "layers.0.attention.q_norm.weight" not in keys:
         raise MappingError(f"{where}: layer 0 lacks attention or expert tensors of a Qwen3-MoE model")
     (head_dim,) = shape("layers.0.attention.q_norm.weight")
     k = q.replace("wq", "wk")
     experts, inter, _ = shape(w1)
-    return {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "head_dim": head_dim,
-                "num_attention_heads": shape(q)[0] // head_dim, "num_key_value_heads": shape(k)[0] // head_dim,
-                "num_experts": experts, "moe_intermediate_size": inter}
+    return {
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "head_dim": head_dim,
+        "num_attention_heads": shape(q)[0] // head_dim,
+        "num_key_value_heads": shape(k)[0] // head_dim,
+        "num_experts": experts,
+        "moe_intermediate_size": inter,
+    }
 
 
 # -- the way back: names of an export ---------------------------------------------------------------------------
+
 
 def export_names(plan: str, shape: tuple[int, ...]) -> list[tuple[str, Box]]:
     """The torchtitan tensors (name, box of the plan tensor) plan tensor ``plan`` is written as."""
@@ -236,8 +263,10 @@ def export_names(plan: str, shape: tuple[int, ...]) -> list[tuple[str, Box]]:
     if rest == "mlp.experts.gate_up_proj":
         e, two_i, h = shape
         i = two_i // 2
-        return [(f"layers.{layer}.moe.routed_experts.inner_experts.w1_EFD", Box((0, 0, 0), (e, i, h))),
-                (f"layers.{layer}.moe.routed_experts.inner_experts.w3_EFD", Box((0, i, 0), (e, i, h)))]
+        return [
+            (f"layers.{layer}.moe.routed_experts.inner_experts.w1_EFD", Box((0, 0, 0), (e, i, h))),
+            (f"layers.{layer}.moe.routed_experts.inner_experts.w3_EFD", Box((0, i, 0), (e, i, h))),
+        ]
     if rest == "mlp.experts.down_proj":
         return [(f"layers.{layer}.moe.routed_experts.inner_experts.w2_EDF", Box.full(shape))]
     for tt, hf in _LAYER.items():  # the first spelling of each name is torchtitan 0.3's
@@ -260,7 +289,9 @@ def export_wqkv(layer: int, cfg) -> tuple[str, list[tuple[str, Box, tuple[int, i
     parts = []
     for g in range(groups):
         base = g * (qpg + 2) * hd
-        parts += [(pre + "q_proj.weight", Box((g * qpg * hd, 0), (qpg * hd, h)), (base, 0)),
-                  (pre + "k_proj.weight", Box((g * hd, 0), (hd, h)), (base + qpg * hd, 0)),
-                  (pre + "v_proj.weight", Box((g * hd, 0), (hd, h)), (base + (qpg + 1) * hd, 0))]
+        parts += [
+            (pre + "q_proj.weight", Box((g * qpg * hd, 0), (qpg * hd, h)), (base, 0)),
+            (pre + "k_proj.weight", Box((g * hd, 0), (hd, h)), (base + qpg * hd, 0)),
+            (pre + "v_proj.weight", Box((g * hd, 0), (hd, h)), (base + (qpg + 1) * hd, 0)),
+        ]
     return f"layers.{layer}.{_WQKV}", parts

@@ -48,7 +48,7 @@ class ModelSpec:
         """Parse ``{"arch": ..., "config": {...}}`` strictly: an unknown key (at the top or inside "config") is an
         error, never silently dropped (a flat ``{"arch": "zaya", "hidden_size": 64}`` used to become ZAYA1-8B)."""
         if not isinstance(value, dict):
-            raise UnknownModelError(f"{where}: must be a JSON object {{\"arch\": ..., \"config\": {{...}}}}")
+            raise UnknownModelError(f'{where}: must be a JSON object {{"arch": ..., "config": {{...}}}}')
         arch = value.get("arch")
         if arch not in ARCHITECTURES:
             raise UnknownModelError(f"{where}: unknown model architecture {arch!r}; known: {', '.join(ARCHITECTURES)}")
@@ -57,16 +57,16 @@ class ModelSpec:
         unexpected = sorted(set(value) - {"arch", "config"})
         if unexpected:
             where_fields = (
-                "; model fields belong under \"config\": {\"arch\": ..., \"config\": {\"hidden_size\": ...}}"
+                '; model fields belong under "config": {"arch": ..., "config": {"hidden_size": ...}}'
                 if set(unexpected) & known
-                else "; the only top-level keys are \"arch\" and \"config\""
+                else '; the only top-level keys are "arch" and "config"'
             )
             raise UnknownModelError(f"{where}: unexpected top-level key(s) {', '.join(unexpected)}{where_fields}")
         config = value.get("config")
         if not isinstance(config, dict):
             raise UnknownModelError(
-                f"{where}: needs a \"config\" object holding the {arch} fields "
-                f"({{\"arch\": {arch!r}, \"config\": {{...}}}}; got {type(config).__name__}); "
+                f'{where}: needs a "config" object holding the {arch} fields '
+                f'({{"arch": {arch!r}, "config": {{...}}}}; got {type(config).__name__}); '
                 "use a preset name for a default config"
             )
         unknown = sorted(set(config) - known)

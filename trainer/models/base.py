@@ -29,8 +29,12 @@ def check_fields(cfg, bounds: dict[str, tuple[float, float]], *, open_low: froze
             if type(value) is not int or not lo <= value <= hi:
                 raise ValueError(f"{f.name}={value!r} must be an integer in {lo}..{hi}")
         elif kind is float:
-            ok = type(value) in (int, float) and math.isfinite(value) and value <= hi and (
-                value > lo if f.name in open_low else value >= lo)
+            ok = (
+                type(value) in (int, float)
+                and math.isfinite(value)
+                and value <= hi
+                and (value > lo if f.name in open_low else value >= lo)
+            )
             if not ok:
                 low = f"> {lo:g}" if f.name in open_low else f">= {lo:g}"
                 raise ValueError(f"{f.name}={value!r} must be a finite number {low} and <= {hi:g}")

@@ -132,7 +132,9 @@ def rotary_cos_sin(
     positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin ``[len(positions), rotary_dim]`` of the default (unscaled) rotary embedding."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=positions.device) / rotary_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=positions.device) / rotary_dim)
+    )
     freqs = positions[:, None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -346,8 +348,9 @@ class VocabEmbedding(nn.Module):
     """Token embedding split by vocabulary: rank ``r`` holds rows ``[start, stop)``; others' tokens embed to zero
     here and the per-rank lookups are summed."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, shard: Shard = Shard(),
-                 comm: Collectives = SINGLE_PROCESS) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, shard: Shard = Shard(), comm: Collectives = SINGLE_PROCESS
+    ) -> None:
         super().__init__()
         self.vocab_start, self.vocab_stop = shard.tp_range(vocab_size, "vocab_size")
         self.split = shard.tp > 1

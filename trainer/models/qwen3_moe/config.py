@@ -43,7 +43,9 @@ class Qwen3MoeConfig:
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}")
+            raise ValueError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in 1..num_experts={self.num_experts}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (rotary embedding rotates channel pairs)")
 

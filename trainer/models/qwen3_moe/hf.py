@@ -17,9 +17,21 @@ from .config import Qwen3MoeConfig
 
 #: config fields copied one-to-one into config.json; a checkpoint config must hold each of them to be exported.
 HF_FIELDS = _SAME = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "moe_intermediate_size", "num_experts", "num_experts_per_tok", "norm_topk_prob", "rms_norm_eps",
-    "rope_theta", "max_position_embeddings", "tie_word_embeddings", "initializer_range",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "initializer_range",
 )
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -54,8 +66,16 @@ def to_hf_config(cfg: Qwen3MoeConfig, *, dtype: str = "float32") -> dict:
 
 #: fields that set tensor shapes: a config.json without them cannot describe the weights, and our defaults (the
 #: 30B-A3B shape) would only move the error to a confusing "tensor ... is missing".
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "moe_intermediate_size", "num_experts", "num_experts_per_tok")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+)
 
 
 def from_hf_config(doc: dict) -> Qwen3MoeConfig:

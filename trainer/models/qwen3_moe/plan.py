@@ -45,7 +45,9 @@ def param_specs(cfg: Qwen3MoeConfig) -> list[ParamSpec]:
                 matrix=Matrices(batch_dim=0, blocks=(i, i)),
             ),
             ParamSpec(
-                name=p + "mlp.experts.down_proj", shape=(e, h, i), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2)),
+                name=p + "mlp.experts.down_proj",
+                shape=(e, h, i),
+                rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2)),
                 matrix=Matrices(batch_dim=0),
             ),
             ParamSpec(name=p + "mlp.gate.weight", shape=(e, h)),

@@ -53,7 +53,6 @@ class ZayaConfig:
         if self.num_experts_per_tok != 1:
             raise ValueError("ZAYA routes each token to one expert: num_experts_per_tok must be 1")
 
-
     def check_layout(self, tp: int, ep: int) -> None:
         """Refuse a layout this model cannot take, naming the conflicting fields."""
         check_moe_layout(self, tp, ep)

@@ -7,9 +7,22 @@ from .config import ZayaConfig
 
 #: config fields copied one-to-one into config.json; a checkpoint config must hold each of them to be exported.
 HF_FIELDS = _SAME = (
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "moe_intermediate_size", "num_experts", "num_experts_per_tok", "router_hidden_size", "cca_time0", "cca_time1",
-    "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "initializer_range",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "moe_intermediate_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "router_hidden_size",
+    "cca_time0",
+    "cca_time1",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "initializer_range",
 )
 
 
@@ -32,8 +45,15 @@ def to_hf_config(cfg: ZayaConfig, *, dtype: str = "float32") -> dict:
 
 
 #: fields that set tensor shapes: a config.json without them cannot describe the weights.
-SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                "moe_intermediate_size", "num_experts")
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "moe_intermediate_size",
+    "num_experts",
+)
 
 
 def from_hf_config(doc: dict) -> ZayaConfig:

@@ -47,13 +47,22 @@ def param_specs(cfg: ZayaConfig) -> list[ParamSpec]:
             ParamSpec(name=a + "o_proj.weight", shape=(h, q), rule=_split(1), matrix=MATRIX),
             ParamSpec(name=c + "q_proj.weight", shape=(q, h), rule=_split(0), matrix=MATRIX),
             ParamSpec(name=c + "k_proj.weight", shape=(kv, h), rule=_split(0), matrix=MATRIX),
-            ParamSpec(name=c + "v_proj_current.weight", shape=(kv // 2, h), rule=_split(0, window=(0, kv)),
-                      matrix=MATRIX),
-            ParamSpec(name=c + "v_proj_delayed.weight", shape=(kv // 2, h), rule=_split(0, window=(kv // 2, kv)),
-                      matrix=MATRIX),
-            ParamSpec(name=c + "conv_qk_depthwise.weight", shape=(q + kv, 1, cfg.cca_time0), rule=_split(0, blocks=(q, kv))),
+            ParamSpec(
+                name=c + "v_proj_current.weight", shape=(kv // 2, h), rule=_split(0, window=(0, kv)), matrix=MATRIX
+            ),
+            ParamSpec(
+                name=c + "v_proj_delayed.weight",
+                shape=(kv // 2, h),
+                rule=_split(0, window=(kv // 2, kv)),
+                matrix=MATRIX,
+            ),
+            ParamSpec(
+                name=c + "conv_qk_depthwise.weight", shape=(q + kv, 1, cfg.cca_time0), rule=_split(0, blocks=(q, kv))
+            ),
             ParamSpec(name=c + "conv_qk_depthwise.bias", shape=(q + kv,), rule=_split(0, blocks=(q, kv)), init="zeros"),
-            ParamSpec(name=c + "conv_qk_grouped.weight", shape=(q + kv, hd, cfg.cca_time1), rule=_split(0, blocks=(q, kv))),
+            ParamSpec(
+                name=c + "conv_qk_grouped.weight", shape=(q + kv, hd, cfg.cca_time1), rule=_split(0, blocks=(q, kv))
+            ),
             ParamSpec(name=c + "conv_qk_grouped.bias", shape=(q + kv,), rule=_split(0, blocks=(q, kv)), init="zeros"),
             ParamSpec(name=a + "qk_norm.temp", shape=(cfg.num_key_value_heads,), rule=_split(0), init="zeros"),
         ]
@@ -76,7 +85,9 @@ def param_specs(cfg: ZayaConfig) -> list[ParamSpec]:
                 matrix=Matrices(batch_dim=0, blocks=(i, i)),
             ),
             ParamSpec(
-                name=p + "mlp.experts.down_proj", shape=(e, h, i), rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2)),
+                name=p + "mlp.experts.down_proj",
+                shape=(e, h, i),
+                rule=ShardingRule(expert_dim=0, tp=TpSplit(dim=2)),
                 matrix=Matrices(batch_dim=0),
             ),
             ParamSpec(name=p + "input_layernorm.weight", shape=(h,), init="ones"),
