@@ -127,7 +127,7 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
 
 
 def cpu_main(args) -> dict:
-    from moeckpt.testing import free_port
+    from moeckpt.trainer.local_world import free_port
 
     world = _layout(args.save_layout).world
     if _layout(args.load_layout).world != world:

@@ -183,7 +183,7 @@ def _scheme_worker(rank: int, model: str, layout_text: str, steps: int, warmup: 
 
 
 def schemes(model: str, layouts: list[str], steps: int, warmup: int, root: str) -> list[dict]:
-    from moeckpt.testing import run_local_world
+    from moeckpt.trainer.local_world import run_local_world
 
     rows = []
     for text in layouts:
@@ -220,7 +220,7 @@ def _train_worker(rank: int, config: dict, threads: int) -> None:
 
 def checkpoint(model: str, layout_text: str, reps: int, root: str) -> dict:
     from moeckpt.formats.checkpoint import CheckpointReader
-    from moeckpt.testing import run_local_world
+    from moeckpt.trainer.local_world import run_local_world
     from moeckpt.trainer.metrics import read_metrics
     from moeckpt.trainer.train import TrainConfig
 
@@ -276,7 +276,7 @@ def checkpoint(model: str, layout_text: str, reps: int, root: str) -> dict:
 
 
 def drill(steps: int, kill_at: int, root: str, out_dir: str) -> dict:
-    from moeckpt.testing.elastic_drill import (
+    from moeckpt.trainer.elastic_drill import (
         cpu_drill_args,
         plot_drill,
         run_shrink_grow_drill,

@@ -31,7 +31,7 @@ import time
 import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig
 

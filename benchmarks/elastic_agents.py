@@ -25,7 +25,7 @@ import tempfile
 
 import torch
 
-from moeckpt.testing.elastic_drill import (
+from moeckpt.trainer.elastic_drill import (
     CPU_DRILL_KILL_AT,
     CPU_DRILL_STEPS,
     DrillResult,

@@ -155,7 +155,7 @@ BEFORE_RDZV = "join_timeout=300,last_call_timeout=3,keep_alive_interval=1,keep_a
 
 
 def drill(work: str, memory: bool, rdzv_conf: str | None = None, *, warm: bool = True) -> dict:
-    from moeckpt.testing.elastic_drill import (
+    from moeckpt.trainer.elastic_drill import (
         CPU_DRILL_KILL_AT,
         DRILL_RDZV_CONF,
         cpu_drill_args,

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -21,23 +22,25 @@ from dataclasses import dataclass
 
 import click
 
-from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import MoeckptError
-from moeckpt.testing.elastic_drill import (
+from moeckpt.trainer.elastic_drill import (
     CPU_DRILL_KILL_AT as KILL_AT,
 )
-from moeckpt.testing.elastic_drill import (
+from moeckpt.trainer.elastic_drill import (
     CPU_DRILL_STEPS as STEPS,
 )
-from moeckpt.testing.elastic_drill import (
+from moeckpt.trainer.elastic_drill import (
     DrillResult,
     cpu_drill_args,
     plot_drill,
     run_shrink_grow_drill,
 )
+from moeckpt.trainer.hf_check import logits_difference
 
 from .params import Text
 
+#: what the demo's logits check and loss curve import: the ``demo`` extra (pyproject.toml).
+DEMO_EXTRA_MODULES = ("transformers", "matplotlib")
 #: the file in the demo's directory that holds the elastic drill's records, timeline and exit codes.
 DRILL_JSON = "drill.json"
 
@@ -89,6 +92,11 @@ def command(workdir: str | None, memory_tier: bool) -> None:
     workers (resharded dp 4 -> 2); a new node joins and the job grows back to 4 (resharded again). Then it
     verifies, reshards offline, diffs across layouts, catches a flipped bit, exports to Hugging Face, checks that
     transformers computes the same logits, and draws the loss curve (loss.png). Exit 0 when every step is ok."""
+    missing = [m for m in DEMO_EXTRA_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise click.UsageError(
+            f"moeckpt demo needs the demo extra ({', '.join(missing)} not installed): pip install 'moeckpt[demo]'"
+        )
     root = os.path.abspath(workdir or tempfile.mkdtemp(prefix="moeckpt-demo-"))
     os.makedirs(root, exist_ok=True)
     click.echo(f"moeckpt demo: working in {root} (kept afterwards; --dir chooses it)")
@@ -191,33 +199,12 @@ def _expect(code: int, want: int) -> tuple[str, bool]:
 
 
 def _check_transformers(run: str, hf_dir: str) -> tuple[str, bool]:
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        return "skipped: transformers is not installed (pip install 'moeckpt[demo]')", True
-    import torch
-
-    from moeckpt.trainer.models import ModelSpec
-    from moeckpt.trainer.models.layers import build_model
-
-    reader = CheckpointReader(run)
-    spec = ModelSpec.from_json(reader.index.model)
-    ours = build_model(spec)
-    params = {n: reader.read_tensor(n) for n, e in reader.index.tensors.items() if e.role == "param"}
-    ours.load_state_dict(params, strict=True)
-    theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    ids = torch.randint(0, spec.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        diff = float((ours(ids) - theirs(input_ids=ids).logits).abs().max())
+    diff = logits_difference(run, hf_dir)
     return f"max |logits difference| = {diff:.2e}", diff < 1e-4
 
 
 def _plot(drills: list[DrillResult], path: str) -> tuple[str, bool]:
     if not drills:
         return "no run to plot", False
-    import importlib.util
-
-    if importlib.util.find_spec("matplotlib") is None:
-        return "skipped: matplotlib is not installed (pip install 'moeckpt[demo]')", True
     plot_drill(drills[0], path, title=f"moeckpt demo: node lost at step {KILL_AT}, resumed on 2 workers, grown to 4")
     return path, True

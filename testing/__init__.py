@@ -2,12 +2,15 @@
 
 ``BackendTests`` and ``StorageTests`` are pytest suites a new backend or storage subclasses (as zarr ships
 ``zarr.testing.StoreTests``); the repository's own backends and storages subclass them too. The local elastic
-drill and a local world of gloo processes serve this repository's tests and benchmarks, and anyone testing code
-built on moeckpt.
+drill and a local world of gloo processes live with the trainer that runs them (:mod:`moeckpt.trainer.elastic_drill`,
+:mod:`moeckpt.trainer.local_world`: ``moeckpt demo`` uses them, and nothing the CLI or trainer runs imports this
+package); they are named here too for anyone testing code built on moeckpt. The suites need pytest; the rest does
+not.
 """
 
-from .backends import BackendTests
-from .elastic_drill import (
+from typing import Any
+
+from moeckpt.trainer.elastic_drill import (
     DrillError,
     DrillResult,
     LocalNode,
@@ -17,9 +20,21 @@ from .elastic_drill import (
     run_shrink_grow_drill,
     start_node,
 )
-from .local_world import free_port, run_local_world
-from .storages import StorageTests
+from moeckpt.trainer.local_world import free_port, run_local_world
+
 from .toy import save_toy, tensors_equal, toy_params, toy_tensors, toy_values
+
+#: the pytest suites, imported when first named: ``import moeckpt.testing`` works without pytest installed.
+_SUITES = {"BackendTests": ".backends", "StorageTests": ".storages"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUITES:
+        import importlib
+
+        return getattr(importlib.import_module(_SUITES[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "BackendTests",

@@ -17,7 +17,7 @@ through the real reader, so a backend that passes works with ``moeckpt reshard``
 
 from __future__ import annotations
 
-import pytest
+from ._pytest import pytest
 import torch
 
 from moeckpt.formats import errors

@@ -13,7 +13,7 @@ for its URLs.
 
 from __future__ import annotations
 
-import pytest
+from ._pytest import pytest
 
 from moeckpt.formats import errors
 from moeckpt.formats.checkpoint import begin_save, commit, is_committed, quarantine, resolve, staging_storage

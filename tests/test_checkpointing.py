@@ -12,7 +12,7 @@ from moeckpt.formats.retention import RetentionPolicy
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.local import join_local
 from moeckpt.reshard.placement import rank_boxes
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 
 from .helpers import tensors_equal, toy_tensors, toy_values
 

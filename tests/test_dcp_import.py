@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.dcp import open_dcp
 from moeckpt.reshard.layout import Layout
-from moeckpt.testing import free_port
+from moeckpt.trainer.local_world import free_port
 from moeckpt.trainer.interop import MappingError, import_dcp
 
 from .dcp_workers import TINY, hf_config_json
@@ -101,7 +101,7 @@ def test_mapping_none_without_a_layout_keeps_the_dcp_shardings(tmp_path, moeckpt
     """No layout given: each DCP chunk becomes a piece in the file of the rank that wrote it (the names and the
     shardings as they are); moeckpt.load fills a state dict from it, and reshard regroups it."""
     import moeckpt
-    from moeckpt.testing import run_local_world
+    from moeckpt.trainer.local_world import run_local_world
 
     from .dcp_workers import save_sharded_generic
 

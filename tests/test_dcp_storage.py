@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 import moeckpt
 import moeckpt.dcp
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 
 from . import library_workers as w
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
-from moeckpt.testing.elastic_drill import CPU_DRILL_KILL_AT as KILL_AT
-from moeckpt.testing.elastic_drill import CPU_DRILL_STEPS as STEPS
-from moeckpt.testing.elastic_drill import DrillResult
+from moeckpt.trainer.elastic_drill import CPU_DRILL_KILL_AT as KILL_AT
+from moeckpt.trainer.elastic_drill import CPU_DRILL_STEPS as STEPS
+from moeckpt.trainer.elastic_drill import DrillResult
 from moeckpt.trainer.launch import Elastic, ElasticSpecError
 
 pytestmark = [

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.data import default_text_path
 from moeckpt.trainer.evaluate import EvalConfig, evaluate
 from moeckpt.trainer.metrics import read_metrics

@@ -72,7 +72,7 @@ def test_bytes_match_golden(tmp_path):
 
 @pytest.mark.slow
 def test_four_real_ranks_saving_that_state_write_the_golden_bytes(tmp_path):
-    from moeckpt.testing import run_local_world
+    from moeckpt.trainer.local_world import run_local_world
 
     from .library_workers import save_golden_state
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import moeckpt
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 
 from . import library_workers as w
 

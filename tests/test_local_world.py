@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 
 
 def _abort_at_exit(rank: int, marks: str) -> None:

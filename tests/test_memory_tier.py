@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps, verify
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer import memory_tier
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig, train
@@ -180,7 +180,7 @@ def test_the_elastic_drill_with_the_memory_tier_resumes_from_memory_past_the_per
     """2 nodes x 2 workers with a memory checkpoint every step; node B killed (its memory directory deleted)
     between two persistent saves: the survivors resume from node A's memory, resharded dp 4 -> 2, reading nothing
     from storage, then grow back to 4 with node C, which holds nothing and reads through the exchange."""
-    from moeckpt.testing.elastic_drill import cpu_drill_args, run_shrink_grow_drill
+    from moeckpt.trainer.elastic_drill import cpu_drill_args, run_shrink_grow_drill
 
     run, memory = str(tmp_path / "run"), str(tmp_path / "memory")
     result = run_shrink_grow_drill(

@@ -15,7 +15,7 @@ from moeckpt.formats.index import TensorEntry
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import rank_boxes
 from moeckpt.reshard.tensors import Matrices, ParamSpec, tensor_name
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.models import presets
 from moeckpt.trainer.muon import MuonConfig, ZeroMuon, newton_schulz
 from moeckpt.trainer.muon_plan import families, rank_plan, receives, sends

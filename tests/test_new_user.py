@@ -262,7 +262,7 @@ def test_inspect_summarises_zarr_metadata(tmp_path, moeckpt_cli):
 
 
 def test_an_unreachable_s3_endpoint_is_one_line_in_seconds(tmp_path, monkeypatch, moeckpt_cli):
-    from moeckpt.testing import free_port
+    from moeckpt.trainer.local_world import free_port
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
     for var in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY"):
@@ -277,7 +277,7 @@ def test_an_unreachable_s3_endpoint_is_one_line_in_seconds(tmp_path, monkeypatch
 def test_nothing_of_a_run_stays_in_the_temporary_directory(tmp_path, monkeypatch):
     """torchrun's log directory, the workers' status files and torch.multiprocessing's error pickles go where they
     are cleaned up (a private temporary directory here, so other jobs' files do not count)."""
-    from moeckpt.testing import run_local_world
+    from moeckpt.trainer.local_world import run_local_world
 
     from .test_parallel import _fail_on_rank_one
 

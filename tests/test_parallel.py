@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from moeckpt.formats.errors import LayoutError
 from moeckpt.reshard.layout import Layout
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.models import presets
 from moeckpt.trainer.parallel import (
     LaunchError,
@@ -96,7 +96,7 @@ def test_init_from_env_requires_torchrun_variables(monkeypatch):
 
 
 def test_init_from_env_under_torchrun_variables():
-    from moeckpt.testing import free_port
+    from moeckpt.trainer.local_world import free_port
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     env["MASTER_PORT"] = str(free_port())

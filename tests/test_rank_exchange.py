@@ -186,7 +186,7 @@ def _collective(rank: int, location: str, layout: dict, peers: list, readable, o
 @pytest.mark.slow
 @pytest.mark.parametrize("readable", [None, [{0, 1}, {2}, {3}, set()]])
 def test_a_collective_load_of_permuted_peers_reads_each_byte_about_once(tmp_path, readable):
-    from moeckpt.testing import run_local_world
+    from moeckpt.trainer.local_world import run_local_world
 
     from .reshard_models import save_model
 
@@ -224,7 +224,7 @@ def _fail_planning(rank: int, location: str, out_dir: str) -> None:
 def test_a_rank_whose_planning_fails_fails_every_rank_alike(tmp_path):
     """Each rank plans only its own boxes now: one rank's planning error must not leave the others waiting in the
     exchange; every rank raises that error, the same class and message."""
-    from moeckpt.testing import run_local_world
+    from moeckpt.trainer.local_world import run_local_world
 
     from .reshard_models import save_model
 

@@ -182,7 +182,7 @@ def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path, e
     """One rank meets a checksum mismatch; the others must not wait for it in the exchange until the timeout, and
     all of them raise the same error class (so a trainer can fall back to an older checkpoint on every rank);
     without the exchange, the ranks that read clean bytes raise it too."""
-    from moeckpt.testing import run_local_world
+    from moeckpt.trainer.local_world import run_local_world
 
     from .helpers import flip_byte
 

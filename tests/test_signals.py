@@ -119,7 +119,7 @@ def test_ctrl_c_to_eval_stops_its_workers(tmp_path, moeckpt_cli):
 
 
 def test_the_elastic_path_saves_on_sigterm(tmp_path):
-    from moeckpt.testing import free_port
+    from moeckpt.trainer.local_world import free_port
 
     run = str(tmp_path / "run")
     job = launch(

@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _torchrun(nproc: int, *args: str) -> None:
-    from moeckpt.testing import free_port
+    from moeckpt.trainer.local_world import free_port
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
     cmd = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 
 from .train_workers import expert_dispatch_check
 

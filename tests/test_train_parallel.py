@@ -12,7 +12,7 @@ import pytest
 
 from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.reshard.layout import Layout
-from moeckpt.testing import run_local_world
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig, train
 

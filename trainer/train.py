@@ -1,6 +1,6 @@
 """The training loop: a model shard per rank, ZeRO-1 AdamW, checkpoints through moeckpt, automatic resume.
 
-One process per rank (torchrun, or :func:`moeckpt.testing.run_local_world` in tests); each calls
+One process per rank (torchrun, or :func:`moeckpt.trainer.local_world.run_local_world` in tests); each calls
 :func:`train` with the same :class:`TrainConfig`. The layout is ``(tp, ep, dp = world / tp)``. A run directory holds
 ``step-XXXXXXXX`` checkpoints and ``metrics.jsonl``; starting :func:`train` on a run directory that already has a
 committed checkpoint continues from the newest one, in whatever layout this invocation has (load-time resharding).

@@ -1,0 +1,100 @@
+"""What a fresh install relies on: README.md's two set-up commands (CI runs them verbatim, .ci/run), and that
+nothing the CLI or the trainer runs needs an extra or the test-only package ``moeckpt.testing``.
+
+The installs themselves (no extra, each extra alone, a built wheel) run in brand-new venvs in CI
+(.ci/installs); these tests hold the rules those runs rely on, in the suite's own venv, fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _ci_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / ".ci" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+readme = _ci_module("readme_commands")
+
+
+def test_readme_holds_exactly_the_two_setup_commands_ci_runs():
+    commands = readme.readme_commands((ROOT / "README.md").read_text())
+    assert commands["main"].endswith("&& moeckpt demo")
+    assert "-e '.[demo]'" in commands["main"]
+    assert commands["test"].rsplit("&&", 1)[-1].strip().startswith("python -m pytest")
+    assert (ROOT / ".ci" / "run").read_text().count("readme_commands.py") >= 2  # CI reads them, not a copy
+
+
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("```bash\npython3 -m venv a && moeckpt demo\n```\n", "1 set-up commands"),
+        (
+            "```bash\npython3 -m venv a && moeckpt demo\n```\n```bash\npython3 -m venv b && python -m pytest\n```\n"
+            "```bash\npython3 -m venv c && pip install .\n```\n",
+            "3 set-up commands",
+        ),
+        ("```\npython3 -m venv a && pip install .\n```\n```\npython3 -m venv b && python -m pytest\n```\n", "demo"),
+        ("```\npython3 -m venv a && moeckpt demo\n```\n```\npython3 -m venv b && pip install .\n```\n", "pytest"),
+    ],
+)
+def test_a_readme_with_other_setup_commands_fails_the_check(text, problem):
+    with pytest.raises(readme.ReadmeError, match=problem):
+        readme.readme_commands(text)
+
+
+#: run in a fresh interpreter where pytest, transformers, matplotlib and moto cannot be imported (as in a
+#: no-extra install): the whole CLI (every command's module, through --help) and the trainer's entry points.
+_WITHOUT_EXTRAS = r"""
+import sys
+for name in ("pytest", "_pytest", "transformers", "matplotlib", "moto"):
+    sys.modules[name] = None  # import raises ImportError, as when not installed
+from moeckpt.cli.main import cli
+for command in [None, *cli.commands]:
+    try:
+        cli.main([command, "--help"] if command else ["--help"], standalone_mode=False)
+    except SystemExit as e:
+        assert not e.code, (command, e.code)
+import moeckpt, moeckpt.dcp, moeckpt.trainer.train, moeckpt.trainer.elastic_drill, moeckpt.trainer.launch
+leaked = sorted(m for m in sys.modules if m.startswith("moeckpt.testing"))
+assert not leaked, f"the CLI or trainer imported the test-only package: {leaked}"
+import moeckpt.testing  # works without pytest: only the suites need it
+try:
+    moeckpt.testing.BackendTests
+except ImportError as e:
+    assert "pip install pytest" in str(e) and "\n" not in str(e), repr(e)
+else:
+    raise AssertionError("BackendTests without pytest")
+print("clean")
+"""
+
+
+def test_the_cli_and_trainer_run_without_pytest_or_any_extra():
+    p = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().endswith("clean")
+
+
+def test_demo_without_its_extra_says_which_in_one_line(moeckpt_cli, monkeypatch, tmp_path):
+    from moeckpt.cli import demo_cmd
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        demo_cmd.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    code, out, err = moeckpt_cli("demo", "--dir", tmp_path / "demo")
+    assert code == 2
+    lines = [ln for ln in (out + err).splitlines() if ln.strip()]
+    assert len(lines) == 1 and "pip install 'moeckpt[demo]'" in lines[0] and "matplotlib" in lines[0], lines
+    assert not (tmp_path / "demo").exists()  # refused before it made anything
