@@ -54,3 +54,7 @@ class StorageError(MoeckptError, OSError):
 
 class DestinationNotEmptyError(MoeckptError, FileExistsError):
     """The output location already holds files; pass ``--overwrite`` to replace them."""
+
+
+class StateDictError(MoeckptError, ValueError):
+    """A state dict that cannot be saved or loaded as given (a leaf type, a key, a shape or dtype mismatch)."""

@@ -194,7 +194,7 @@ def _sources_of(refs, names: list[str]) -> dict[str, list[SourcePiece]]:
     return sources
 
 
-def _refs_for(reader: CheckpointReader, sources: set, stored) -> dict[tuple[str, Box], PieceRef]:
+def refs_for(reader: CheckpointReader, sources: set, stored) -> dict[tuple[str, Box], PieceRef]:
     """The stored pieces behind ``sources`` (SourcePiece values): from ``stored`` when the caller listed them
     already, else reading only their writers' headers."""
     if not sources:
@@ -215,7 +215,7 @@ def _load_alone(
     out: Mapping[tuple[str, Box], torch.Tensor] | None = None,
 ) -> RankState:
     (rank_plan,) = plan.ranks
-    refs = _refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads}, stored)
+    refs = refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads}, stored)
     index = reader.index
     pieces = rank_plan.pieces
     with ChunkReader(
@@ -335,7 +335,7 @@ def _load_collective(
     owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
     extract = _GuardedExtract(index)
     try:
-        refs = _refs_for(reader, owned_sources, stored)  # reads the headers of the files this rank reads from
+        refs = refs_for(reader, owned_sources, stored)  # reads the headers of the files this rank reads from
     except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail
         extract.failure, refs = e.with_traceback(None), {}
     with ChunkReader(

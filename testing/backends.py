@@ -17,7 +17,6 @@ through the real reader, so a backend that passes works with ``moeckpt reshard``
 
 from __future__ import annotations
 
-from ._pytest import pytest
 import torch
 
 from moeckpt.formats import errors
@@ -31,6 +30,7 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements, rank_boxes
 from moeckpt.reshard.save import save_full_tensors
 
+from ._pytest import pytest
 from .toy import TOY_STEP, save_toy, tensors_equal, toy_values
 
 LAYOUTS = [Layout(), Layout(tp=2, ep=2, dp=2), Layout(tp=1, ep=2, dp=4)]

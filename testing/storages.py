@@ -13,12 +13,12 @@ for its URLs.
 
 from __future__ import annotations
 
-from ._pytest import pytest
-
 from moeckpt.formats import errors
 from moeckpt.formats.checkpoint import begin_save, commit, is_committed, quarantine, resolve, staging_storage
 from moeckpt.formats.index import INDEX_NAME, Index
 from moeckpt.formats.storage import Storage, open_storage
+
+from ._pytest import pytest
 
 
 def _payload(n: int, seed: int = 0) -> bytes:

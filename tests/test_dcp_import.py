@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.dcp import open_dcp
 from moeckpt.reshard.layout import Layout
-from moeckpt.trainer.local_world import free_port
 from moeckpt.trainer.interop import MappingError, import_dcp
+from moeckpt.trainer.local_world import free_port
 
 from .dcp_workers import TINY, hf_config_json
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.data import default_text_path
 from moeckpt.trainer.evaluate import EvalConfig, evaluate
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig, train
 

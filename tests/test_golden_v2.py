@@ -17,8 +17,8 @@ import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader, save_pieces, verify
 from moeckpt.formats.pieces import Piece
+from moeckpt.library.state_save import _merge
 from moeckpt.reshard.mesh import entry_pieces
-from moeckpt.reshard.state_save import _merge
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2")
 FILES = [

@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps, verify
-from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer import memory_tier
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig, train
 from tests.train_workers import memory_run, slow_persist_run, train_on_nodes, train_runs

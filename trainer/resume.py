@@ -202,7 +202,7 @@ def restore_from_state_dict(location: str, optimizer: ZeroOptimizer, spec, *, gr
     tensors carry ``spec``'s Hugging Face names (:mod:`moeckpt.trainer.interop.bundled`): the parameters, and the
     AdamW moments where the checkpoint has a full set of them, each rank reading its own boxes; the masters are
     taken from the loaded parameters. Collective over ``group`` and the optimizer's groups."""
-    from moeckpt.reshard.state_load import load_boxes
+    from moeckpt.reshard.box_load import load_boxes
 
     from .interop.bundled import match_model_names
 

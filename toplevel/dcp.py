@@ -5,6 +5,6 @@ JSON index, no pickle on disk, safetensors or zarr, local disk or S3); ``dcp.loa
 storage_reader=moeckpt.dcp.StorageReader(url))`` reads any moeckpt checkpoint, the bundled trainer's included.
 """
 
-from moeckpt.reshard.dcp_storage import StorageReader, StorageWriter
+from moeckpt.library.dcp_storage import StorageReader, StorageWriter
 
 __all__ = ["StorageReader", "StorageWriter"]

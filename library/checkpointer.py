@@ -17,9 +17,9 @@ from moeckpt.formats.checkpoint import committed_steps, quarantine, step_dir_nam
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, MoeckptError
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
 from moeckpt.formats.storage import join
+from moeckpt.reshard import collectives
 
-from . import collectives
-from .library import AsyncSave, SaveStats, async_save, coordination_group, load, save
+from .save_load import AsyncSave, SaveStats, async_save, coordination_group, load, save
 
 __all__ = ["DAMAGED_CHECKPOINT_ERRORS", "Checkpointer"]
 

@@ -27,10 +27,10 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.pieces import Piece
+from moeckpt.reshard import collectives
+from moeckpt.reshard.commit import SaveFailedError, save_collective
+from moeckpt.reshard.load import LoadStats
 
-from . import collectives
-from .commit import SaveFailedError, save_collective
-from .load import LoadStats
 from .state_load import load_state_dict
 from .state_save import SavePlan, plan_state_save, rank_pieces
 

@@ -1,55 +1,40 @@
-"""Loading a checkpoint into the state dicts of a group, in place: each rank reads only the bytes its tensors need.
+"""Filling boxes of tensors from a checkpoint, in place: each rank reads only the bytes its boxes need.
 
-The caller's state dict says what to load and where: every tensor leaf (a DTensor on any mesh, or a plain tensor)
-is filled in place from the checkpoint, whatever mesh or layout saved it (the boxes its local tensor holds are
-planned against the checkpoint's stored pieces, :func:`~moeckpt.reshard.planner.plan_boxes`); JSON values are put
-back into the caller's dict and returned. Everything is validated before a byte is copied (keys, global shapes,
-dtypes), and over a group the ranks agree on the outcome, so a mismatch is the same one-line error on every rank,
-nothing half-loaded, no rank left waiting.
+The engine under every in-place load: ``(tensor name, box, view)`` triples are planned against the checkpoint's
+stored pieces (:func:`~moeckpt.reshard.planner.plan_boxes`), read once through the chunk cache (or straight into
+the view where its bytes land as they are) and verified as they land. The library's state-dict loads
+(:mod:`moeckpt.library.state_load`) and the trainer's resume (whose live tensors are boxes) both call it.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
-from moeckpt.formats.errors import (
-    ChecksumMismatchError,
-    DataFileError,
-    MoeckptError,
-    StorageError,
-)
+from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, MoeckptError, StateDictError, StorageError
 
 from . import collectives
 from .chunks import ChunkReader, reads_started_ahead
 from .inplace import Job, in_place_jobs, read_in_place
-from .load import LoadStats, _refs_for
-from .mesh import local_boxes
+from .load import LoadStats, refs_for
 from .options import LoadOptions
 from .placement import is_stored
 from .planner import SourcePiece, plan_boxes
 from .runtime import paused_gc, single_threaded_torch
 from .slabs import fill
-from .state_dict import Leaf, StateDictError, flatten, leaf_of, set_flat
-from .state_save import group_rank_of
 
-__all__ = ["load_boxes", "load_state_dict"]
-
-log = logging.getLogger(__name__)
+__all__ = ["agree_on_load", "load_boxes", "needs_listing", "read_boxes_into"]
 
 #: errors a failed read is raised as on every rank of the group; others become StateDictError.
 _SHARED = {cls.__name__: cls for cls in (ChecksumMismatchError, DataFileError, StorageError, StateDictError)}
 
 
-def _agree(error: BaseException | None, group, where: str) -> None:
+def agree_on_load(error: BaseException | None, group, where: str) -> None:
     """Collective: if any rank failed, every rank raises the same error class (the failing rank's message)."""
     notes = collectives.all_gather_json(None if error is None else [type(error).__name__, str(error)], group)
     if error is not None:
@@ -57,103 +42,6 @@ def _agree(error: BaseException | None, group, where: str) -> None:
     for g, other in enumerate(notes):
         if other is not None:
             raise _SHARED.get(other[0], StateDictError)(f"{where}: rank {g} of the group could not load: {other[1]}")
-
-
-def _targets(leaf: Leaf, rank: int) -> list[tuple[Box, torch.Tensor]]:
-    """The boxes of this rank's local tensor of ``leaf``, each with the view of the local tensor it fills."""
-    local = leaf.local
-    if leaf.kind == "tensor":
-        return [(Box.full(leaf.shape), local)]
-    coord = _coord(leaf.mesh_ranks, leaf.mesh_shape, rank)
-    out = []
-    for box, offsets in local_boxes(leaf.shape, leaf.mesh_shape, coord, leaf.placements):
-        if box.is_empty():
-            continue
-        view = local[tuple(slice(o, o + s) for o, s in zip(offsets, box.shape))] if box.ndim else local
-        out.append((box, view))
-    return out
-
-
-def _coord(ranks: tuple[int, ...], shape: tuple[int, ...], rank: int) -> list[int]:
-    flat = ranks.index(rank)
-    out = []
-    for n in reversed(shape):
-        flat, r = divmod(flat, n)
-        out.append(r)
-    return list(reversed(out))
-
-
-def _check(leaf: Leaf, reader: CheckpointReader) -> None:
-    entry = reader.index.tensors.get(leaf.key)
-    if entry is None:
-        raise StateDictError(
-            f"{reader.location}: the checkpoint has no tensor {leaf.key!r} (it holds {len(reader.index.tensors)}, "
-            f"e.g. {sorted(reader.index.tensors)[:3]}); the state dict does not match it"
-        )
-    if entry.shape != leaf.shape or entry.dtype != leaf.dtype:
-        raise StateDictError(
-            f"{reader.location}: tensor {leaf.key!r} is {list(entry.shape)} {entry.dtype} in the checkpoint, "
-            f"{list(leaf.shape)} {leaf.dtype} in the state dict"
-        )
-
-
-def load_state_dict(
-    state_dict: MutableMapping[str, Any],
-    location: str,
-    *,
-    group=None,
-    stats: LoadStats | None = None,
-    options: LoadOptions | None = None,
-) -> dict[str, Any]:
-    """Fill ``state_dict``'s tensors in place from the checkpoint at ``location``; put its JSON values back into
-    ``state_dict`` and return every JSON value the checkpoint holds (by flattened key). Collective over ``group``.
-    """
-    started = time.perf_counter()
-    stats = stats if stats is not None else LoadStats()
-    rank = collectives.rank(group)
-    to_group = group_rank_of(group)
-    error: BaseException | None = None
-    reader = None
-    wanted: list[tuple[Leaf, Box, torch.Tensor]] = []
-    values: list[tuple[str, tuple, Any]] = []
-    # no_grad: a DTensor's to_local() is then its local tensor itself, not a view with an autograd node
-    with single_threaded_torch(), paused_gc(), torch.no_grad():
-        try:
-            reader = CheckpointReader(location)
-            for key, (path, value) in flatten(state_dict).items():
-                leaf = leaf_of(key, value, to_group_rank=to_group)
-                if leaf.kind == "value":
-                    if key not in reader.index.train_state:
-                        raise StateDictError(f"{reader.location}: the checkpoint has no value {key!r}")
-                    values.append((key, path, reader.index.train_state[key]))
-                    continue
-                _check(leaf, reader)
-                wanted.extend((leaf, box, view) for box, view in _targets(leaf, rank))
-        except (MoeckptError, OSError) as e:
-            error = e
-        where = reader.location if reader is not None else location
-        _agree(error, group, where)
-        if reader is None:  # unreachable: _agree raised the open's error on every rank
-            raise StateDictError(f"{location}: the checkpoint could not be opened")
-        try:
-            _read_into(
-                reader, [(leaf.key, box, view) for leaf, box, view in wanted], rank, stats, options or LoadOptions()
-            )
-        except (MoeckptError, OSError) as e:
-            error = e
-        _agree(error, group, where)
-    for _, path, value in values:
-        set_flat(state_dict, path, value)
-    stats.bytes_needed = sum(box.numel * dtypes.itemsize(leaf.dtype) for leaf, box, _ in wanted)
-    stats.seconds = time.perf_counter() - started
-    log.info(
-        "loaded %s: %.1f MB read for %.1f MB in %.2f s",
-        where,
-        stats.bytes_read / 1e6,
-        stats.bytes_needed / 1e6,
-        stats.seconds,
-    )
-    return dict(reader.index.train_state)
 
 
 def needs_listing(reader: CheckpointReader, name: str) -> bool:
@@ -193,20 +81,20 @@ def load_boxes(
         except (MoeckptError, OSError) as e:
             error = e
         where = reader.location if reader is not None else str(location)
-        _agree(error, group, where)
+        agree_on_load(error, group, where)
         if reader is None:  # unreachable: _agree raised the open's error on every rank
             raise StateDictError(f"{location}: the checkpoint could not be opened")
         try:
-            _read_into(reader, wanted, collectives.rank(group), stats, options or LoadOptions())
+            read_boxes_into(reader, wanted, collectives.rank(group), stats, options or LoadOptions())
         except (MoeckptError, OSError) as e:
             error = e
-        _agree(error, group, where)
+        agree_on_load(error, group, where)
     stats.bytes_needed = sum(box.numel * view.element_size() for _, box, view in wanted)
     stats.seconds = time.perf_counter() - started
     return reader
 
 
-def _read_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats, options: LoadOptions) -> None:
+def read_boxes_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats, options: LoadOptions) -> None:
     names = {name for name, _, _ in wanted}
     listed = {n for n in names if needs_listing(reader, n)}
     stored = {(r.tensor, r.box): r for r in reader.pieces(tensors=listed)} if listed else None
@@ -220,7 +108,7 @@ def _read_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStats, op
     (rank_plan,) = plan.ranks
     refs = {}
     by_rule = {r.source for p in rank_plan.pieces for r in p.reads if stored is None or r.tensor not in listed}
-    refs.update(_refs_for(reader, by_rule, None))
+    refs.update(refs_for(reader, by_rule, None))
     if stored is not None:
         refs.update(
             {

@@ -23,16 +23,11 @@ from typing import Any, cast
 import torch
 
 from moeckpt.formats import dtypes
-from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.errors import StateDictError
 from moeckpt.formats.index import check_tensor_name
-
-from .mesh import MeshPlacement
+from moeckpt.reshard.mesh import MeshPlacement
 
 __all__ = ["Leaf", "StateDictError", "flatten", "leaf_of", "set_flat"]
-
-
-class StateDictError(MoeckptError, ValueError):
-    """A state dict that cannot be saved or loaded as given (a leaf type, a key, a shape or dtype mismatch)."""
 
 
 Path = tuple[Any, ...]

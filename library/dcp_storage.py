@@ -51,15 +51,15 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.backend import get_backend
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit, staging_storage
-from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.errors import MoeckptError, StateDictError
 from moeckpt.formats.index import FileEntry, Index, TensorEntry, check_tensor_name
 from moeckpt.formats.pieces import Piece
+from moeckpt.reshard.commit import write_threads
+from moeckpt.reshard.placement import STORED, is_stored, placements
+from moeckpt.reshard.planner import source_layout
+from moeckpt.reshard.runtime import paused_gc
 
-from .commit import write_threads
-from .placement import STORED, is_stored, placements
-from .planner import source_layout
-from .runtime import paused_gc
-from .state_dict import StateDictError, leaf_of
+from .state_dict import leaf_of
 from .state_save import GENERIC_MODEL
 
 __all__ = ["STORED", "StorageReader", "StorageWriter"]

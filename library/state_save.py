@@ -1,7 +1,7 @@
 """From the state dicts of the ranks of a group to one checkpoint: agree on its tensors, then each rank writes its
 share.
 
-Every rank flattens its state dict (:mod:`moeckpt.reshard.state_dict`) and describes each leaf: a DTensor's global
+Every rank flattens its state dict (:mod:`moeckpt.library.state_dict`) and describes each leaf: a DTensor's global
 shape, dtype, mesh and placements; a plain tensor's shape and dtype; a JSON value itself. The ranks gather the
 distinct descriptions (ranks that hold the same keys alike, as the data-parallel replicas do, send theirs once)
 and merge them into the union: a key held by several ranks must agree in everything but its data, else one error
@@ -22,12 +22,12 @@ import torch
 import xxhash
 
 from moeckpt.formats.box import Box
-from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.errors import MoeckptError, StateDictError
 from moeckpt.formats.index import Index, MeshEntry, TensorEntry
+from moeckpt.reshard import collectives
+from moeckpt.reshard.mesh import MeshGeometry, MeshPlacement, local_boxes, mesh_geometry, name_seed
 
-from . import collectives
-from .mesh import MeshGeometry, MeshPlacement, local_boxes, mesh_geometry, name_seed
-from .state_dict import Leaf, StateDictError, flatten, leaf_of
+from .state_dict import Leaf, flatten, leaf_of
 
 __all__ = ["SavePlan", "plan_state_save", "rank_pieces"]
 

@@ -21,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 #: every public name and the module that defines it.
 _EXPORTS = {
-    "AsyncSave": "moeckpt.reshard.library",
-    "SaveStats": "moeckpt.reshard.library",
-    "async_save": "moeckpt.reshard.library",
-    "load": "moeckpt.reshard.library",
-    "save": "moeckpt.reshard.library",
-    "Checkpointer": "moeckpt.reshard.checkpointer",
+    "AsyncSave": "moeckpt.library.save_load",
+    "SaveStats": "moeckpt.library.save_load",
+    "async_save": "moeckpt.library.save_load",
+    "load": "moeckpt.library.save_load",
+    "save": "moeckpt.library.save_load",
+    "Checkpointer": "moeckpt.library.checkpointer",
     "SaveFailedError": "moeckpt.reshard.commit",
     "LoadStats": "moeckpt.reshard.load",
-    "StateDictError": "moeckpt.reshard.state_dict",
+    "StateDictError": "moeckpt.formats.errors",
     "CheckpointReader": "moeckpt.formats.checkpoint",
     "verify": "moeckpt.verification",
     "ChecksumMismatchError": "moeckpt.formats.errors",
@@ -92,13 +92,13 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
         LayoutError,
         MoeckptError,
         NotCommittedError,
+        StateDictError,
         StorageError,
         UnsafePathError,
         UnsupportedVersionError,
     )
-    from moeckpt.reshard.checkpointer import Checkpointer
+    from moeckpt.library.checkpointer import Checkpointer
+    from moeckpt.library.save_load import AsyncSave, SaveStats, async_save, load, save
     from moeckpt.reshard.commit import SaveFailedError
-    from moeckpt.reshard.library import AsyncSave, SaveStats, async_save, load, save
     from moeckpt.reshard.load import LoadStats
-    from moeckpt.reshard.state_dict import StateDictError
     from moeckpt.verification import verify
