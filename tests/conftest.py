@@ -15,6 +15,16 @@ from .s3_fixtures import moto_endpoint, s3_url  # noqa: F401  (fixtures: S3 via 
 
 _counter = itertools.count()
 
+#: test files whose tests run on one xdist worker, in order: they share the session's demo run (``demo_run``),
+#: or time failures (killed nodes, signals, heartbeats) that a second drill beside them on 2 cores would skew.
+SERIAL_FILES = {"test_demo.py", "test_elastic_agents.py", "test_signals.py", "test_memory_tier.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.xdist_group("drills"))
+
 #: storages of the shared suite; S3 is added by the S3 fixture module when moto is installed.
 STORAGES = ["local", "memory", "s3"]
 #: every registered format: the built-ins and the tests' own "raw".

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["free_port", "run_local_world"]
 
+#: how long the peers of a failed rank may take to fail too (and record their failure) before they are killed.
+PEER_SETTLE_S = 10.0
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (for a local rendezvous)."""
@@ -39,15 +42,15 @@ def free_port() -> int:
 def _local_worker(
     rank: int, fn: Callable, world: int, port: int, timeout_s: float, error_dir: str, args: tuple
 ) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
     failed = False
     try:
+        dist.init_process_group(  # inside the try: a rank that cannot join records why, as any failure
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
         fn(rank, *args)
         # Every rank finished before any tears its gloo connections down: a peer still in its last collective
         # when another's process group goes away can abort ("terminate called without an active exception").
@@ -70,7 +73,8 @@ def _local_worker(
             json.dump(record, f)
         failed = True
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if failed:
         # An exit code instead of a raise: torch.multiprocessing would pickle the traceback into a
         # pytorch-errorfile-*.pickle in the temporary directory that nobody removes; the JSON record above says it.
@@ -126,7 +130,12 @@ def run_local_world(fn: Callable, world: int, *args: Any, timeout_s: float = 120
                         f"{world} local processes running {fn.__name__} did not finish within {timeout_s:.0f} s"
                     )
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-            for p in ctx.processes:  # the peers of a failed rank may still sit in a collective
+            # The peers of a failed rank fail a moment later in a collective and record why; on a loaded machine
+            # that moment can be seconds, and a peer killed first leaves no record (the root cause lost).
+            settle = time.monotonic() + PEER_SETTLE_S
+            for p in ctx.processes:
+                p.join(max(0.0, settle - time.monotonic()))
+            for p in ctx.processes:  # still in a collective: nothing more will come from it
                 if p.is_alive():
                     p.kill()
                 p.join(5)
