@@ -50,7 +50,7 @@ def run(args: list[str], want: int, failures: list[str], cwd: Path) -> str:
     elif "Traceback" in p.stdout + p.stderr:
         failures.append(f"`{shown}` printed a traceback: {p.stderr.strip()[-800:]}")
     else:
-        print(f"ok   {' '.join(args)}")
+        print(f"ok   {shown}")
     return p.stdout + p.stderr
 
 
