@@ -40,7 +40,7 @@ import torch
 from moeckpt.formats.checkpoint import CheckpointReader, save_pieces
 from moeckpt.formats.index import Index, TensorEntry
 from moeckpt.formats.pieces import Piece, tensor_bytes
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements, rank_boxes
 
@@ -133,7 +133,7 @@ def drop_from_page_cache(root: str) -> None:
 
 # -- the methods -----------------------------------------------------------------------------------------------
 def raw_save(location: str, blobs: dict[int, list[memoryview]], joined: dict[int, bytes]) -> None:
-    s = Storage(location)
+    s = open_storage(location)
 
     def one(w: int) -> None:
         if s.is_local:
@@ -151,7 +151,7 @@ def raw_save(location: str, blobs: dict[int, list[memoryview]], joined: dict[int
 
 
 def raw_load(location: str, writers: int, sizes: dict[int, int]) -> int:
-    s = Storage(location)
+    s = open_storage(location)
 
     def one(w: int) -> int:
         if s.is_local:
@@ -199,7 +199,7 @@ def format_load(location: str, tensors, layout: Layout) -> int:
 
 # -- the run ---------------------------------------------------------------------------------------------------
 def clear(location: str) -> None:
-    Storage(location).remove()
+    open_storage(location).remove()
 
 
 def measure(storage, method, local_root, blobs, joined, sizes, tensors, by_writer, layout, nbytes, writers):

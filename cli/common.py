@@ -193,9 +193,9 @@ def describe_overwrite(location: str) -> str | None:
     """What ``--overwrite`` is about to remove at ``location`` (one line), or ``None`` when it holds nothing."""
     from moeckpt.formats.checkpoint import STEP_PREFIX, committed_steps
     from moeckpt.formats.index import INDEX_NAME
-    from moeckpt.formats.storage import Storage
+    from moeckpt.formats.storages import open_storage
 
-    storage = Storage(location)
+    storage = open_storage(location)
     if not storage.exists():
         return None
     try:

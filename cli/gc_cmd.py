@@ -11,7 +11,7 @@ from moeckpt.formats.checkpoint import STAGING_SUFFIX, STEP_PREFIX
 from moeckpt.formats.errors import NotCommittedError
 from moeckpt.formats.index import INDEX_NAME
 from moeckpt.formats.retention import UPLOAD_GRACE_S, GcPlan, RetentionPolicy, apply_gc, plan_gc
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.trainer.memory_tier import run_id, run_root
 
 from .common import progress
@@ -21,7 +21,7 @@ from .params import Text, count, number
 def check_run_dir(run_dir: str) -> None:
     """Refuse what is not a run directory: nothing there, a file, a checkpoint, or a directory with no trace of a
     run (no ``step-*`` entry, no staging leftover, no metrics, and on an object store no incomplete upload)."""
-    storage = Storage(run_dir)
+    storage = open_storage(run_dir)
     storage.refuse_file()
     if not storage.is_local and storage.stale_uploads(0):
         return  # an object-store prefix whose only trace of a run is a killed save's upload: gc aborts it

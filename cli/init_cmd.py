@@ -7,7 +7,7 @@ import shutil
 
 import click
 
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.save import save_full_tensors
 from moeckpt.reshard.tensors import logical_tensors
@@ -120,7 +120,7 @@ def command(out, model_name, tp, ep, dp, fmt, with_optimizer, seed, dtype, overw
 
 def _check_disk(out: str, nbytes: int) -> None:
     """A local OUT must have room for the checkpoint (object stores have no such limit to ask about)."""
-    storage = Storage(out)
+    storage = open_storage(out)
     if not storage.is_local:
         return
     parent = os.path.abspath(storage.location)

@@ -27,7 +27,8 @@ from .errors import (
 )
 from .index import INDEX_NAME, FileEntry, Index, TensorEntry
 from .pieces import Piece, PieceRef
-from .storage import Storage, open_storage
+from .storage import Storage
+from .storages import open_storage
 
 __all__ = [
     "STAGING_SUFFIX",

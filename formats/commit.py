@@ -20,7 +20,7 @@ import uuid
 from typing import Protocol
 
 from .index import INDEX_NAME
-from .storage import Storage, open_storage
+from .storage import Storage
 
 STAGING_SUFFIX = ".partial"
 
@@ -56,7 +56,7 @@ class RenameStagingDir:
 
     def staging(self, final: Storage) -> Storage:
         parent, name = os.path.split(final.location)
-        return open_storage(os.path.join(parent, f".{name}{STAGING_SUFFIX}"))
+        return final.at(os.path.join(parent, f".{name}{STAGING_SUFFIX}"))
 
     def begin(self, final: Storage, contents: list[str]) -> Storage:
         del contents  # the old checkpoint stays whole until the rename replaces it
@@ -75,9 +75,9 @@ class RenameStagingDir:
             old = os.path.join(parent, f".{os.path.basename(final.location)}.old-{uuid.uuid4().hex[:8]}")
             os.rename(final.location, old)
         os.rename(staging.location, final.location)
-        open_storage(parent).fsync_dir()
+        final.at(parent).fsync_dir()
         if old is not None:
-            open_storage(old).remove()
+            final.at(old).remove()
 
     def discard(self, final: Storage) -> None:
         self.staging(final).remove()
@@ -88,7 +88,7 @@ class RenameStagingDir:
         location = final.location.rstrip("/")
         target = os.path.join(os.path.dirname(location), f"damaged-{os.path.basename(location)}-{uuid.uuid4().hex[:8]}")
         os.rename(location, target)
-        open_storage(os.path.dirname(target)).fsync_dir()
+        final.at(os.path.dirname(target)).fsync_dir()
         return target
 
 

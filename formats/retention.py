@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from .checkpoint import STAGING_SUFFIX, STEP_PREFIX, is_committed
 from .errors import MoeckptError
 from .index import INDEX_NAME
-from .storage import Upload, open_storage
+from .storage import Upload
+from .storages import open_storage
 
 log = logging.getLogger(__name__)
 

@@ -5,13 +5,13 @@
 
 * :class:`~moeckpt.formats.storages.local.LocalStorage`: a local directory, through the OS, so that data can be
   fsynced, directories renamed atomically, and files read with ``preadv`` or mapped;
-* :class:`~moeckpt.formats.storages.url.FsspecStorage`: any fsspec URL (``memory://``, ...), imported only when
-  a URL needs it, remote operations retried when the error is transient; remote reads are byte ranges;
+* :class:`~moeckpt.formats.storages.url.FsspecStorage`: any fsspec URL (``memory://``, ...), its filesystem made
+  when first used, remote operations retried when the error is transient; remote reads are byte ranges;
 * :class:`~moeckpt.formats.storages.s3.S3Storage`: ``s3://``, with bounded multipart uploads that an interrupted
   save aborts, and the listing of stale uploads for ``gc``.
 
-:func:`open_storage` picks the class for a location; ``Storage(location)`` does the same (as ``pathlib.Path``
-gives a ``PosixPath``), so callers name the protocol and get the right kind.
+:func:`moeckpt.formats.storages.open_storage` picks the class for a location, beside the kinds it picks from: this
+module imports none of them, so the abstract seam sits below every kind and no import runs back up to it.
 
 Each kind also names its commit strategy (:mod:`moeckpt.formats.commit`): rename a staging directory on local
 disk, write the index last on object stores.
@@ -124,7 +124,8 @@ class Upload(Protocol):
 class Storage(ABC):
     """A directory-like location: a local directory or an fsspec URL prefix.
 
-    ``Storage(location)`` returns the subclass for the location (:func:`open_storage`).
+    :func:`moeckpt.formats.storages.open_storage` gives the subclass for a location; :meth:`at` another location
+    of the same kind.
     """
 
     #: files on this machine's filesystem (fsync and rename work; paths are plain OS paths).
@@ -139,11 +140,6 @@ class Storage(ABC):
     def __init__(self, location: str, *, fs: Any = None, retry: Any = None) -> None:
         self.location = location
 
-    def __new__(cls, location: str, *args: Any, **kwargs: Any) -> Storage:
-        if cls is Storage:
-            cls = storage_class(location)
-        return super().__new__(cls)
-
     # -- naming ----------------------------------------------------------------------------------------
     def path(self, relpath: str = "") -> str:
         """The full path (local) or URL of ``relpath`` below this location."""
@@ -152,6 +148,10 @@ class Storage(ABC):
     @abstractmethod
     def child(self, relpath: str) -> Storage:
         """The storage of ``relpath`` below this one (sharing connections)."""
+
+    def at(self, location: str) -> Storage:
+        """The storage at another ``location`` of this same kind (a sibling, a parent), as this one was made."""
+        return type(self)(location)
 
     @property
     @abstractmethod
@@ -240,47 +240,6 @@ class Storage(ABC):
     def abort_upload(self, upload: Upload) -> None:
         """Abort one upload listed by :meth:`stale_uploads`."""
         raise StorageError(f"{self.location}: this storage has no uploads to abort")
-
-
-#: storages registered by URL scheme (``count`` -> a class), looked up before the built-in kinds.
-_REGISTERED: dict[str, type[Storage]] = {}
-
-
-def register_storage(scheme: str, cls: type[Storage]) -> None:
-    """Make ``scheme://...`` locations open as ``cls`` (a :class:`Storage` subclass), as
-    :func:`~moeckpt.formats.backend.register_backend` adds a format: e.g. :mod:`moeckpt.testing.counting`'s
-    storage that keeps no data."""
-    if not isinstance(scheme, str) or not scheme.isalnum() or not scheme.islower():
-        raise ValueError(f"a storage scheme is a lower-case word of letters and digits, got {scheme!r}")
-    if not (isinstance(cls, type) and issubclass(cls, Storage)):
-        raise ValueError(f"a registered storage must be a Storage subclass, got {cls!r}")
-    _REGISTERED[scheme] = cls
-
-
-def storage_class(location: str) -> type[Storage]:
-    """The :class:`Storage` subclass for ``location``: a registered scheme's, local disk, S3, or any other fsspec
-    URL."""
-    location = strip_file_scheme(location)
-    registered = _REGISTERED.get(location.partition("://")[0]) if is_url(location) else None
-    if registered is not None:
-        return registered
-    if not is_url(location):
-        from .storages.local import LocalStorage
-
-        return LocalStorage
-    if location.startswith(("s3://", "s3a://")):
-        from .storages.s3 import S3Storage
-
-        return S3Storage
-    from .storages.url import FsspecStorage
-
-    return FsspecStorage
-
-
-def open_storage(location: str, *, fs: Any = None, retry: Any = None) -> Storage:
-    """The storage at ``location`` (a local path, ``file://``, or any fsspec URL); ``fs`` reuses an fsspec
-    filesystem, ``retry`` (a :class:`~moeckpt.formats.storages.retry.RetryPolicy`) overrides the default."""
-    return storage_class(location)(location, fs=fs, retry=retry)
 
 
 class CopyingReader:

@@ -26,7 +26,8 @@ from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit, dis
 from moeckpt.formats.errors import CheckpointIndexError, DestinationNotEmptyError
 from moeckpt.formats.index import FileEntry, Index
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
-from moeckpt.formats.storage import Storage, is_url, open_storage
+from moeckpt.formats.storage import Storage, is_url
+from moeckpt.formats.storages import open_storage
 
 from .chunks import ChunkReader, chunk_keys, chunk_rows, reads_started_ahead
 from .generic import is_state_dict, sharded_over_writers

@@ -25,7 +25,7 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, begin_save, committed_steps, resolve, step_dir_name, verify
 from moeckpt.formats.dtypes import DTYPE_NAMES, to_torch
 from moeckpt.formats.index import INDEX_NAME, TensorEntry
-from moeckpt.formats.storage import open_storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements, rank_boxes
 from moeckpt.reshard.save import save_full_tensors

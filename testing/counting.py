@@ -1,6 +1,6 @@
 """A storage that keeps no data: it counts bytes, objects and requests, and reads back zeros.
 
-Importing this module registers the ``count://`` scheme (:func:`~moeckpt.formats.storage.register_storage`), so
+Importing this module registers the ``count://`` scheme (:func:`~moeckpt.formats.storages.register_storage`), so
 ``count://NAME/...`` works wherever a location does: a save through the real writers, a resume through the real
 readers. Every location under one ``NAME`` shares one :class:`Tally`, found with :func:`tally`.
 
@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from moeckpt.formats.commit import CommitStrategy, IndexLast
-from moeckpt.formats.storage import Storage, join, register_storage
+from moeckpt.formats.storage import Storage, join
+from moeckpt.formats.storages import register_storage
 
 SCHEME = "count"
 

@@ -1,6 +1,6 @@
 """A local directory whose writes are slow: a persistent storage that takes longer than several training steps.
 
-Importing this module registers the ``slow://`` scheme (:func:`~moeckpt.formats.storage.register_storage`):
+Importing this module registers the ``slow://`` scheme (:func:`~moeckpt.formats.storages.register_storage`):
 ``slow:///abs/path`` is the local directory ``/abs/path``, and every file written there (``write_parts``,
 ``open_write``) first sleeps :func:`write_delay` seconds (``$MOECKPT_SLOW_WRITE_S``, default 1), as a busy disk
 or a far bucket would. Reads are not slowed. Tests use it to show that the memory tier does not wait behind a
@@ -16,7 +16,8 @@ from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 from moeckpt.formats.commit import CommitStrategy, RenameStagingDir
-from moeckpt.formats.storage import Storage, join, register_storage
+from moeckpt.formats.storage import Storage, join
+from moeckpt.formats.storages import register_storage
 from moeckpt.formats.storages.local import LocalStorage
 
 __all__ = ["SCHEME", "SlowStorage", "write_delay"]

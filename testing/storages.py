@@ -7,7 +7,7 @@ Subclass it in a pytest module and provide one fixture, a fresh and empty locati
         def storage_location(self, tmp_path):
             return "mystore://bucket/" + tmp_path.name
 
-The tests open the location with :func:`~moeckpt.formats.storage.open_storage`, which must return the new kind
+The tests open the location with :func:`~moeckpt.formats.storages.open_storage`, which must return the new kind
 for its URLs.
 """
 
@@ -16,7 +16,8 @@ from __future__ import annotations
 from moeckpt.formats import errors
 from moeckpt.formats.checkpoint import begin_save, commit, is_committed, quarantine, resolve, staging_storage
 from moeckpt.formats.index import INDEX_NAME, Index
-from moeckpt.formats.storage import Storage, open_storage
+from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 
 from ._pytest import pytest
 

@@ -6,7 +6,7 @@ import fsspec.core
 import torch
 
 from moeckpt.formats.index import TensorEntry
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.rules import ShardingRule, TpSplit
 from moeckpt.reshard.save import save_full_tensors
@@ -59,7 +59,7 @@ def save_toy(location: str, layout: Layout, backend: str = "safetensors", **kw):
 
 def list_objects(location: str) -> list[str]:
     """Every stored file/object below ``location`` (relative paths), on any storage."""
-    s = Storage(location)
+    s = open_storage(location)
     if s.is_local:
         fs, root = fsspec.core.url_to_fs(s.location)
     else:
@@ -69,7 +69,7 @@ def list_objects(location: str) -> list[str]:
 
 
 def flip_byte(location: str, relpath: str, offset: int) -> None:
-    s = Storage(location)
+    s = open_storage(location)
     data = bytearray(s.read_bytes(relpath))
     data[offset] ^= 0x40
     s.write_bytes(relpath, bytes(data))

@@ -16,7 +16,7 @@ from moeckpt.formats import errors
 from moeckpt.formats.backends.safetensors import read_header
 from moeckpt.formats.checkpoint import CheckpointReader, verify
 from moeckpt.formats.index import INDEX_NAME, Index
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 
 from .helpers import save_toy
@@ -225,8 +225,8 @@ def test_write_failing_midway_leaves_nothing_committed():
     location = "failmem://bucket/run/step-00000001"
     with pytest.raises(errors.StorageError, match="no space left"):
         save_toy(location, Layout(tp=2, ep=2, dp=2), workers=1)
-    assert not Storage(location).exists(INDEX_NAME)
-    assert Storage(location).listdir(), "the failed save did write something before failing"
+    assert not open_storage(location).exists(INDEX_NAME)
+    assert open_storage(location).listdir(), "the failed save did write something before failing"
     with pytest.raises(errors.NotCommittedError):
         CheckpointReader("failmem://bucket/run")
     FailingFileSystem.budget = 10**9
@@ -338,7 +338,7 @@ def test_fuzzed_safetensors_headers_raise_only_typed_errors(data):
     else:
         raw[:8] = struct.pack("<Q", data.draw(st.integers(0, 2**64 - 1)))
     head_len = min(len(raw), 8 + struct.unpack("<Q", raw[:8])[0]) if len(raw) >= 8 else len(raw)
-    store = Storage("memory://fuzz/c")
+    store = open_storage("memory://fuzz/c")
     store.write_bytes(entry.path, bytes(raw))
     # Record the fuzzed header's checksum as if the index were written for it, so parsing goes past the checksum.
     forged = replace(entry, size=len(raw), checksum=checksum(bytes(raw[:head_len])))

@@ -153,11 +153,11 @@ def _zarr_doc_tree() -> str:
 
 def _stored_on_storage(location: str) -> tuple[int, int]:
     """Bytes and count of every object of a checkpoint, its index moeckpt.json left out, measured independently."""
-    from moeckpt.formats.storage import Storage
+    from moeckpt.formats.storages import open_storage
 
     from .helpers import list_objects
 
-    s = Storage(location)
+    s = open_storage(location)
     paths = [p for p in list_objects(location) if p != "moeckpt.json"]
     return sum(s.size(p) for p in paths), len(paths)
 

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from moeckpt.formats.storage import open_storage, register_storage
+from moeckpt.formats.storages import open_storage, register_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
 from moeckpt.reshard.save import save_full_tensors

@@ -6,7 +6,7 @@ import pytest
 
 from moeckpt.formats.checkpoint import begin_save, committed_steps, step_dir_name
 from moeckpt.formats.retention import RetentionError, RetentionPolicy
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 
 from .helpers import save_toy
@@ -26,7 +26,7 @@ def test_gc_keeps_last_and_every_and_removes_leftovers(run_dir, moeckpt_cli):
     code, out, _ = moeckpt_cli("gc", run_dir, "--keep-last", "2", "--keep-every", "20")
     assert code == 0, out
     assert [s for s, _ in committed_steps(run_dir)] == [20, 40, 50]
-    names = Storage(run_dir).listdir()
+    names = open_storage(run_dir).listdir()
     assert not any("partial" in n or n == step_dir_name(60) for n in names), names
     assert "removed" in out and "uncommitted leftover" in out
 

@@ -13,7 +13,7 @@ from moeckpt.formats import errors
 from moeckpt.formats.checkpoint import CheckpointReader, save_pieces, step_dir_name, verify
 from moeckpt.formats.index import Index
 from moeckpt.formats.pieces import Piece
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.formats.storages import retry as retry_mod
 from moeckpt.formats.storages import url as url_mod
 from moeckpt.formats.storages.retry import RetryPolicy
@@ -207,14 +207,14 @@ fsspec.register_implementation("flakymem", FlakyFS, clobber=True)
 
 def test_transient_errors_are_retried_with_backoff():
     FlakyFS.failures, FlakyFS.error, FlakyFS.calls = 2, ConnectionResetError, 0
-    s = Storage("flakymem://retry/a", retry=RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.05))
+    s = open_storage("flakymem://retry/a", retry=RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.05))
     s.write_bytes("x.bin", b"hello")
     assert FlakyFS.calls == 3 and s.read_bytes("x.bin") == b"hello"
 
 
 def test_transient_errors_give_up_with_one_line():
     FlakyFS.failures, FlakyFS.error, FlakyFS.calls = 10, ConnectionResetError, 0
-    s = Storage("flakymem://retry/b", retry=FAST_RETRY)
+    s = open_storage("flakymem://retry/b", retry=FAST_RETRY)
     with pytest.raises(errors.StorageError, match="failed after 2 tries") as e:
         s.write_bytes("x.bin", b"hello")
     assert FlakyFS.calls == 2 and "\n" not in str(e.value) and e.value.exit_code == 2
@@ -222,7 +222,7 @@ def test_transient_errors_give_up_with_one_line():
 
 def test_permanent_errors_are_not_retried():
     FlakyFS.failures, FlakyFS.error, FlakyFS.calls = 10, PermissionError, 0
-    s = Storage("flakymem://retry/c", retry=FAST_RETRY)
+    s = open_storage("flakymem://retry/c", retry=FAST_RETRY)
     with pytest.raises(errors.StorageError, match="permission denied"):
         s.write_bytes("x.bin", b"hello")
     assert FlakyFS.calls == 1
@@ -230,7 +230,7 @@ def test_permanent_errors_are_not_retried():
 
 
 def test_read_ranges_fetches_many_ranges_at_once(s3_url):
-    s = Storage(s3_url)
+    s = open_storage(s3_url)
     s.write_bytes("a.bin", bytes(range(256)))
     s.write_bytes("b.bin", bytes(100))
     got = s.read_ranges([("a.bin", 10, 20), ("b.bin", None, None), ("a.bin", 250, 256)])

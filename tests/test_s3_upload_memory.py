@@ -19,7 +19,7 @@ from moeckpt.formats.backends import safetensors as st
 from moeckpt.formats.box import Box
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import Piece, tensor_bytes
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.formats.storages import s3 as storage_mod
 from moeckpt.formats.storages.retry import RetryPolicy
 
@@ -73,12 +73,12 @@ def test_defaults_are_explicit_and_bounded():
     assert storage_mod.s3_part_bytes(1) == storage_mod.s3_part_bytes(10_000 * 16 * MiB) == 16 * MiB
     big = 200 * 2**30  # more than 10,000 parts of 16 MiB: parts grow so that the upload stays within S3's limit
     assert storage_mod.s3_part_bytes(big) * 10_000 >= big
-    assert Storage("s3://b/x").seekable_writes and Storage("/tmp/x").seekable_writes
-    assert not Storage("memory://b/x").seekable_writes
+    assert open_storage("s3://b/x").seekable_writes and open_storage("/tmp/x").seekable_writes
+    assert not open_storage("memory://b/x").seekable_writes
 
 
 def test_put_file_gets_the_part_size_and_concurrency(s3_url, monkeypatch):
-    s = Storage(s3_url)
+    s = open_storage(s3_url)
     seen = []
     put_file = s.fs.put_file
     monkeypatch.setattr(s.fs, "put_file", lambda *a, **kw: (seen.append(kw), put_file(*a, **kw))[1])
@@ -89,7 +89,7 @@ def test_put_file_gets_the_part_size_and_concurrency(s3_url, monkeypatch):
 
 def test_large_upload_is_multipart_with_bounded_parts_and_round_trips(s3_url, monkeypatch):
     monkeypatch.setattr(storage_mod, "S3_PART_BYTES", MIN_PART)
-    s = Storage(s3_url)
+    s = open_storage(s3_url)
     spy = S3Spy(s.fs, monkeypatch)
     data = _payload(5 * MIN_PART + 12345)  # 6 parts: one batch of 4 in flight, then 2
     with s.open_write("big.bin") as f:
@@ -103,7 +103,7 @@ def test_large_upload_is_multipart_with_bounded_parts_and_round_trips(s3_url, mo
 
 def test_retried_multipart_upload_is_whole_and_leaves_no_upload_behind(s3_url, moto_endpoint, monkeypatch):
     monkeypatch.setattr(storage_mod, "S3_PART_BYTES", MIN_PART)
-    s = Storage(s3_url, retry=RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.05))
+    s = open_storage(s3_url, retry=RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=0.05))
     spy = S3Spy(s.fs, monkeypatch, fail_complete=1)
     data = _payload(2 * MIN_PART + 7, seed=1)
     with s.open_write("retried.bin") as f:
@@ -121,7 +121,7 @@ def test_joined_objects_go_up_in_one_put_without_part_copies(s3_url, monkeypatch
     # write_parts joins objects up to JOIN_LIMIT_BYTES: pipe_file must send that buffer as it is, not slice it
     # into part copies (it would with its default 50 MiB parts once the object reaches 100 MiB).
     monkeypatch.setattr(storage_mod, "S3_PART_BYTES", MIN_PART)
-    s = Storage(s3_url)
+    s = open_storage(s3_url)
     spy = S3Spy(s.fs, monkeypatch)
     parts = [_payload(3 * MIN_PART, seed=2), b"tail"]
     s.write_parts("joined.bin", parts)
@@ -175,7 +175,7 @@ def test_streamed_file_spools_once_and_is_byte_identical(where, s3_url, tmp_path
     head, buffers = st.encode(pieces, tensors)
     want = head + b"".join(bytes(b) for b in buffers)
     location = {"local": str(tmp_path / "ckpt"), "s3": s3_url, "memory": f"memory://moeckpt-tests/{tmp_path.name}"}
-    s = Storage(location[where])
+    s = open_storage(location[where])
     spooled = _count_calls(monkeypatch, tempfile, "TemporaryFile")
     named = _count_calls(monkeypatch, tempfile, "NamedTemporaryFile")
     spy = S3Spy(s.fs, monkeypatch) if where == "s3" else None
@@ -196,7 +196,7 @@ def test_streamed_file_spools_once_and_is_byte_identical(where, s3_url, tmp_path
 
 def test_failed_source_uploads_nothing(s3_url, monkeypatch):
     layout, tensors, _, chunks = _stream_input()
-    s = Storage(s3_url)
+    s = open_storage(s3_url)
     spy = S3Spy(s.fs, monkeypatch)
 
     def failing():

@@ -14,7 +14,7 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.checksum import checksum
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, Piece
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 
 
 def _entry(name: str, shape: tuple[int, ...], dtype: str) -> TensorEntry:
@@ -54,7 +54,7 @@ def _reference(pieces, tensors) -> bytes:
 
 def test_local_write_equals_reference_encoding(tmp_path):
     pieces, tensors = _pieces()
-    storage = Storage(str(tmp_path))
+    storage = open_storage(str(tmp_path))
     entry = st.write_file(storage, "rank-00000.safetensors", pieces, tensors)
     data = (tmp_path / "rank-00000.safetensors").read_bytes()
     assert data == _reference(pieces, tensors)
@@ -67,7 +67,7 @@ def test_local_write_equals_reference_encoding(tmp_path):
 def test_parallel_local_write_equals_reference_encoding(tmp_path, threads):
     """The memory tier's write: every piece hashed and written at its offset by its own thread, same bytes."""
     pieces, tensors = _pieces()
-    storage = Storage(str(tmp_path))
+    storage = open_storage(str(tmp_path))
     entry = st.SafetensorsBackend().write(storage, 0, pieces, tensors, threads=threads)[0]
     data = (tmp_path / "rank-00000.safetensors").read_bytes()
     assert data == _reference(pieces, tensors)
@@ -77,7 +77,7 @@ def test_parallel_local_write_equals_reference_encoding(tmp_path, threads):
 
 def test_parallel_write_elsewhere_is_the_streamed_one():
     pieces, tensors = _pieces()
-    storage = Storage("memory://moeckpt-tests/parallel-write")
+    storage = open_storage("memory://moeckpt-tests/parallel-write")
     st.write_file_parallel(storage, "rank-00000.safetensors", pieces, tensors, threads=4)
     assert storage.read_bytes("rank-00000.safetensors") == _reference(pieces, tensors)
     storage.remove()
@@ -85,7 +85,7 @@ def test_parallel_write_elsewhere_is_the_streamed_one():
 
 def test_remote_write_equals_reference_encoding():
     pieces, tensors = _pieces()
-    storage = Storage("memory://moeckpt-tests/streaming-write")
+    storage = open_storage("memory://moeckpt-tests/streaming-write")
     st.write_file(storage, "rank-00000.safetensors", pieces, tensors)
     assert storage.read_bytes("rank-00000.safetensors") == _reference(pieces, tensors)
     storage.remove()
@@ -93,7 +93,7 @@ def test_remote_write_equals_reference_encoding():
 
 def test_written_pieces_read_back(tmp_path):
     pieces, tensors = _pieces()
-    storage = Storage(str(tmp_path))
+    storage = open_storage(str(tmp_path))
     entry = st.write_file(storage, "f.safetensors", pieces, tensors)
     refs = st.list_pieces(storage, [entry], tensors)
     by_key = {(r.tensor, r.box.offsets): r for r in refs}
@@ -108,6 +108,6 @@ def test_early_writeback_keeps_the_bytes(tmp_path, monkeypatch):
     # Kick the writeback after every few KiB (normally every 32 MiB), so that it runs many times on a small file.
     monkeypatch.setattr(st._WritebackKick, "EVERY", 4096)
     pieces, tensors = _pieces()
-    storage = Storage(str(tmp_path))
+    storage = open_storage(str(tmp_path))
     st.write_file(storage, "rank-00000.safetensors", pieces, tensors)
     assert (tmp_path / "rank-00000.safetensors").read_bytes() == _reference(pieces, tensors)

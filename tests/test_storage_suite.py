@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from moeckpt.formats.storage import Storage
-from moeckpt.formats.storages import FsspecStorage, LocalStorage, S3Storage
+from moeckpt.formats.storages import FsspecStorage, LocalStorage, S3Storage, open_storage
 from moeckpt.testing import StorageTests
 
 _n = itertools.count()
@@ -28,7 +27,7 @@ class TestMemoryStorage(StorageTests):
     def storage_location(self) -> str:
         location = f"memory://storage-tests/{os.getpid()}-{next(_n)}"
         yield location
-        Storage(location).remove()
+        open_storage(location).remove()
 
     def test_kind(self, storage):
         assert type(storage) is FsspecStorage and not storage.is_local and not storage.seekable_writes
@@ -44,6 +43,6 @@ class TestS3Storage(StorageTests):
 
 
 def test_factory_picks_the_kind_and_file_urls_are_local(tmp_path):
-    assert type(Storage(f"file://{tmp_path}")) is LocalStorage
-    assert Storage(f"file://{tmp_path}").location == str(tmp_path)
-    assert type(Storage("s3a://bucket/x")) is S3Storage
+    assert type(open_storage(f"file://{tmp_path}")) is LocalStorage
+    assert open_storage(f"file://{tmp_path}").location == str(tmp_path)
+    assert type(open_storage("s3a://bucket/x")) is S3Storage

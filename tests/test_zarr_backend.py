@@ -19,7 +19,7 @@ from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit, ver
 from moeckpt.formats.dtypes import DTYPE_NAMES, to_torch
 from moeckpt.formats.index import Index, TensorEntry
 from moeckpt.formats.pieces import Piece
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements
 from moeckpt.reshard.save import save_full_tensors
@@ -266,9 +266,9 @@ def test_corrupt_chunk_is_caught_by_moeckpt_and_by_zarr(tmp_path):
     loc = str(tmp_path / "ckpt")
     save_toy(loc, Layout(tp=2, ep=2, dp=2), "zarr")
     target = "exp_avg/moe.experts.gate_up/c/0/0/0"
-    raw = bytearray(Storage(loc).read_bytes(target))
+    raw = bytearray(open_storage(loc).read_bytes(target))
     raw[5] ^= 0x10
-    Storage(loc).write_bytes(target, bytes(raw))
+    open_storage(loc).write_bytes(target, bytes(raw))
     problems = verify(CheckpointReader(loc))
     assert len(problems) == 1 and "checksum mismatch" in problems[0] and "'exp_avg/moe.experts.gate_up'" in problems[0]
     with pytest.raises(ValueError, match="checksum"):
@@ -279,9 +279,9 @@ def test_changed_array_document_is_refused(tmp_path):
     loc = str(tmp_path / "ckpt")
     save_toy(loc, Layout(), "zarr")
     path = "embed.weight/zarr.json"
-    doc = json.loads(Storage(loc).read_bytes(path))
+    doc = json.loads(open_storage(loc).read_bytes(path))
     doc["chunk_grid"]["configuration"]["chunk_shape"] = [1, 1]
-    Storage(loc).write_bytes(path, json.dumps(doc, indent=2).encode())
+    open_storage(loc).write_bytes(path, json.dumps(doc, indent=2).encode())
     problems = verify(CheckpointReader(loc))
     assert any("embed.weight/zarr.json" in p and "differs from the index" in p for p in problems), problems
 

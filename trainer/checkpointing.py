@@ -34,7 +34,8 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import FileEntry, Index, TensorEntry
 from moeckpt.formats.pieces import Piece
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
-from moeckpt.formats.storage import Storage, join
+from moeckpt.formats.storage import join
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard import collectives
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.local import local_shape, local_views
@@ -398,8 +399,8 @@ class CheckpointManager:
             apply_gc(self.run_dir, replace(plan_gc(self.run_dir, self.retention), remove_uncommitted=[]))
         collectives.barrier(self.group)
         stats.committed = True
-        if self.faults is not None and Storage(location).is_local:
-            self.faults.after_commit(step, Storage(location).location)
+        if self.faults is not None and open_storage(location).is_local:
+            self.faults.after_commit(step, open_storage(location).location)
         stats.persist_s = time.perf_counter() - t0
 
     # -- resuming -------------------------------------------------------------------------------------------

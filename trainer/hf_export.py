@@ -27,6 +27,7 @@ from moeckpt.formats.errors import DestinationNotEmptyError, MoeckptError
 from moeckpt.formats.pieces import tensor_bytes
 from moeckpt.formats.roles import PARAM
 from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.generic import is_state_dict
 
 from .interop.bundled import match_model_names
@@ -191,7 +192,7 @@ class _Destination:
     """
 
     def __init__(self, out: str, overwrite: bool) -> None:
-        self.final = Storage(out)
+        self.final = open_storage(out)
         self.final.refuse_file()
         existing = self.final.listdir() if self.final.exists() else []
         committed = any(n in (INDEX_FILE, "config.json") for n in existing)
@@ -202,7 +203,7 @@ class _Destination:
         self.existing = existing
         if self.final.is_local:
             parent, name = os.path.split(os.path.abspath(self.final.location).rstrip(os.sep))
-            self.storage = Storage(os.path.join(parent, f".{name}.partial"))
+            self.storage = open_storage(os.path.join(parent, f".{name}.partial"))
             self.storage.remove()
             self.storage.makedirs()
         else:
@@ -225,9 +226,9 @@ class _Destination:
             old = os.path.join(parent, f".{os.path.basename(final)}.old-{uuid.uuid4().hex[:8]}")
             os.rename(final, old)
         os.rename(staging, final)
-        Storage(os.path.dirname(os.path.abspath(final))).fsync_dir()
+        open_storage(os.path.dirname(os.path.abspath(final))).fsync_dir()
         if old is not None:
-            Storage(old).remove()
+            open_storage(old).remove()
 
     def abort(self) -> None:
         """Remove what an export that failed wrote (local staging; on object stores the shards written)."""

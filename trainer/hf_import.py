@@ -22,7 +22,7 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index
 from moeckpt.formats.roles import MOMENT_ROLES
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.executor import write_rows
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import offline_options
@@ -42,7 +42,7 @@ class HfDirectory:
     """Read access to a Hugging Face model directory: its config, its tensors' names, and each tensor by range."""
 
     def __init__(self, location: str) -> None:
-        self.storage = Storage(location)
+        self.storage = open_storage(location)
         self.location = self.storage.location
         self.config = self._read_json("config.json")
         if self.storage.exists(INDEX_FILE):

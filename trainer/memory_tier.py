@@ -40,6 +40,7 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import INDEX_NAME, FileEntry, Index
 from moeckpt.formats.pieces import Piece
 from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard import collectives
 from moeckpt.reshard.commit import write_threads as rank_write_threads
 
@@ -110,7 +111,7 @@ def node_name() -> str:
 
 def run_id(run_dir: str, *, create: bool) -> str | None:
     """The run's id, kept in ``run_dir/memory-tier.json`` (made with a fresh random id when ``create``)."""
-    storage = Storage(run_dir)
+    storage = open_storage(run_dir)
     try:
         value = json.loads(storage.read_bytes(MARKER)).get("run_id")
         if isinstance(value, str) and re.fullmatch(r"[0-9a-f]{8,64}", value):

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from moeckpt.formats.storage import open_storage
+from moeckpt.formats.storages import open_storage
 
 __all__ = ["METRICS_FILE", "MetricsLog", "read_metrics"]
 

@@ -29,7 +29,8 @@ from moeckpt.formats.checkpoint import CheckpointReader, committed_steps, quaran
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import INDEX_NAME, TensorEntry
 from moeckpt.formats.retention import RetentionPolicy
-from moeckpt.formats.storage import Storage, is_url
+from moeckpt.formats.storage import is_url
+from moeckpt.formats.storages import open_storage
 from moeckpt.reshard import collectives
 from moeckpt.reshard.generic import is_state_dict
 from moeckpt.reshard.local import join_local
@@ -107,7 +108,7 @@ def run_model(config: TrainConfig) -> ModelSpec:
 
 def check_run_dir(config: TrainConfig) -> None:
     """Refuse a run directory that is itself a checkpoint: the run would ignore it and save steps inside it."""
-    if Storage(config.run_dir).exists(INDEX_NAME):
+    if open_storage(config.run_dir).exists(INDEX_NAME):
         raise ResumeError(
             f"{config.run_dir}: is a checkpoint, not a run directory; to train from it pass --init-from "
             f"{config.run_dir} with a new --run-dir"

@@ -20,7 +20,7 @@ import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import StorageError
-from moeckpt.formats.storage import open_storage
+from moeckpt.formats.storages import open_storage
 from moeckpt.formats.storages.local import LocalFiles
 
 from . import payload

@@ -50,6 +50,9 @@ class FsspecStorage(Storage):
     def child(self, relpath: str) -> FsspecStorage:
         return type(self)(join(self.location, relpath), fs=self.fs, retry=self.retry)
 
+    def at(self, location: str) -> FsspecStorage:
+        return type(self)(location, fs=self.fs, retry=self.retry)
+
     @property
     def commit_strategy(self) -> CommitStrategy:
         return IndexLast()

@@ -23,7 +23,7 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import DestinationNotEmptyError
-from moeckpt.formats.storage import Storage
+from moeckpt.formats.storages import open_storage
 
 from ..models import ModelSpec
 from ..models.qwen3_moe import ARCH as QWEN3_MOE
@@ -151,7 +151,7 @@ def export_dcp(
         sources = _plan_none(reader)
     else:
         sources, extra = _plan_torchtitan(reader)
-    storage = Storage(out)
+    storage = open_storage(out)
     if not storage.is_local:
         raise MappingError(f"{out}: export-dcp writes to a local directory (torch's FileSystemWriter)")
     storage.refuse_file()
