@@ -25,6 +25,7 @@ def pytest_collection_modifyitems(config, items):
         if item.path.name in SERIAL_FILES:
             item.add_marker(pytest.mark.xdist_group("drills"))
 
+
 #: storages of the shared suite; S3 is added by the S3 fixture module when moto is installed.
 STORAGES = ["local", "memory", "s3"]
 #: every registered format: the built-ins and the tests' own "raw".
