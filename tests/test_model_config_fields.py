@@ -21,9 +21,32 @@ ACCEPTED = {
     ("zaya", "tie_word_embeddings"): [True],
     ("qwen3_moe", "tie_word_embeddings"): [True],
     ("qwen3_moe", "norm_topk_prob"): [True],
+    # checkpoint-only families: flags, optional blocks (0 dense layers, no shared expert, full-rank queries), a
+    # dense layer's number, and the verbatim rest of the config.json (any JSON object)
+    **{(arch, "tie_word_embeddings"): [True] for arch in ("deepseek_v3", "mixtral", "olmoe", "gpt_oss")},
+    **{(arch, "tie_word_embeddings"): [True] for arch in ("qwen2_moe", "glm4_moe")},
+    **{(arch, "attention_bias"): [True] for arch in ("deepseek_v3", "olmoe", "gpt_oss", "glm4_moe")},
+    ("qwen2_moe", "qkv_bias"): [True],
+    ("glm4_moe", "use_qk_norm"): [True],
+    **{(arch, f): [0] for arch in ("deepseek_v3", "glm4_moe") for f in ("first_k_dense_replace", "n_shared_experts")},
+    ("deepseek_v3", "q_lora_rank"): [None],
+    ("qwen2_moe", "mlp_only_layers"): [[1]],
+    **{
+        (arch, "hf_config"): [{"a": 1}]
+        for arch in ("deepseek_v3", "mixtral", "olmoe", "gpt_oss", "qwen2_moe", "glm4_moe")
+    },
 }
 #: the tiny preset of each architecture: a base whose every other field is valid and small.
-BASE = {"zaya": "zaya-tiny", "qwen3_moe": "qwen3moe-tiny"}
+BASE = {
+    "zaya": "zaya-tiny",
+    "qwen3_moe": "qwen3moe-tiny",
+    "deepseek_v3": "deepseekv3-tiny",
+    "mixtral": "mixtral-tiny",
+    "olmoe": "olmoe-tiny",
+    "gpt_oss": "gptoss-tiny",
+    "qwen2_moe": "qwen2moe-tiny",
+    "glm4_moe": "glm4moe-tiny",
+}
 
 
 def _cases():

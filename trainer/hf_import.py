@@ -4,9 +4,10 @@ The inverse of :mod:`moeckpt.trainer.hf_export`. The directory is checked before
 ``config.json`` must name a supported architecture, every shard its index names must exist, every shard header
 must hold exactly the tensors the index maps to it, and the tensors must make up the model the config describes.
 Tensors are read by byte range, a chunk of rows at a time, and streamed into the checkpoint's files, so memory
-stays a few chunks whatever the model's size. Qwen3-MoE experts may be stored
-per expert (transformers 4, the Hub's Qwen models) or fused (transformers 5); either becomes the plan's fused
-tensors. The checkpoint gets fresh optimizer state (zero AdamW moments, step 0), as an optimizer starting on it has.
+stays a few chunks whatever the model's size. MoE experts may be stored per expert (``save_pretrained``, the
+Hub's checkpoints) or fused (transformers 5's state dicts); the family's mapping makes either the plan's fused
+tensors. The checkpoint gets fresh optimizer state (zero AdamW moments, step 0), as an optimizer starting on it
+has; parameters the plan marks untrained (routing correction biases) get none.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index
-from moeckpt.formats.roles import MOMENT_ROLES
+from moeckpt.formats.roles import MASTER, MOMENT_ROLES
 from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.executor import write_rows
 from moeckpt.reshard.layout import Layout
@@ -172,13 +173,21 @@ def read_params(hf_dir: HfDirectory, spec: ModelSpec) -> Callable[[str, int, int
     shapes = {p.name: tuple(p.shape) for p in spec.param_specs()}
     used: set[str] = set()
     assembled = []  # plan tensors made of several HF tensors (per-expert Qwen matrices)
+    shaped = getattr(hf, "import_source_shapes", None)  # a mapping that knows each source's shape
     for name, want in shapes.items():
         sources = hf.import_sources(name, spec.config, available)
         missing = [s for s in sources if s not in available]
         if missing:
             raise HfFormatError(f"{hf_dir.location}: tensor {missing[0]} of the {spec.arch} model is missing")
         used.update(sources)
-        if sources != [name]:
+        if shaped is not None:  # every source's shape checked before anything is written
+            for source, shape in shaped(name, want, spec.config, available):
+                if hf_dir.shape(source) != tuple(shape):
+                    raise HfFormatError(
+                        f"{hf_dir.location}: {source} has shape {list(hf_dir.shape(source))}, config.json implies "
+                        f"{list(shape)}"
+                    )
+        elif sources != [name]:
             assembled.append(name)
         elif hf_dir.shape(name) != want:  # shapes are checked before anything is written
             raise HfFormatError(
@@ -221,7 +230,14 @@ class HfImport:
         self.spec.check_layout(layout.tp, layout.ep)
         self.layout = layout
         self._read = read_params(self.hf_dir, self.spec)
-        tensors = logical_tensors(self.spec.param_specs(), param_dtype=dtype, with_optimizer=True)
+        untrained = self.spec.untrained()
+        roles = ([MASTER] if dtype != "float32" else []) + list(MOMENT_ROLES)
+        tensors = logical_tensors(
+            self.spec.param_specs(),
+            param_dtype=dtype,
+            with_optimizer=True,
+            optimizer_roles=lambda name: () if name in untrained else roles,
+        )
         self.index = Index(
             backend=backend,
             step=0,

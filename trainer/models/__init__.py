@@ -1,9 +1,12 @@
-"""Model architectures: each folder holds config and presets, sharding plan, module and Hugging Face mapping."""
+"""Model architectures: each folder holds config and presets, sharding plan, Hugging Face mapping and, for the
+architectures the bundled trainer runs (``model.py``), the module. The others are checkpoint formats: imported,
+resharded and exported by their plan and mapping alone."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -12,11 +15,14 @@ from typing import Any
 
 from moeckpt.formats.errors import MoeckptError
 
-from . import qwen3_moe, zaya
+from . import deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe, zaya
 
-ARCHITECTURES: dict[str, ModuleType] = {zaya.ARCH: zaya, qwen3_moe.ARCH: qwen3_moe}
-#: Hugging Face ``model_type`` values accepted in a config.json, mapped to our architecture names.
-HF_MODEL_TYPES = {"zaya": "zaya", "qwen3_moe": "qwen3_moe"}
+ARCHITECTURES: dict[str, ModuleType] = {
+    m.ARCH: m for m in (zaya, qwen3_moe, deepseek_v3, mixtral, olmoe, gpt_oss, qwen2_moe, glm4_moe)
+}
+#: Hugging Face ``model_type`` values accepted in a config.json, mapped to our architecture names (each
+#: architecture is named as transformers names its model type).
+HF_MODEL_TYPES = {arch: arch for arch in ARCHITECTURES}
 
 
 class UnknownModelError(MoeckptError, ValueError):
@@ -36,6 +42,17 @@ class ModelSpec:
 
     def param_specs(self):
         return self.module.param_specs(self.config)
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the bundled trainer runs this architecture (its folder has a ``model.py``)."""
+        return importlib.util.find_spec(f"{self.module.__name__}.model") is not None
+
+    def untrained(self) -> frozenset[str]:
+        """Parameters no optimizer steps (DeepSeek-V3's routing correction bias, moved by a balancing rule):
+        checkpoints keep their values and no optimizer state for them."""
+        fn = getattr(self.module, "untrained", None)
+        return frozenset(fn(self.config)) if fn is not None else frozenset()
 
     def check_layout(self, tp: int, ep: int) -> None:
         self.config.check_layout(tp, ep)

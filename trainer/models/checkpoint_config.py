@@ -1,0 +1,104 @@
+"""The config of a checkpoint-only family: the fields that shape its tensors, and the rest of its config.json.
+
+The bundled trainer implements ZAYA1 and Qwen3-MoE, so their configs name every field the modules compute with.
+The other families are converted and resharded, never run: their plan needs only the fields that decide which
+tensors exist and their shapes (:attr:`CheckpointConfig.SHAPE_FIELDS`, named as transformers names them), and
+everything else in the ``config.json`` (RoPE scaling, routing constants, sliding windows, token ids) is kept
+verbatim in ``hf_config`` and written back on export, so a round trip cannot drop an option the plan does not know.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from .base import check_fields, config_from_json, require_fields
+from .hf_layout import hf_config_from, refuse_quantized
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Base of the checkpoint-only configs; subclasses add their shape fields (with transformers' defaults)."""
+
+    #: every other config.json field, verbatim (JSON values).
+    hf_config: dict[str, Any] = field(default_factory=dict)
+
+    #: transformers' ``model_type`` and model class.
+    MODEL_TYPE: ClassVar[str] = ""
+    ARCHITECTURE: ClassVar[str] = ""
+    #: shape fields a config.json must hold (the others default as transformers defaults them).
+    REQUIRED: ClassVar[tuple[str, ...]] = ()
+    #: ranges of the integer fields that are not plain sizes (default 1..MAX_DIM).
+    BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {}
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.hf_config, dict):
+            raise ValueError(f"hf_config={self.hf_config!r} must be a JSON object (the rest of the config.json)")
+        try:
+            json.dumps(self.hf_config, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"hf_config=... must hold JSON values only: {e}") from None
+        for f in fields(self):  # JSON gives lists; a frozen config holds tuples (compared by value)
+            if isinstance(getattr(self, f.name), list):
+                object.__setattr__(self, f.name, tuple(getattr(self, f.name)))
+        check_fields(self, {"num_hidden_layers": (1, 100_000), **self.BOUNDS})
+        self.validate()
+
+    def validate(self) -> None:
+        """Family checks beyond each field's type and range (raise ``ValueError``)."""
+
+    @classmethod
+    def shape_fields(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls) if f.name != "hf_config")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, value: dict):
+        return config_from_json(cls, value)
+
+    def to_hf(self, dtype: str) -> dict:
+        """The ``config.json`` of this model: the kept fields, then the shape fields, then the export's dtype."""
+        out: dict[str, Any] = {"architectures": [self.ARCHITECTURE]}
+        out.update(self.hf_config)
+        out["model_type"] = self.MODEL_TYPE
+        out.update({k: _plain(getattr(self, k)) for k in self.shape_fields()})
+        out["dtype"] = dtype
+        return out
+
+    @classmethod
+    def from_hf(cls, doc: dict, **derived):
+        """The config of a ``config.json``: its shape fields (``derived`` fills those transformers computes when
+        absent, e.g. ``head_dim``), the rest kept verbatim; refuses quantized checkpoints."""
+        refuse_quantized(doc, cls.MODEL_TYPE)
+        require_fields(doc, cls.REQUIRED)
+        names = cls.shape_fields()
+        values = {k: doc[k] for k in names if k in doc}  # a null stays null (DeepSeek's q_lora_rank)
+        for k, v in derived.items():
+            if values.get(k) is None:
+                values[k] = v
+        return cls(**values, hf_config=hf_config_from(doc, names))
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_divides(tp: int, ep: int, *, tp_fields: dict[str, int], ep_fields: dict[str, int], why: str = "") -> None:
+    """Refuse a (tp, ep) that does not divide the named fields, naming the first that it does not."""
+    from moeckpt.formats.errors import LayoutError
+
+    for name, value in tp_fields.items():
+        if value % tp:
+            raise LayoutError(f"tp={tp} must divide {name}={value}{why}")
+    for name, value in ep_fields.items():
+        if value % ep:
+            raise LayoutError(f"ep={ep} must divide {name}={value}")
+
+
+def generation_config(cfg: CheckpointConfig) -> dict:
+    """``generation_config.json``: the token ids the model's config.json names (none for a vocabulary without)."""
+    ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {k: cfg.hf_config[k] for k in ids if cfg.hf_config.get(k) is not None}

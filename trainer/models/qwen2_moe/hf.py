@@ -1,0 +1,35 @@
+"""Qwen2-MoE <-> Hugging Face: ``config.json`` and the two expert layouts (``mlp.experts.{e}.gate_proj/up_proj/
+down_proj`` as ``save_pretrained`` and the Hub store them, or fused as transformers 5 holds them; exports write the
+per-expert one)."""
+
+from __future__ import annotations
+
+from ..checkpoint_config import generation_config  # noqa: F401  (part of the mapping)
+from ..hf_layout import ExpertLayout
+from .config import Qwen2MoeConfig
+
+#: what the index's model config must hold for an export.
+HF_FIELDS = (*Qwen2MoeConfig.shape_fields(), "hf_config")
+
+_LAYOUT = ExpertLayout(count=lambda cfg: cfg.num_experts)
+
+
+def to_hf_config(cfg: Qwen2MoeConfig, *, dtype: str = "float32") -> dict:
+    return cfg.to_hf(dtype)
+
+
+def from_hf_config(doc: dict) -> Qwen2MoeConfig:
+    derived = {}
+    if "num_key_value_heads" in doc and doc["num_key_value_heads"] is None:  # absent: transformers' default
+        derived["num_key_value_heads"] = doc.get("num_attention_heads")
+    if doc.get("hidden_size") and doc.get("num_attention_heads"):
+        derived["head_dim"] = doc["hidden_size"] // doc["num_attention_heads"]
+    return Qwen2MoeConfig.from_hf(doc, **derived)
+
+
+#: the expert layouts' mapping functions (see :class:`~moeckpt.trainer.models.hf_layout.ExpertLayout`).
+export_tensors = _LAYOUT.export_tensors
+export_values = _LAYOUT.export_values
+import_sources = _LAYOUT.import_sources
+import_source_shapes = _LAYOUT.import_source_shapes
+import_rows = _LAYOUT.import_rows
