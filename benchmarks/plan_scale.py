@@ -34,8 +34,9 @@ from moeckpt.reshard import placement
 from moeckpt.reshard.group_plan import plan_exchange
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import LoadOptions
-from moeckpt.reshard.planner import SourcePositions, plan_load, plan_reshard
+from moeckpt.reshard.planner import plan_load, plan_reshard
 from moeckpt.reshard.rank_exchange import decide, rank_exchange, summarize
+from moeckpt.reshard.source_lookup import SourcePositions
 from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.models import presets
 

@@ -56,7 +56,7 @@ from moeckpt.formats.index import FileEntry, Index, TensorEntry, check_tensor_na
 from moeckpt.formats.pieces import Piece
 from moeckpt.reshard.commit import write_threads
 from moeckpt.reshard.placement import STORED, is_stored, placements
-from moeckpt.reshard.planner import source_layout
+from moeckpt.reshard.plan import source_layout
 from moeckpt.reshard.runtime import paused_gc
 
 from .state_dict import leaf_of

@@ -24,7 +24,8 @@ from .inplace import Job, in_place_jobs, read_in_place
 from .load import LoadStats, refs_for
 from .options import LoadOptions
 from .placement import is_stored
-from .planner import SourcePiece, plan_boxes
+from .plan import SourcePiece
+from .planner import plan_boxes
 from .runtime import paused_gc, single_threaded_torch
 from .slabs import fill
 

@@ -24,7 +24,7 @@ from moeckpt.formats.index import Index
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, PieceRef, fetched_bytes
 
 from .options import OFFLINE_CACHE_BYTES, OFFLINE_CHUNK_BYTES
-from .planner import ReadItem, TargetPiece
+from .plan import ReadItem, TargetPiece
 
 #: chunks of pieces whose rows do not divide the checksum blocks span at least this many blocks.
 MISALIGNED_CHUNK_BLOCKS = 8

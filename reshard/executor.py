@@ -33,7 +33,8 @@ from .chunks import ChunkReader, chunk_keys, chunk_rows, reads_started_ahead
 from .generic import is_state_dict, sharded_over_writers
 from .layout import Layout
 from .options import ReshardOptions
-from .planner import RankPlan, ReshardPlan, SourcePiece, plan_reshard
+from .plan import RankPlan, ReshardPlan, SourcePiece
+from .planner import plan_reshard
 from .processes import balanced_groups, can_fork, run_forked
 from .runtime import paused_gc, single_threaded_torch
 from .sharing import sharing_groups

@@ -11,7 +11,7 @@ group), but each member's part of it, from the members' summaries (:mod:`.rank_e
 chunk cutting and the seed here, and whose tests compare it with this plan).
 
 Members of one layout share most target pieces (replicas hold equal boxes, and :func:`plan_load` gives them one
-:class:`~moeckpt.reshard.planner.TargetPiece` value), so the units of a piece are cut once per distinct piece,
+:class:`~moeckpt.reshard.plan.TargetPiece` value), so the units of a piece are cut once per distinct piece,
 not once per member holding it.
 """
 
@@ -27,7 +27,7 @@ from moeckpt.formats.errors import LayoutError
 from moeckpt.formats.index import Index
 
 from .chunks import chunk_rows
-from .planner import ReshardPlan, TargetPiece
+from .plan import ReshardPlan, TargetPiece
 
 #: a unit: (tensor, source box offsets, source box shape, source writer, chunk number).
 UnitKey = tuple[str, tuple[int, ...], tuple[int, ...], int, int]
@@ -54,7 +54,7 @@ def plan_exchange(
     readable: Sequence[Collection[int] | None] | None = None,
     location: str = "",
 ) -> ExchangePlan:
-    """The exchange plan of ``plan`` (one :class:`~moeckpt.reshard.planner.RankPlan` per group member, in group
+    """The exchange plan of ``plan`` (one :class:`~moeckpt.reshard.plan.RankPlan` per group member, in group
     rank order), on the row chunks of ``chunk_bytes`` the chunk readers share, in rounds of ``round_bytes`` per
     member. ``readable`` lists per member the writers whose files it can read (``None``: all; node-local memory
     checkpoints, say): each unit is then read by a member that can read it (``location`` names the checkpoint in

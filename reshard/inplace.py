@@ -24,7 +24,7 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
 
 from .chunks import ChunkReader, chunk_rows
-from .planner import ReadItem, TargetPiece
+from .plan import ReadItem, TargetPiece
 from .slabs import RowSpan, direct_read, row_spans, thread_buffer
 
 ReadInto = Callable[[PieceRef, int, int, torch.Tensor], bool]

@@ -39,10 +39,12 @@ from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
 from .placement import is_stored
-from .planner import ReshardPlan, SourcePiece, SourcePositions, plan_load
+from .plan import ReshardPlan, SourcePiece
+from .planner import plan_load
 from .rank_exchange import Summary, decide, gather_summaries, rank_exchange, summarize
 from .runtime import paused_gc, single_threaded_torch
 from .slabs import assemble
+from .source_lookup import SourcePositions
 
 RankState = dict[str, list[tuple[Box, torch.Tensor]]]
 

@@ -12,7 +12,7 @@ which are the same on every member, so every member agrees on every owner withou
 
 Units are numbered ``(tensor, stored piece, chunk)``: the tensor's position among the checkpoint's sorted tensor
 names, the stored piece's position in the planner's sorted lookup of that tensor
-(:class:`~moeckpt.reshard.planner.SourcePositions`), and the chunk's number in the piece; packed into one
+(:class:`~moeckpt.reshard.source_lookup.SourcePositions`), and the chunk's number in the piece; packed into one
 integer, their order is the order :func:`~moeckpt.reshard.group_plan.plan_exchange` sorts its unit keys in.
 """
 
@@ -30,7 +30,8 @@ from moeckpt.formats.index import Index
 from .group_plan import ExchangePlan, UnitKey, _chunks_of, _unit_seed
 from .layout import Layout
 from .placement import rank_boxes
-from .planner import RankPlan, SourcePositions
+from .plan import RankPlan
+from .source_lookup import SourcePositions
 
 #: bits per field of a packed unit number (tensor, stored piece, chunk): 63 bits in all, an int64.
 _BITS = 21

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 
-from .planner import RankPlan, ReadItem
+from .plan import RankPlan, ReadItem
 
 #: at most this many writers run together; a longer chain of sharing writers (a ZeRO re-split over many dp
 #: ranks) is cut into groups that share only the chunks at the cuts.

@@ -1,6 +1,6 @@
 """Slab assembly: target boxes filled from the reads of a plan, whole or in row slabs, or taken as read.
 
-A target box is filled from its :class:`~moeckpt.reshard.planner.ReadItem` values through a
+A target box is filled from its :class:`~moeckpt.reshard.plan.ReadItem` values through a
 :class:`~moeckpt.reshard.chunks.ChunkReader`. Where a box is the full width of one stored piece, its rows are
 the source chunks themselves (a *direct read*), and no copy is made.
 """
@@ -19,7 +19,7 @@ from moeckpt.formats.errors import CheckpointIndexError
 
 from .chunks import ChunkReader
 from .options import SLAB_BYTES
-from .planner import ReadItem, TargetPiece
+from .plan import ReadItem, TargetPiece
 
 
 def fill(out: torch.Tensor, out_box: Box, reads: Sequence[ReadItem], chunks: ChunkReader) -> int:

@@ -16,7 +16,7 @@ from moeckpt.formats.errors import CheckpointIndexError
 from moeckpt.formats.index import Index, TensorEntry
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import Geometry, geometry, is_stored, name_seed, placements, rank_boxes
-from moeckpt.reshard.planner import (
+from moeckpt.reshard.plan import (
     RankPlan,
     ReadItem,
     ReshardPlan,

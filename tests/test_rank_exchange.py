@@ -15,8 +15,10 @@ from moeckpt.reshard.group_plan import ExchangePlan, plan_exchange
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
 from moeckpt.reshard.options import LoadOptions
-from moeckpt.reshard.planner import SourcePositions, plan_load, source_pieces
+from moeckpt.reshard.plan import source_pieces
+from moeckpt.reshard.planner import plan_load
 from moeckpt.reshard.rank_exchange import decide, rank_exchange, summarize
+from moeckpt.reshard.source_lookup import SourcePositions
 from moeckpt.trainer.models import presets
 
 from .reshard_models import layouts, models

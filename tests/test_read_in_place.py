@@ -22,7 +22,7 @@ from moeckpt.formats.pieces import PieceRef, block_checksums
 from moeckpt.formats.storages.local import LocalStorage
 from moeckpt.reshard import inplace
 from moeckpt.reshard.chunks import ChunkReader
-from moeckpt.reshard.planner import ReadItem, TargetPiece
+from moeckpt.reshard.plan import ReadItem, TargetPiece
 from moeckpt.reshard.slabs import row_spans
 
 from .helpers import flip_byte

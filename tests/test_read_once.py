@@ -12,7 +12,7 @@ from moeckpt.reshard.chunks import ChunkReader
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import ReshardOptions
-from moeckpt.reshard.planner import RankPlan, ReadItem, TargetPiece
+from moeckpt.reshard.plan import RankPlan, ReadItem, TargetPiece
 from moeckpt.reshard.sharing import sharing_groups
 from moeckpt.trainer.models import presets
 

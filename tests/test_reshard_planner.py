@@ -13,7 +13,8 @@ from moeckpt.formats.index import FileEntry, Index, TensorEntry
 from moeckpt.reshard import placement
 from moeckpt.reshard.group_plan import plan_exchange
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.planner import plan_boxes, plan_load, plan_reshard, source_pieces
+from moeckpt.reshard.plan import source_pieces
+from moeckpt.reshard.planner import plan_boxes, plan_load, plan_reshard
 from moeckpt.reshard.rules import ShardingRule, TpSplit
 from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.models import presets
