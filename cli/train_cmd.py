@@ -51,6 +51,7 @@ def command(**values) -> None:
         raise click.BadParameter(str(e), param_hint="'--init-from'") from None
     try:
         spec = run_model(config)
+        spec.require_trainable()  # before any worker starts (each would fail, and be restarted)
     except UnknownModelError as e:
         raise click.BadParameter(str(e), param_hint="'--model'") from None
     name = config.model or spec.arch

@@ -219,12 +219,15 @@ def test_presets_export_what_transformers_loads(tmp_path, moeckpt_cli, preset):
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set() and info["mismatched_keys"] == set()
 
 
-def test_checkpoint_only_families_are_refused_by_the_trainer():
+def test_checkpoint_only_families_are_refused_by_the_trainer(tmp_path, moeckpt_cli):
     from moeckpt.trainer.models import UnknownModelError
     from moeckpt.trainer.models.layers import build_model
 
     with pytest.raises(UnknownModelError, match="checkpoint format"):
         build_model(presets()["mixtral-tiny"])
+    # refused before any worker starts (workers would each fail, and be restarted)
+    code, _, err = moeckpt_cli("train", "--model", "deepseekv3-tiny", "--run-dir", tmp_path / "run", "--nproc", 2)
+    assert code == 2 and "does not run deepseek_v3 models" in err and "(rank" not in err, err
 
 
 def test_quantized_checkpoints_are_refused(tmp_path, moeckpt_cli):

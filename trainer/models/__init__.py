@@ -48,6 +48,15 @@ class ModelSpec:
         """Whether the bundled trainer runs this architecture (its folder has a ``model.py``)."""
         return importlib.util.find_spec(f"{self.module.__name__}.model") is not None
 
+    def require_trainable(self) -> None:
+        """Raise :class:`UnknownModelError` unless the bundled trainer runs this architecture."""
+        if not self.trainable:
+            runs = ", ".join(a for a in ARCHITECTURES if ModelSpec(a, None).trainable)
+            raise UnknownModelError(
+                f"the bundled trainer does not run {self.arch} models (it runs {runs}); {self.arch} is a checkpoint "
+                "format: import-hf, reshard, export-hf and the DCP mappings convert it"
+            )
+
     def untrained(self) -> frozenset[str]:
         """Parameters no optimizer steps (DeepSeek-V3's routing correction bias, moved by a balancing rule):
         checkpoints keep their values and no optimizer state for them."""

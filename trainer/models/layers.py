@@ -467,12 +467,5 @@ def build_model(spec, shard: Shard = Shard(), comm: Collectives = SINGLE_PROCESS
     Dispatches to ``<arch>/model.py``'s ``build``; imported lazily because those modules import this one.
     Under ``with torch.device("meta"):`` it allocates nothing (planning, shape checks of huge presets).
     """
-    if not spec.trainable:
-        from . import ARCHITECTURES, ModelSpec, UnknownModelError
-
-        runs = ", ".join(a for a in ARCHITECTURES if ModelSpec(a, None).trainable)
-        raise UnknownModelError(
-            f"the bundled trainer does not run {spec.arch} models (it runs {runs}); {spec.arch} is a checkpoint "
-            "format: import-hf, reshard, export-hf and the DCP mappings convert it"
-        )
+    spec.require_trainable()
     return importlib.import_module(f"{spec.module.__name__}.model").build(spec.config, shard, comm)
