@@ -8,11 +8,8 @@ them at load time). Exports use the per-expert layout so both versions load the 
 
 from __future__ import annotations
 
-import re
-
-import torch
-
 from ..base import config_from_json, refuse_rope_scaling, require_fields
+from ..hf_layout import ExpertLayout
 from .config import Qwen3MoeConfig
 
 #: config fields copied one-to-one into config.json; a checkpoint config must hold each of them to be exported.
@@ -33,8 +30,6 @@ HF_FIELDS = _SAME = (
     "tie_word_embeddings",
     "initializer_range",
 )
-
-_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 def to_hf_config(cfg: Qwen3MoeConfig, *, dtype: str = "float32") -> dict:
@@ -106,56 +101,10 @@ def generation_config(cfg: Qwen3MoeConfig) -> dict:
     return {}
 
 
-def export_tensors(name: str, shape: tuple[int, ...], cfg: Qwen3MoeConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """The HF tensors (name, shape) a plan tensor is written as: fused experts become per-expert matrices."""
-    m = _FUSED.match(name)
-    if not m:
-        return [(name, tuple(shape))]
-    prefix, which = m.groups()
-    e, rows, cols = shape
-    if which == "gate_up_proj":
-        return [(f"{prefix}.{x}.{p}.weight", (rows // 2, cols)) for x in range(e) for p in ("gate_proj", "up_proj")]
-    return [(f"{prefix}.{x}.down_proj.weight", (rows, cols)) for x in range(e)]
-
-
-def export_values(name: str, tensor, cfg: Qwen3MoeConfig) -> dict:
-    """A plan tensor's values under the names :func:`export_tensors` gives (views, no copies)."""
-    m = _FUSED.match(name)
-    if not m:
-        return {name: tensor}
-    prefix, which = m.groups()
-    out = {}
-    for e in range(tensor.shape[0]):
-        if which == "gate_up_proj":
-            gate, up = tensor[e].chunk(2, dim=0)
-            out[f"{prefix}.{e}.gate_proj.weight"] = gate
-            out[f"{prefix}.{e}.up_proj.weight"] = up
-        else:
-            out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
-    return out
-
-
-def import_sources(name: str, cfg: Qwen3MoeConfig, available) -> list[str]:
-    """The HF tensors that make up plan tensor ``name`` in a directory holding ``available`` names: the fused
-    tensor itself (transformers 5 layout) or its per-expert matrices (transformers 4 and the Hub's Qwen models)."""
-    m = _FUSED.match(name)
-    if not m or name in available:
-        return [name]
-    prefix, which = m.groups()
-    parts = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
-    return [f"{prefix}.{e}.{p}.weight" for e in range(cfg.num_experts) for p in parts]
-
-
-def import_rows(name: str, cfg: Qwen3MoeConfig, available, read_rows, r0: int, r1: int):
-    """Rows ``[r0, r1)`` of plan tensor ``name``, read from the HF tensors :func:`import_sources` names.
-
-    ``read_rows(hf_name, a, b)`` reads rows ``[a, b)`` of an HF tensor (``b`` None: to its end). A fused expert
-    tensor's rows are experts, so per-expert checkpoints are read only for the experts asked for.
-    """
-    m = _FUSED.match(name)
-    if not m or name in available:
-        return read_rows(name, r0, r1)
-    prefix, which = m.groups()
-    parts = ("gate_proj", "up_proj") if which == "gate_up_proj" else ("down_proj",)
-    per = [torch.cat([read_rows(f"{prefix}.{e}.{p}.weight", 0, None) for p in parts]) for e in range(r0, r1)]
-    return torch.stack(per)
+#: the expert layouts' mapping functions (see :class:`~moeckpt.trainer.models.hf_layout.ExpertLayout`).
+_LAYOUT = ExpertLayout(count=lambda cfg: cfg.num_experts)
+export_tensors = _LAYOUT.export_tensors
+export_values = _LAYOUT.export_values
+import_sources = _LAYOUT.import_sources
+import_source_shapes = _LAYOUT.import_source_shapes
+import_rows = _LAYOUT.import_rows
