@@ -161,7 +161,7 @@ class FormatChoice(click.Choice):
     def __init__(self) -> None:
         super().__init__(backend_names())
 
-    @property  # type: ignore[override]
+    @property
     def choices(self) -> tuple[str, ...]:
         return backend_names()
 

@@ -51,8 +51,8 @@ def option_of(f: Field) -> str:
 def _default(f: Field) -> Any:
     if f.default is not MISSING:
         return f.default
-    if f.default_factory is not MISSING:  # type: ignore[misc]
-        return f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not MISSING:
+        return f.default_factory()
     return MISSING
 
 

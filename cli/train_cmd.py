@@ -87,9 +87,9 @@ def command(**values) -> None:
                 f"in {config.run_dir}"
             )
             return
-        status = result.rank0()
-        if status is not None:
-            _summary(name, config, status.get("last"), status.get("step"))
+        last = result.rank0()
+        if last is not None:
+            _summary(name, config, last.get("last"), last.get("step"))
             return
         # rank 0 ran on another node: its metrics tell
         records = [r for r in read_metrics(config.run_dir) if "loss" in r]

@@ -62,16 +62,17 @@ class _AgentLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         line = what = None
         msg = str(record.msg)
+        args = record.args if isinstance(record.args, tuple) else ()  # torchrun's records format positionally
         if self.verbose:
             line = f"torchrun: {record.getMessage()}"
-        elif msg in (_FAILED, _FAILED_FN) and len(record.args or ()) >= 3:
-            code, local_rank, pid = record.args[:3]  # type: ignore[index]
+        elif msg in (_FAILED, _FAILED_FN) and len(args) >= 3:
+            code, local_rank, pid = args[:3]
             line = f"moeckpt: worker local rank {local_rank} (pid {pid}) exited with {_describe_exit(code)}"
             what = "worker_failed"
-        elif _RESTART in msg and "attempts left" in msg and len(record.args or ()) >= 4:
-            left, most = record.args[2], record.args[3]  # type: ignore[index]
+        elif _RESTART in msg and "attempts left" in msg and len(args) >= 4:
+            left, most = args[2], args[3]
             line = (
-                f"moeckpt: restarting the workers (restart {int(most) - int(left) + 1} of {most}); they resume "
+                f"moeckpt: restarting the workers (restart {int(str(most)) - int(str(left)) + 1} of {most}); they resume "
                 "from the newest committed checkpoint"
             )
             what = "restart"
@@ -243,9 +244,9 @@ def _poll_rendezvous_every(poll: float) -> None:
         init = holder.__init__
 
         def __init__(self, backend, settings, cache_duration=1) -> None:
-            init(self, backend, settings, cache_duration=min(cache_duration, poll))  # type: ignore[arg-type]
+            init(self, backend, settings, cache_duration=min(cache_duration, poll))
 
-        holder.__init__ = __init__  # type: ignore[method-assign]
+        holder.__init__ = __init__
 
 
 def _die_with_parent() -> None:

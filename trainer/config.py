@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any
 
@@ -86,13 +86,13 @@ def _required(help: str, section: str, **kw: Any) -> Any:
     return f
 
 
-def choices_of(meta: dict) -> tuple[str, ...] | None:
+def choices_of(meta: Mapping) -> tuple[str, ...] | None:
     """A field's choices, asking the function that gives them where there is one."""
     choices = meta.get("choices")
     return choices() if callable(choices) else choices
 
 
-def describe_range(meta: dict, kind: type) -> str:
+def describe_range(meta: Mapping, kind: type) -> str:
     """``"an integer in 1..4096"``-style text of a field's accepted values."""
     noun = {int: "an integer", float: "a finite number"}.get(kind, "a value")
     lo, hi = meta.get("min"), meta.get("max")
@@ -103,7 +103,7 @@ def describe_range(meta: dict, kind: type) -> str:
     return noun
 
 
-def check_value(name: str, value: Any, meta: dict, kind: type) -> str | None:
+def check_value(name: str, value: Any, meta: Mapping, kind: type) -> str | None:
     """Why ``value`` is not acceptable for a field of type ``kind`` with metadata ``meta``; ``None`` if it is."""
     if kind is bool:
         return None if type(value) is bool else "must be true or false"

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: on-disk token formats: raw little-endian integers, or raw bytes of a text (vocabulary 256).
-TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4"), "bytes": np.dtype("u1")}
+TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4"), "bytes": np.dtype("u1")}
 
 _MASK = (1 << 64) - 1
 

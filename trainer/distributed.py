@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moeckpt.trainer.models.layers import SINGLE_PROCESS, Collectives, Experts, Shard, build_model
+from moeckpt.trainer.models.layers import SINGLE_PROCESS, CausalLM, Collectives, Experts, Shard, build_model
 
 from .parallel import ParallelGroups
 
@@ -160,12 +160,15 @@ def attach_expert_parallel(model: nn.Module, group, ep: int) -> int:
         return count
     for module in model.modules():
         if isinstance(module, Experts):
-            module.forward = functools.partial(expert_parallel_forward, module, group=group, ep=ep)
+            # the instance's forward replaced (not the class's): this model's experts exchange tokens over ``group``
+            module.forward = functools.partial(  # type: ignore[method-assign]
+                expert_parallel_forward, module, group=group, ep=ep
+            )
             count += 1
     return count
 
 
-def build_parallel_model(spec, groups: ParallelGroups) -> nn.Module:
+def build_parallel_model(spec, groups: ParallelGroups) -> CausalLM:
     """This rank's shard of the model of ``spec`` (a ModelSpec) in ``groups.layout``, with TP collectives and EP
     dispatch attached; freshly initialised (the trainer overwrites the weights layout-independently)."""
     layout = groups.layout

@@ -153,7 +153,7 @@ def _check(
 
 
 def _param_pieces(model: torch.nn.Module, specs, layout, rank: int) -> list[StatePiece]:
-    pieces = []
+    pieces: list[StatePiece] = []
     params = dict(model.named_parameters())
     for spec in specs:
         entry = TensorEntry(

@@ -5,6 +5,8 @@ Needs ``transformers`` (the ``hf`` or ``demo`` extra): imported when the check r
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader
@@ -25,7 +27,8 @@ def logits_difference(ckpt: str, hf_dir: str, *, batch: int = 2, seq: int = 48, 
     ours = build_model(spec)
     params = {n: reader.read_tensor(n) for n, e in reader.index.tensors.items() if e.role == PARAM}
     ours.load_state_dict(params, strict=True)
-    theirs, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, output_loading_info=True)
+    theirs, info = loaded  # the model and what was missing, unexpected or mismatched
     unloaded = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if unloaded:
         raise ValueError(f"transformers did not load {hf_dir} whole: {unloaded}")

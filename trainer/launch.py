@@ -133,7 +133,7 @@ class Elastic:
         port_ok = bool(
             endpoint and re.fullmatch(r"[^:\s]+:\d+", endpoint) and 0 < int(endpoint.rsplit(":", 1)[1]) < 65536
         )
-        if not port_ok:
+        if endpoint is None or not port_ok:
             raise ElasticSpecError(
                 f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT (port 1-65535), the same on every node (the host "
                 "keeps the rendezvous store)"

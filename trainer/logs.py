@@ -42,7 +42,7 @@ class _Stream(logging.StreamHandler):
         super().__init__()
         self.which = which
 
-    @property  # type: ignore[override]
+    @property
     def stream(self):
         return getattr(sys, self.which)
 

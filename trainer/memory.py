@@ -84,9 +84,10 @@ def check_fits(need_per_rank: int, *, ranks_here: int, device_type: str, what: s
             return
         need, where = need_per_rank, "one GPU"
     else:
-        have = available_bytes()
-        if have is None:
+        free = available_bytes()
+        if free is None:
             return
+        have = free
         need, where = need_per_rank * ranks_here, f"this host ({ranks_here} rank(s))"
     if need > have:
         raise MemoryBudgetError(

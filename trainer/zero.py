@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -154,7 +153,7 @@ class ZeroOptimizer:
         if isinstance(specs, Mapping):
             spec_map.update(specs)
         else:
-            spec_map.update((s.name, s) for s in cast(Iterable[ParamSpec], specs))
+            spec_map.update((s.name, s) for s in specs)
         self._params: dict[str, _Param] = {}
         for name, tensor in params:
             spec = spec_map.get(name)

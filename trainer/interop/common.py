@@ -50,12 +50,12 @@ def qwen3_config(
 ) -> Qwen3MoeConfig:
     """The Qwen3-MoE config of a checkpoint whose shapes give ``shapes`` (the shape fields), checked against
     ``model`` (``--model``) when given; the other fields come from ``model`` or the defaults, with a note."""
-    shapes = dict(shapes, tie_word_embeddings=tied)
+    fields: dict[str, Any] = dict(shapes, tie_word_embeddings=tied)
     if model is not None:
         if model.arch != QWEN3_MOE:
             raise MappingError(f"{where}: --model names a {model.arch} model, but this mapping converts into qwen3_moe")
         given = model.config.to_json()
-        wrong = {k: (given[k], v) for k, v in shapes.items() if given.get(k) != v}
+        wrong = {k: (given[k], v) for k, v in fields.items() if given.get(k) != v}
         if wrong:
             first = next(iter(wrong))
             raise MappingError(
@@ -63,10 +63,12 @@ def qwen3_config(
                 f"{wrong[first][1]!r}; pass the config the checkpoint was trained with"
             )
         return model.config
-    defaults = {f.name: f.default for f in dataclasses.fields(Qwen3MoeConfig) if f.name in UNSHAPED_FIELDS}
+    defaults: dict[str, Any] = {
+        f.name: f.default for f in dataclasses.fields(Qwen3MoeConfig) if f.name in UNSHAPED_FIELDS
+    }
     defaults["num_experts_per_tok"] = min(defaults["num_experts_per_tok"], shapes["num_experts"])
     try:
-        cfg = Qwen3MoeConfig(**shapes, num_experts_per_tok=defaults["num_experts_per_tok"])
+        cfg = Qwen3MoeConfig(**fields, num_experts_per_tok=defaults["num_experts_per_tok"])
     except (TypeError, ValueError) as e:
         raise MappingError(f"{where}: the tensor shapes do not make a Qwen3-MoE model: {e}") from None
     notes.append(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -164,7 +165,8 @@ def export_dcp(
         state[fqn] = torch.empty(src.shape, dtype=dtypes.to_torch(src.dtype), device="meta")
     state.update(extra)
     ts = reader.index.train_state or {}
-    values = ts.get(VALUES_KEY) if isinstance(ts.get(VALUES_KEY), dict) else {}
+    found = ts.get(VALUES_KEY)
+    values: dict[str, Any] = found if isinstance(found, dict) else {}
     for key, value in values.items():
         if key not in state:
             state[key] = value

@@ -103,7 +103,7 @@ class DcpImport:
                 layout={},
                 tensors={n: replace(e, sharding=dict(STORED_SHARDING)) for n, e in index.tensors.items()},
             )
-        elif generic:
+        elif generic and layout is not None:
             index = sharded_over_writers(index, layout)
         layout = layout or Layout()
         if not generic:

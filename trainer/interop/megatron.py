@@ -22,6 +22,7 @@ Every one of these becomes slots of the bundled plan's tensors: no tensor is res
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -105,7 +106,8 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
     where = dcp.location
     notes: list[str] = []
     _check_backend(dcp, notes)
-    model_keys, opt = [], {}
+    model_keys: list[str] = []
+    opt: dict[str, Any] = {}
     for name in dcp.tensors:
         m = _OPT.match(name)
         if m:
@@ -203,12 +205,19 @@ def _region(
     return Box(((layer,) if stacked else ()) + lo, ((1,) if stacked else ()) + size)
 
 
+def _layer_of(k: _Key) -> int:
+    """The layer of a per-layer key that names one (the unstacked layout's ``layers.N.``)."""
+    if k.layer is None:
+        raise MappingError(f"{k.key}: a per-layer tensor with no layer number")
+    return k.layer
+
+
 def _slots(k: _Key, src: str, shape: tuple[int, ...], role: str, cfg, layers: int) -> list[Slot]:
     if not k.in_layer:
         target = role_name(_TOP[k.key], role)
         return [Slot(src, Box.full(shape), target, (0,) * len(shape))]
     out = []
-    for layer in range(layers) if k.stacked else [k.layer]:
+    for layer in range(layers) if k.stacked else [_layer_of(k)]:
         drop = 1 if k.stacked else 0
         pre = f"model.layers.{layer}."
         if k.rest in _LAYER:

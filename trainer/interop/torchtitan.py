@@ -13,6 +13,7 @@ routes without a bias, so a trained bias would change what the model computes.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -100,7 +101,10 @@ def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped
     """torchtitan's Qwen3-MoE checkpoint as the bundled ``qwen3_moe`` model, optimizer moments included."""
     where = dcp.location
     notes: list[str] = []
-    model_keys, opt_keys, unknown, biases = {}, {}, [], []
+    model_keys: dict[str, Any] = {}
+    opt_keys: dict[str, Any] = {}
+    unknown: list[str] = []
+    biases: list[str] = []
     derived = [n for n in dcp.tensors if n in _DERIVED]
     if derived:
         notes.append(f"{', '.join(derived)} dropped: the RoPE table is recomputed from rope_theta")
