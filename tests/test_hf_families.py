@@ -239,3 +239,47 @@ def test_quantized_checkpoints_are_refused(tmp_path, moeckpt_cli):
     code, _, err = moeckpt_cli("import-hf", tmp_path / "hf", tmp_path / "ck")
     assert code == 2 and "fp8-quantized deepseek_v3" in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_multi_token_prediction_layers_are_carried_through(tmp_path, moeckpt_cli, family):
+    """The Hub's DeepSeek-V3 and GLM-4.5 hold an MTP layer past ``num_hidden_layers`` that transformers' model
+    lacks: import, reshard and export keep its tensors bit for bit (and give its correction bias no moments)."""
+    from safetensors.torch import load_file
+
+    model = _random_model(family)
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    n, h = model.config.num_hidden_layers, model.config.hidden_size
+    g = torch.Generator().manual_seed(2)
+    mtp = {  # the MTP module's own tensors, and a MoE decoder layer like the last one, under layer n
+        f"model.layers.{n}.enorm.weight": torch.randn(h, generator=g),
+        f"model.layers.{n}.hnorm.weight": torch.randn(h, generator=g),
+        f"model.layers.{n}.eh_proj.weight": torch.randn(h, 2 * h, generator=g),
+        f"model.layers.{n}.shared_head.norm.weight": torch.randn(h, generator=g),
+        **{
+            k.replace(f"model.layers.{n - 1}.", f"model.layers.{n}."): torch.randn(v.shape, generator=g)
+            for k, v in tensors.items()
+            if k.startswith(f"model.layers.{n - 1}.")
+        },
+    }
+    save_file({**tensors, **mtp}, str(hf_dir / "model.safetensors"))
+
+    _cli_ok(moeckpt_cli, "import-hf", hf_dir, tmp_path / "a", "--tp", 2, "--ep", 2, "--dp", 2, "--workers", 1)
+    index = CheckpointReader(str(tmp_path / "a")).index
+    assert f"exp_avg/model.layers.{n}.mlp.gate.e_score_correction_bias" not in index.tensors
+    _cli_ok(moeckpt_cli, "reshard", tmp_path / "a", tmp_path / "b", "--tp", 1, "--ep", 4, "--dp", 4, "--workers", 1)
+    _cli_ok(moeckpt_cli, "export-hf", tmp_path / "b", tmp_path / "out")
+    out = {}
+    for name in os.listdir(tmp_path / "out"):
+        if name.endswith(".safetensors"):
+            out.update(load_file(str(tmp_path / "out" / name)))
+    assert set(out) == set(tensors) | set(mtp)
+    assert all(torch.equal(out[k], v) for k, v in {**tensors, **mtp}.items())
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), output_loading_info=True)
+    # transformers ignores layer 61 (46), not a tiny model's layer n: it reports them, fused as it loads them
+    assert info["missing_keys"] == set() and info["unexpected_keys"]
+    assert all(k.startswith(f"model.layers.{n}.") for k in info["unexpected_keys"])
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(_logits(loaded.eval(), ids), _logits(model, ids))

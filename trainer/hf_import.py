@@ -162,6 +162,9 @@ def spec_of(hf_dir: HfDirectory) -> ModelSpec:
         cfg = mapping.from_hf_config(hf_dir.config)
     except (TypeError, ValueError, KeyError) as e:
         raise HfFormatError(f"{hf_dir.location}/config.json: {e}") from None
+    with_tensors = getattr(mapping, "with_tensors", None)  # a family whose optional blocks the files tell
+    if with_tensors is not None:
+        cfg = with_tensors(cfg, {n: hf_dir.shape(n) for n in hf_dir.names()})
     return ModelSpec(arch, cfg)
 
 

@@ -9,11 +9,13 @@ verbatim in ``hf_config`` and written back on export, so a round trip cannot dro
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
-from .base import check_fields, config_from_json, require_fields
+from .base import MAX_DIM, check_fields, config_from_json, require_fields
 from .hf_layout import hf_config_from, refuse_quantized
 
 
@@ -31,6 +33,8 @@ class CheckpointConfig:
     REQUIRED: ClassVar[tuple[str, ...]] = ()
     #: ranges of the integer fields that are not plain sizes (default 1..MAX_DIM).
     BOUNDS: ClassVar[dict[str, tuple[float, float]]] = {}
+    #: fields that are not config.json fields.
+    NOT_HF: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.hf_config, dict):
@@ -50,7 +54,9 @@ class CheckpointConfig:
 
     @classmethod
     def shape_fields(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls) if f.name != "hf_config")
+        """The fields written to config.json under their own names (all but ``hf_config`` and what a subclass
+        keeps outside config.json)."""
+        return tuple(f.name for f in fields(cls) if f.name not in ("hf_config", *cls.NOT_HF))
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -80,6 +86,49 @@ class CheckpointConfig:
             if values.get(k) is None:
                 values[k] = v
         return cls(**values, hf_config=hf_config_from(doc, names))
+
+
+@dataclass(frozen=True, kw_only=True)
+class CarriesMtp(CheckpointConfig):
+    """A config whose checkpoints may hold multi-token-prediction layers past ``num_hidden_layers`` (DeepSeek-V3's
+    ``model.layers.61.*``, GLM-4.5's ``model.layers.46.*``): the model transformers builds has none (it ignores
+    them on load), but they are trained weights of the checkpoint, so they are carried through.
+
+    ``mtp_tensors`` maps each such tensor to its shape, taken from the imported files (:meth:`with_tensors`);
+    the plan holds them replicated (no split, which is correct for any tensor) and export writes them back.
+    """
+
+    NOT_HF = ("mtp_tensors",)
+
+    mtp_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        ok = isinstance(self.mtp_tensors, dict)
+        for name, shape in self.mtp_tensors.items() if ok else ():
+            layer = _layer_of(name)
+            ok = ok and layer is not None and layer >= self.num_hidden_layers
+            ok = ok and isinstance(shape, (list, tuple)) and all(type(s) is int and 0 <= s <= MAX_DIM for s in shape)
+        if not ok:
+            raise ValueError(
+                f"mtp_tensors={self.mtp_tensors!r} must map tensors of layers past num_hidden_layers to their shapes"
+            )
+        object.__setattr__(self, "mtp_tensors", {n: tuple(s) for n, s in sorted(self.mtp_tensors.items())})
+
+    def with_tensors(self, shapes: dict[str, tuple[int, ...]]):
+        """This config with the MTP tensors among ``shapes`` (an HF directory's tensors) recorded."""
+        mtp = {n: tuple(s) for n, s in shapes.items() if (_layer_of(n) or 0) >= self.num_hidden_layers}
+        return dataclasses.replace(self, mtp_tensors=mtp)
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        out["mtp_tensors"] = {n: list(s) for n, s in self.mtp_tensors.items()}
+        return out
+
+
+def _layer_of(name: str) -> int | None:
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
 
 
 def _plain(value):

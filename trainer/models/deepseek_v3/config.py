@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..base import MAX_DIM
-from ..checkpoint_config import CheckpointConfig, check_divides
+from ..checkpoint_config import CarriesMtp, check_divides
 
 
 @dataclass(frozen=True, kw_only=True)
-class DeepseekV3Config(CheckpointConfig):
+class DeepseekV3Config(CarriesMtp):
     """DeepSeek-V3: multi-head latent attention (low-rank q and kv projections), ``first_k_dense_replace`` dense
     layers, then MoE layers of shared experts plus routed experts chosen by a sigmoid router with group-limited
     top-k and a correction bias (``e_score_correction_bias``) that balances load without a loss."""

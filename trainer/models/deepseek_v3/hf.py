@@ -22,6 +22,11 @@ def from_hf_config(doc: dict) -> DeepseekV3Config:
     return DeepseekV3Config.from_hf(doc)
 
 
+def with_tensors(cfg: DeepseekV3Config, shapes: dict) -> DeepseekV3Config:
+    """``cfg`` with the multi-token-prediction tensors among an HF directory's tensors (``shapes``) recorded."""
+    return cfg.with_tensors(shapes)
+
+
 #: the expert layouts' mapping functions (see :class:`~moeckpt.trainer.models.hf_layout.ExpertLayout`).
 export_tensors = _LAYOUT.export_tensors
 export_values = _LAYOUT.export_values

@@ -65,11 +65,13 @@ def param_specs(cfg: DeepseekV3Config) -> list[ParamSpec]:
             out += dense_mlp(p + "mlp.", h, cfg.intermediate_size)
         out += layer_norms(p, h)
     out.append(norm("model.norm.weight", h))
-    return out + head(cfg.vocab_size, h, cfg.tie_word_embeddings)
+    out += head(cfg.vocab_size, h, cfg.tie_word_embeddings)
+    # multi-token-prediction layers the checkpoint holds past the model's layers: carried whole
+    return out + [replicated(n, shape) for n, shape in cfg.mtp_tensors.items()]
 
 
 def untrained(cfg: DeepseekV3Config) -> list[str]:
     """The routing correction biases: state of the model, moved by the balancing rule, never by an optimizer."""
     return [
         f"model.layers.{x}.mlp.gate.e_score_correction_bias" for x in range(cfg.num_hidden_layers) if cfg.is_sparse(x)
-    ]
+    ] + [n for n in cfg.mtp_tensors if n.endswith(".e_score_correction_bias")]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checkpoint_config import CheckpointConfig, check_divides
+from ..checkpoint_config import CarriesMtp, check_divides
 
 
 @dataclass(frozen=True, kw_only=True)
-class Glm4MoeConfig(CheckpointConfig):
+class Glm4MoeConfig(CarriesMtp):
     """GLM-4.5 (``glm4_moe``): GQA attention with optional q/k/v biases and per-head q/k norms, partial rotary,
     ``first_k_dense_replace`` dense layers, then MoE layers of shared experts plus routed experts chosen by a
     sigmoid router with a correction bias, as DeepSeek-V3's."""

@@ -22,6 +22,11 @@ def from_hf_config(doc: dict) -> Glm4MoeConfig:
     return Glm4MoeConfig.from_hf(doc)
 
 
+def with_tensors(cfg: Glm4MoeConfig, shapes: dict) -> Glm4MoeConfig:
+    """``cfg`` with the multi-token-prediction tensors among an HF directory's tensors (``shapes``) recorded."""
+    return cfg.with_tensors(shapes)
+
+
 #: the expert layouts' mapping functions (see :class:`~moeckpt.trainer.models.hf_layout.ExpertLayout`).
 export_tensors = _LAYOUT.export_tensors
 export_values = _LAYOUT.export_values
