@@ -92,9 +92,9 @@ def _local_params(spec, layout, rank: int, device: str, dtype) -> list[tuple[str
 
 
 def comm(model: str, layouts: list[str]) -> list[dict]:
+    from moeckpt.trainer.adamw import ZeroAdamW
     from moeckpt.trainer.models import resolve_model
     from moeckpt.trainer.muon import MuonConfig, ZeroMuon
-    from moeckpt.trainer.optim import ZeroAdamW
     from moeckpt.trainer.parallel import ParallelGroups
 
     spec = resolve_model(model)
@@ -140,9 +140,9 @@ def comm(model: str, layouts: list[str]) -> list[dict]:
 def _scheme_worker(rank: int, model: str, layout_text: str, steps: int, warmup: int, threads: int, out: str) -> None:
     import torch.distributed as dist
 
+    from moeckpt.trainer.adamw import ZeroAdamW
     from moeckpt.trainer.models import resolve_model
     from moeckpt.trainer.muon import MuonConfig, ZeroMuon
-    from moeckpt.trainer.optim import ZeroAdamW
     from moeckpt.trainer.parallel import build_groups
 
     torch.set_num_threads(threads)

@@ -81,7 +81,7 @@ class _LazyGroup(click.Group):
 @click.option("-q", "--quiet", count=True, help="fewer messages (-q: no progress lines; -qq: errors only)")
 def cli(verbose: int, quiet: int) -> None:
     """Save, reshard and restore Mixture-of-Experts checkpoints (safetensors or zarr, local disk or S3)."""
-    from .logs import setup
+    from .verbosity import setup
 
     setup(verbose - quiet)
 

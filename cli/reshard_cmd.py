@@ -6,9 +6,9 @@ import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard.executor import reshard
-from moeckpt.reshard.generic import is_state_dict
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import OFFLINE_WORKERS, ReshardOptions, offline_workers
+from moeckpt.reshard.state_dict_checkpoints import is_state_dict
 from moeckpt.reshard.tensors import check_layout
 from moeckpt.trainer.models import ModelSpec
 

@@ -15,11 +15,8 @@ class MoeckptError(Exception):
     exit_code = 2
 
 
-class IndexError_(MoeckptError, ValueError):
+class CheckpointIndexError(MoeckptError, ValueError):
     """The checkpoint index (``moeckpt.json``) is missing a field, malformed or inconsistent."""
-
-
-CheckpointIndexError = IndexError_
 
 
 class UnsupportedVersionError(MoeckptError, ValueError):

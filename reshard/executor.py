@@ -30,7 +30,6 @@ from moeckpt.formats.storage import Storage, is_url
 from moeckpt.formats.storages import open_storage
 
 from .chunks import ChunkReader, chunk_keys, chunk_rows, reads_started_ahead
-from .generic import is_state_dict, sharded_over_writers
 from .layout import Layout
 from .options import ReshardOptions
 from .plan import RankPlan, ReshardPlan, SourcePiece
@@ -39,6 +38,7 @@ from .processes import balanced_groups, can_fork, run_forked
 from .runtime import paused_gc, single_threaded_torch
 from .sharing import sharing_groups
 from .slabs import slabs
+from .state_dict_checkpoints import is_state_dict, sharded_over_writers
 
 log = logging.getLogger(__name__)
 

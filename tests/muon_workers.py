@@ -152,8 +152,8 @@ def distributed_matches_reference(rank: int, schemes: tuple[str, ...], ns_dtypes
     """ZeroMuon in this world's layout (:data:`LAYOUTS`) against :func:`reference`, parameters and momentum."""
     import torch.distributed as dist
 
+    from moeckpt.trainer.adamw import AdamWConfig
     from moeckpt.trainer.muon import MuonConfig, ZeroMuon
-    from moeckpt.trainer.optim import AdamWConfig
     from moeckpt.trainer.parallel import ParallelGroups, build_groups
 
     torch.set_num_threads(1)

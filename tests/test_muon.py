@@ -15,11 +15,11 @@ from moeckpt.formats.index import TensorEntry
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import rank_boxes
 from moeckpt.reshard.tensors import Matrices, ParamSpec, tensor_name
+from moeckpt.trainer.adamw import AdamWConfig
 from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.models import presets
 from moeckpt.trainer.muon import MuonConfig, ZeroMuon, newton_schulz
 from moeckpt.trainer.muon_plan import families, rank_plan, receives, sends
-from moeckpt.trainer.optim import AdamWConfig
 from moeckpt.trainer.parallel import ParallelGroups
 
 from .muon_workers import (
@@ -338,7 +338,7 @@ def test_config_refuses_hostile_values():
 
 def test_comm_bytes_count_the_exchange_buffers(tmp_path):
     """The exchange's bytes are the send buffers' (bf16); AdamW's part is exactly ZeroAdamW's."""
-    from moeckpt.trainer.optim import ZeroAdamW
+    from moeckpt.trainer.adamw import ZeroAdamW
 
     specs = presets()["zaya-tiny"].param_specs()
     layout = Layout(tp=1, ep=2, dp=4)

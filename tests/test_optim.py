@@ -15,9 +15,9 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import model_parallel_boxes, rank_boxes
 from moeckpt.reshard.rules import ShardingRule, TpSplit
 from moeckpt.reshard.tensors import ParamSpec, tensor_name
+from moeckpt.trainer.adamw import AdamWConfig, ZeroAdamW
 from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.models import presets
-from moeckpt.trainer.optim import AdamWConfig, ZeroAdamW
 from moeckpt.trainer.parallel import ParallelGroups, build_groups
 
 #: a toy plan with every kind of rule: column/row TP, fused blocks along dim 1 and dim 0, windows (one TP rank

@@ -15,7 +15,7 @@ from moeckpt.formats.checkpoint import CheckpointReader, committed_steps
 from moeckpt.trainer.elastic_drill import CPU_DRILL_KILL_AT, CPU_DRILL_STEPS, cpu_drill_args, run_shrink_grow_drill
 from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.metrics import read_metrics
-from moeckpt.trainer.optimizers import OptimizerMismatchError
+from moeckpt.trainer.optimizer_choice import OptimizerMismatchError
 from moeckpt.trainer.train import TrainConfig, Trainer, train
 
 from .muon_workers import train_runs, weights_survive_resume

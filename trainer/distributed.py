@@ -8,7 +8,7 @@
   spread over an EP group: every (token, slot) assignment is sent with ``all_to_all_single`` to the rank owning
   its global expert, the expert MLPs run there (``Experts.forward_sorted``), and the results come back the same
   way. The backward is the transposed all-to-all, so an expert's gradient sums the tokens of every EP rank (the
-  convention :mod:`moeckpt.trainer.optim` expects).
+  convention :mod:`moeckpt.trainer.adamw` expects).
 * :func:`build_parallel_model` builds a rank's model shard with both wired in.
 """
 

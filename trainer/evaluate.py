@@ -20,11 +20,11 @@ from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.index import TensorEntry
 from moeckpt.reshard.local import split_local
 
+from .adamw import StatePiece
 from .data import BatchLoader, DataError, TokenDataset, default_text_path
 from .distributed import build_parallel_model
 from .memory import check_fits, training_bytes
 from .models import ModelSpec
-from .optim import StatePiece
 from .parallel import build_groups, choose_layout, default_device, init_from_env
 from .resume import ResumeError, exchanges, load_pieces
 

@@ -28,7 +28,7 @@ from moeckpt.formats.pieces import tensor_bytes
 from moeckpt.formats.roles import PARAM
 from moeckpt.formats.storage import Storage
 from moeckpt.formats.storages import open_storage
-from moeckpt.reshard.generic import is_state_dict
+from moeckpt.reshard.state_dict_checkpoints import is_state_dict
 
 from .interop.bundled import match_model_names
 from .interop.common import MappingError

@@ -32,8 +32,8 @@ from moeckpt.formats.errors import LayoutError
 from moeckpt.formats.roles import MOMENT_ROLES, MUON_ROLES
 from moeckpt.reshard.tensors import ParamSpec
 
+from .adamw import AdamWConfig, ZeroAdamW
 from .muon_plan import SCHEMES, RankPlan, Transfer, rank_plan, receives, sends
-from .optim import AdamWConfig, ZeroAdamW
 from .parallel import ParallelGroups
 from .zero import _Param
 
@@ -125,7 +125,7 @@ def _part_view(flat: torch.Tensor, p: _Param) -> torch.Tensor:
 class ZeroMuon(ZeroAdamW):
     """Muon for the plan's hidden matrices and AdamW for the rest, ZeRO-1 partitioned; see the module docstring.
 
-    ``params``, ``specs`` and ``groups`` as for :class:`~moeckpt.trainer.optim.ZeroAdamW`. Every rank must build it
+    ``params``, ``specs`` and ``groups`` as for :class:`~moeckpt.trainer.adamw.ZeroAdamW`. Every rank must build it
     with the same plan (the exchange is derived from it, identically everywhere).
     """
 

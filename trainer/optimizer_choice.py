@@ -19,9 +19,9 @@ from moeckpt.formats.index import Index
 from moeckpt.formats.roles import MOMENT_ROLES, MUON_ROLES
 from moeckpt.reshard.tensors import ParamSpec
 
+from .adamw import AdamWConfig, ZeroAdamW
 from .config import OPTIMIZERS  # the one list of --optimizer values: the config validates against it
 from .muon import MuonConfig, ZeroMuon
-from .optim import AdamWConfig, ZeroAdamW
 from .parallel import ParallelGroups
 
 __all__ = ["OPTIMIZERS", "OptimizerMismatchError", "build_optimizer", "check_resume_optimizer", "written_by"]

@@ -21,7 +21,7 @@ from moeckpt.formats.roles import MASTER, PARAM, TRAINING_ROLES, WEIGHT_ROLES
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, exchange_pays, load_rank_state
 
-from .optimizers import check_resume_optimizer
+from .optimizer_choice import check_resume_optimizer
 from .zero import StatePiece, ZeroOptimizer
 
 __all__ = [

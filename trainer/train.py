@@ -32,10 +32,11 @@ from moeckpt.formats.retention import RetentionPolicy
 from moeckpt.formats.storage import is_url
 from moeckpt.formats.storages import open_storage
 from moeckpt.reshard import collectives
-from moeckpt.reshard.generic import is_state_dict
 from moeckpt.reshard.local import join_local
+from moeckpt.reshard.state_dict_checkpoints import is_state_dict
 from moeckpt.reshard.tensors import logical_tensors
 
+from .adamw import AdamWConfig
 from .checkpointing import CheckpointManager
 from .config import RESUME_READS, TrainConfig
 from .data import BatchLoader, DataError, TokenDataset, default_text_path
@@ -48,8 +49,7 @@ from .memory_tier import MemoryTier, check_host_budget, choose_step, run_id, run
 from .metrics import MetricsLog
 from .models import ModelSpec, resolve_model
 from .muon import MuonConfig
-from .optim import AdamWConfig
-from .optimizers import build_optimizer, check_run_optimizer
+from .optimizer_choice import build_optimizer, check_run_optimizer
 from .parallel import ParallelGroups, build_groups, choose_layout, init_from_env
 from .phases import phase_durations, process_start_time
 from .preemption import PreemptionFlag

@@ -130,7 +130,7 @@ class ZeroOptimizer:
     ``params`` are the module's ``(name, tensor)`` pairs (``named_parameters()``), each TP/EP-local as the plan's
     rule cuts it; ``specs`` the plan (:class:`ParamSpec` by name, global shapes and rules). ``config`` must have
     ``weight_decay``, ``decay_vectors``, ``max_grad_norm``, ``skip_nonfinite`` and ``bucket_mib``
-    (:class:`~moeckpt.trainer.optim.AdamWConfig`). Call :meth:`step` after ``backward()`` with the learning rate
+    (:class:`~moeckpt.trainer.adamw.AdamWConfig`). Call :meth:`step` after ``backward()`` with the learning rate
     of the step, then :meth:`zero_grad`.
     """
 

@@ -30,7 +30,7 @@ from ..models import ModelSpec
 from ..models.qwen3_moe import ARCH as QWEN3_MOE
 from . import torchtitan
 from .common import MappingError
-from .generic import VALUES_KEY
+from .unmapped import VALUES_KEY
 
 EXPORT_MAPPINGS = ("torchtitan", "none")
 

@@ -16,15 +16,15 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.dcp import DcpCheckpoint
 from moeckpt.formats.index import STORED_SHARDING, Index
 from moeckpt.reshard.dcp_source import kept_chunks, write_from_dcp
-from moeckpt.reshard.generic import sharded_over_writers
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.runtime import paused_gc
+from moeckpt.reshard.state_dict_checkpoints import sharded_over_writers
 from moeckpt.reshard.tensors import check_layout
 
 from ..models import ModelSpec
 from . import megatron, torchtitan
 from .common import Mapped, MappingError
-from .generic import GENERIC_ARCH, map_generic
+from .unmapped import GENERIC_ARCH, map_generic
 
 MAPPINGS = ("none", "torchtitan", "megatron")
 

@@ -32,7 +32,7 @@ from .common import (
     qwen3_tensors,
     role_name,
 )
-from .generic import VALUES_KEY, read_values
+from .unmapped import VALUES_KEY, read_values
 
 _TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
