@@ -20,6 +20,12 @@ _DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
     "int8": (torch.int8, "I8", 1),
     "uint8": (torch.uint8, "U8", 1),
     "bool": (torch.bool, "BOOL", 1),
+    "uint16": (torch.uint16, "U16", 2),
+    "uint32": (torch.uint32, "U32", 4),
+    "uint64": (torch.uint64, "U64", 8),
+    "complex64": (torch.complex64, "C64", 8),
+    # safetensors (0.8) has no code for complex128; moeckpt's readers take C128 (docs/format.md)
+    "complex128": (torch.complex128, "C128", 16),
 }
 
 _BY_TORCH = {v[0]: k for k, v in _DTYPES.items()}
