@@ -28,7 +28,7 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.pieces import Piece
 from moeckpt.reshard import collectives
-from moeckpt.reshard.commit import SaveFailedError, save_collective
+from moeckpt.reshard.save_protocol import SaveFailedError, save_collective
 from moeckpt.reshard.load import LoadStats
 
 from .state_load import load_state_dict
@@ -158,7 +158,7 @@ class AsyncSave:
         return self._thread is None or not self._thread.is_alive()
 
     def wait(self) -> SaveStats:
-        """Block until the save is committed; raise :class:`~moeckpt.reshard.commit.SaveFailedError` if it failed."""
+        """Block until the save is committed; raise :class:`~moeckpt.reshard.save_protocol.SaveFailedError` if it failed."""
         if self._thread is not None:
             self._thread.join()
         if self._errors:

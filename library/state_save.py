@@ -8,7 +8,7 @@ and merge them into the union: a key held by several ranks must agree in everyth
 on every rank. Each tensor becomes an index entry with a mesh sharding: a DTensor's own mesh and placements, a
 plain tensor replicated over a one-dimensional mesh of the ranks holding it. Replicated boxes are written once,
 the writer rotating over the holders; every rank then writes the boxes it is the writer of, as views of its local
-tensors (:func:`rank_pieces`), and :func:`~moeckpt.reshard.commit.save_collective` commits.
+tensors (:func:`rank_pieces`), and :func:`~moeckpt.reshard.save_protocol.save_collective` commits.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def test_ranges_are_started_in_the_background_in_order_and_close_waits_for_them(
 
 
 def test_write_threads_share_the_hosts_cores_between_its_ranks(monkeypatch):
-    from moeckpt.reshard.commit import MAX_WRITE_THREADS, write_threads
+    from moeckpt.reshard.save_protocol import MAX_WRITE_THREADS, write_threads
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -27,7 +27,7 @@ _EXPORTS = {
     "load": "moeckpt.library.save_load",
     "save": "moeckpt.library.save_load",
     "Checkpointer": "moeckpt.library.checkpointer",
-    "SaveFailedError": "moeckpt.reshard.commit",
+    "SaveFailedError": "moeckpt.reshard.save_protocol",
     "LoadStats": "moeckpt.reshard.load",
     "StateDictError": "moeckpt.formats.errors",
     "CheckpointReader": "moeckpt.formats.checkpoint",
@@ -99,6 +99,6 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     )
     from moeckpt.library.checkpointer import Checkpointer
     from moeckpt.library.save_load import AsyncSave, SaveStats, async_save, load, save
-    from moeckpt.reshard.commit import SaveFailedError
+    from moeckpt.reshard.save_protocol import SaveFailedError
     from moeckpt.reshard.load import LoadStats
     from moeckpt.verification import verify

@@ -42,7 +42,7 @@ from moeckpt.formats.pieces import Piece
 from moeckpt.formats.storage import Storage
 from moeckpt.formats.storages import open_storage
 from moeckpt.reshard import collectives
-from moeckpt.reshard.commit import write_threads as rank_write_threads
+from moeckpt.reshard.save_protocol import write_threads as rank_write_threads
 
 __all__ = [
     "BACKEND",
@@ -399,7 +399,7 @@ MEMORY_WRITE_THREADS = 8
 
 def write_threads() -> int:
     """Threads a rank writes its memory checkpoint with: its share of the node's cores, at most
-    :data:`MEMORY_WRITE_THREADS` (:func:`moeckpt.reshard.commit.write_threads`)."""
+    :data:`MEMORY_WRITE_THREADS` (:func:`moeckpt.reshard.save_protocol.write_threads`)."""
     return rank_write_threads(most=MEMORY_WRITE_THREADS)
 
 
