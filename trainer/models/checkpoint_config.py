@@ -13,7 +13,7 @@ import dataclasses
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .base import MAX_DIM, check_fields, config_from_json, require_fields
 from .hf_layout import hf_config_from, refuse_quantized
@@ -99,6 +99,8 @@ class CarriesMtp(CheckpointConfig):
     """
 
     NOT_HF = ("mtp_tensors",)
+    if TYPE_CHECKING:  # every subclass's shape field (declared there, with its default)
+        num_hidden_layers: int
 
     mtp_tensors: dict[str, tuple[int, ...]] = field(default_factory=dict)
 

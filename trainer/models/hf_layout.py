@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class ExpertLayout:
     experts of a config.
     """
 
-    count: Callable[[object], int]
+    count: Callable[[Any], int]
     leaves: tuple[tuple[str, tuple[str, ...]], ...] = (
         ("gate_up_proj", ("gate_proj.weight", "up_proj.weight")),
         ("down_proj", ("down_proj.weight",)),
