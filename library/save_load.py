@@ -28,8 +28,8 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.pieces import Piece
 from moeckpt.reshard import collectives
-from moeckpt.reshard.save_protocol import SaveFailedError, save_collective
 from moeckpt.reshard.load import LoadStats
+from moeckpt.reshard.save_protocol import SaveFailedError, save_collective
 
 from .state_load import load_state_dict
 from .state_save import SavePlan, plan_state_save, rank_pieces
