@@ -99,6 +99,6 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
     )
     from moeckpt.library.checkpointer import Checkpointer
     from moeckpt.library.save_load import AsyncSave, SaveStats, async_save, load, save
-    from moeckpt.reshard.save_protocol import SaveFailedError
     from moeckpt.reshard.load import LoadStats
+    from moeckpt.reshard.save_protocol import SaveFailedError
     from moeckpt.verification import verify
