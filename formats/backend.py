@@ -130,6 +130,13 @@ class Backend(Protocol):
         """``{path: size}`` of every object the checkpoint occupies, its index ``moeckpt.json`` left out."""
         ...
 
+    def writer_of(self, path: str) -> int | None:
+        """The writer whose own file ``path`` (relative to the checkpoint) is, where each writer's pieces are
+        files of its own (``stores_placements``); ``None`` for any other path, or a backend that stores otherwise.
+        Whoever holds a copy of some of a checkpoint's files (the memory tier's nodes) knows from it whose pieces
+        it can read."""
+        ...
+
 
 #: built-in backends by name -> "module:class", imported on first use.
 _BUILTIN: dict[str, str] = {

@@ -1,23 +1,34 @@
-"""A checkpoint saved by many processes at once: each writes its pieces, one commits the index only if all did.
+"""The one protocol every distributed save follows: each rank writes its pieces, a coordinator commits the index
+only if every rank did. The library's ``moeckpt.save`` / ``async_save``, the trainer's persistent saves and its
+memory tier all save through :func:`save_collective`; what differs between them is a hook, never the order.
 
-The protocol every distributed save follows (the library's ``moeckpt.save`` and the bundled trainer alike):
+The order, collective over a gloo ``group``:
 
-1. rank 0 prepares the location (:func:`~moeckpt.formats.checkpoint.begin_save`: refuses a non-empty destination
-   unless told, sets up the staging area) and the backend's shared metadata; every rank learns whether that worked;
-2. every rank writes its own pieces through the backend (its file, or its zarr cells);
-3. the ranks exchange what they wrote (file names, sizes, checksums) as JSON over a gloo group;
-4. rank 0 finishes the backend, writes the index last (the commit), and every rank learns the outcome.
+1. each *coordinator* (one rank per distinct ``location``: rank 0 when every rank saves to one place, each
+   node's leader in the memory tier) runs ``hooks.before_begin`` (the memory tier's pruning), prepares its
+   location (:func:`~moeckpt.formats.checkpoint.begin_save`: refuses a non-empty destination unless told, sets up
+   the staging area) and, given ``boxes``, the backend's shared metadata; every rank learns whether that worked;
+2. every rank writes its own pieces through the backend (its file, or its zarr cells), then runs
+   ``hooks.after_write`` (the trainer's fault injection: a rank that dies here has written, nothing is committed);
+3. the ranks exchange what they wrote (file names, sizes, checksums) as JSON;
+4. ``hooks.before_commit`` runs on every rank with every rank's files (collective: the memory tier replicates each
+   node's part to its buddies here, so nothing commits before its replicas exist);
+5. each coordinator finishes the backend and writes the index last (the commit); every rank learns the outcome;
+6. ``hooks.after_commit`` runs on every rank with the committed index (the trainer's retention on rank 0, its
+   corrupt-after-commit fault).
 
-A failure on any rank fails the save on every rank with the same error, and nothing is committed.
+A failure on any rank fails the save on every rank with the same error, and nothing is committed: an error of a
+known moeckpt class at the start is raised as that class everywhere, every other failure as ``failure`` (a
+:class:`SaveFailedError`, or a subclass of it such as the memory tier's).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
-from moeckpt.formats.backend import get_backend
+from moeckpt.formats.backend import Backend, get_backend
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import begin_save, commit, staging_storage
 from moeckpt.formats.errors import MoeckptError
@@ -27,7 +38,7 @@ from moeckpt.formats.pieces import Piece
 from . import collectives
 from .runtime import cores_per_rank
 
-__all__ = ["SaveFailedError", "save_collective", "write_threads"]
+__all__ = ["MAX_WRITE_THREADS", "SaveFailedError", "SaveHooks", "save_collective", "write_threads"]
 
 log = logging.getLogger(__name__)
 
@@ -36,65 +47,109 @@ class SaveFailedError(MoeckptError, RuntimeError):
     """A distributed save failed on some rank; nothing was committed."""
 
 
+@dataclass(frozen=True)
+class SaveHooks:
+    """What a caller adds to :func:`save_collective`, each at one point of its order (see the module docstring).
+
+    ``before_begin()``: on each coordinator, before its location is prepared. ``after_write(written)``: on this
+    rank, after its files are written and before anything is exchanged. ``before_commit(files_by_rank)``: on every
+    rank, collective, with every rank's written files; it must raise alike on every rank or on none.
+    ``after_commit(index)``: on every rank, once every coordinator has committed.
+    """
+
+    before_begin: Callable[[], None] | None = None
+    after_write: Callable[[list[FileEntry]], None] | None = None
+    before_commit: Callable[[list[list[FileEntry]]], None] | None = None
+    after_commit: Callable[[Index], None] | None = None
+
+
+_NO_HOOKS = SaveHooks()
+
+
 def save_collective(
     location: str,
     index: Index,
     pieces: Sequence[Piece],
-    boxes: dict[str, list[Box]],
+    boxes: dict[str, list[Box]] | None = None,
     *,
     group=None,
     overwrite: bool = False,
     replace_uncommitted: bool = False,
-    after_write=None,
+    backend: Backend | None = None,
+    threads: int | None = None,
+    coordinator: bool | None = None,
+    hooks: SaveHooks = _NO_HOOKS,
+    failure: type[SaveFailedError] = SaveFailedError,
+    commit_log_level: int = logging.INFO,
 ) -> Index:
     """Save this rank's ``pieces`` of the checkpoint ``index`` describes to ``location``; collective over ``group``
     (a gloo group; ``None``: the default group, or a single process).
 
-    ``boxes`` lists every stored piece of every tensor over all ranks (the backend's ``prepare`` needs it, on rank
-    0). ``index.files`` is replaced by what the ranks wrote. ``after_write`` (the trainer's fault injection) runs
-    on each rank after its data is written and before anything is exchanged. Returns the committed index.
+    ``location`` may differ between ranks: the ranks of one location share it, its lowest rank coordinates it, and
+    every location's index lists every rank's files (the memory tier, whose nodes each commit their own copy).
+    ``coordinator``: whether this rank prepares and commits its location, true on exactly one rank of each
+    location (default: rank 0, for one location shared by every rank).
+    ``boxes`` lists every stored piece of every tensor over all ranks, for the backend's ``prepare`` (``None``:
+    no prepare, for a backend that needs none). ``backend``: the instance to write with (default: a new one of
+    ``index.backend``); ``threads``: how many threads this rank writes with (default :func:`write_threads`).
+    ``index.files`` is replaced by what the ranks wrote. Returns the committed index.
     """
-    rank = collectives.rank(group)  # the rank within the group: 0 coordinates
-    backend = get_backend(index.backend)
+    rank = collectives.rank(group)
+    if coordinator is None:
+        coordinator = rank == 0
+    backend = backend if backend is not None else get_backend(index.backend)
     error = None
-    if rank == 0:
+    if coordinator:
         try:
+            if hooks.before_begin is not None:
+                hooks.before_begin()
             begin_save(location, overwrite=overwrite, replace_uncommitted=replace_uncommitted)
-            backend.prepare(staging_storage(location), index.tensors, boxes)
+            if boxes is not None:
+                backend.prepare(staging_storage(location), index.tensors, boxes)
         except MoeckptError as e:
             error = {"type": type(e).__name__, "message": str(e)}
         except Exception as e:  # noqa: BLE001 - any failure must reach every rank, or they would write into nothing
-            error = {"type": "SaveFailedError", "message": f"rank 0 could not start the save: {e}"}
-    error = collectives.all_gather_json(error, group)[0]
-    if error:
-        raise _typed(error)
+            error = {"type": failure.__name__, "message": f"rank {rank} could not start the save: {e}"}
+    started = [e for e in collectives.all_gather_json(error, group) if e]
+    if started:
+        raise _typed(started[0], failure)
     try:
         written = backend.write(
-            staging_storage(location), rank, list(pieces), index.tensors, threads=write_threads(group)
+            staging_storage(location),
+            rank,
+            list(pieces),
+            index.tensors,
+            threads=write_threads(group) if threads is None else threads,
         )
-        if after_write is not None:
-            after_write()
+        if hooks.after_write is not None:
+            hooks.after_write(written)
         mine: dict = {"ok": True, "files": [[f.path, f.size, f.checksum] for f in written]}
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or rank 0 would commit a torn checkpoint
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it, or a coordinator would commit a torn one
         mine = {"ok": False, "error": f"rank {rank}: {e}"}
     everyone = collectives.all_gather_json(mine, group)
     failures = [r["error"] for r in everyone if not r["ok"]]
     if failures:
-        raise SaveFailedError(f"{location}: the save failed: {'; '.join(failures)}")
+        raise failure(f"{location}: the save failed: {'; '.join(failures)}")
+    by_rank = [[FileEntry(path=p, size=n, checksum=c) for p, n, c in r["files"]] for r in everyone]
+    if hooks.before_commit is not None:
+        hooks.before_commit(by_rank)
     outcome = None
     final = index
-    if rank == 0:
+    if coordinator:
         try:
-            files = [FileEntry(path=p, size=n, checksum=c) for r in everyone for p, n, c in r["files"]]
-            files = backend.finish(staging_storage(location), files, index.tensors)
+            files = backend.finish(staging_storage(location), [f for fs in by_rank for f in fs], index.tensors)
             final = replace(index, files={f.path: f for f in files})
             commit(location, final)
-            log.info("committed %s (step %d, %d files)", location, final.step, len(final.files))
+            log.log(commit_log_level, "committed %s (step %d, %d files)", location, final.step, len(final.files))
         except Exception as e:  # noqa: BLE001 - shared with the other ranks below
-            outcome = f"rank 0 could not commit: {e}"
-    outcome = collectives.all_gather_json(outcome, group)[0]
-    if outcome:
-        raise SaveFailedError(f"{location}: {outcome}")
+            outcome = f"{location}: rank {rank} could not commit: {e}"
+    outcomes = [o for o in collectives.all_gather_json(outcome, group) if o]
+    if outcomes:
+        raise failure("; ".join(outcomes))
+    if not coordinator:
+        final = replace(index, files={f.path: f for fs in by_rank for f in fs})
+    if hooks.after_commit is not None:
+        hooks.after_commit(final)
     return final
 
 
@@ -111,11 +166,11 @@ def write_threads(group=None, *, most: int = MAX_WRITE_THREADS) -> int:
     return min(most, cores_per_rank(group))
 
 
-def _typed(error: dict) -> MoeckptError:
-    """Rank 0's error as the same class on every rank where it is a known moeckpt error, else SaveFailedError."""
+def _typed(error: dict, failure: type[SaveFailedError]) -> MoeckptError:
+    """A coordinator's error as the same class on every rank where it is a known moeckpt error, else ``failure``."""
     from moeckpt.formats import errors
 
     cls = getattr(errors, error["type"], None)
     if isinstance(cls, type) and issubclass(cls, MoeckptError):
         return cls(error["message"])
-    return SaveFailedError(error["message"])
+    return failure(error["message"])

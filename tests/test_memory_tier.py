@@ -380,3 +380,67 @@ def test_memory_checkpoints_land_every_step_while_a_slow_persistent_save_is_writ
     finally:
         trainer.close()
     assert kill_at - newest <= cfg.memory_every
+
+
+def _damage(path: str) -> None:
+    """Flip a byte in every 4 KiB of a safetensors file's data (whatever a rank reads of it, it reads damage)."""
+    import struct
+
+    with open(path, "r+b") as f:
+        (header,) = struct.unpack("<Q", f.read(8))
+        size = os.path.getsize(path)
+        for offset in range(8 + header, size, 4096):
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _step_file(tmp_path, node: str, step: int, writer: int = 0) -> str:
+    return os.path.join(_node_dir(tmp_path, node), f"step-{step:08d}", f"rank-{writer:05d}.safetensors")
+
+
+@pytest.mark.slow
+def test_a_damaged_memory_copy_falls_back_to_the_replica_then_an_older_memory_step_then_storage(tmp_path):
+    """Two simulated nodes of one rank each, every file held by both (one replica). A damaged copy on one node is
+    moved aside and the same step read from the other node's replica; with no intact copy of the step left, the
+    newest older complete memory step (newer than the persisted one) is taken, and that step retrained saves into
+    the memory tier again; with no intact memory step at all, storage."""
+    cfg = _config(tmp_path)
+    run_dir = str(tmp_path / "run")
+    run_local_world(memory_run, 2, cfg.to_json(), 3, (1,), (2, 3), "n{rank}", timeout_s=180)
+
+    def damaged_events() -> list[dict]:
+        return [r for r in read_metrics(run_dir, events=True) if r.get("event") == "damaged_checkpoint"]
+
+    # 1. n0's copy of step 3 is damaged: step 3 from n1's replica, n0's copy set aside
+    _damage(_step_file(tmp_path, "n0", 3))
+    run_local_world(memory_run, 2, cfg.to_json(), 0, (), (), "n{rank}", timeout_s=180)
+    event = _resume_event(run_dir)
+    assert (event["tier"], event["step"], event["storage_bytes_read"]) == ("memory", 3, 0), event
+    assert [(e["tier"], e["step"], sorted(e["nodes"])) for e in damaged_events()] == [("memory", 3, ["n0"])]
+    n0 = os.listdir(_node_dir(tmp_path, "n0"))
+    assert any(n.startswith(".rejected-step-00000003-") for n in n0), n0
+    # what n0 holds of step 3 now is the index it was given to plan the load with, no data
+    assert os.listdir(os.path.join(_node_dir(tmp_path, "n0"), "step-00000003")) == ["moeckpt.json"]
+
+    # 2. n1's copy (the only one left) is damaged too: memory step 2, the newest complete one (persisted: 1); the
+    # retrained step 3 is saved into the memory tier again on both nodes
+    _damage(_step_file(tmp_path, "n1", 3))
+    run_local_world(memory_run, 2, cfg.to_json(), 1, (), (3,), "n{rank}", timeout_s=180)
+    event = [r for r in read_metrics(run_dir, events=True) if r.get("event") == "resume"][-1]
+    assert (event["tier"], event["step"], event["storage_bytes_read"]) == ("memory", 2, 0), event
+    assert [(e["step"], sorted(e["nodes"])) for e in damaged_events()][1:] == [(3, ["n1"])]
+    for node in ("n0", "n1"):
+        step3 = os.path.join(_node_dir(tmp_path, node), "step-00000003")
+        assert verify(CheckpointReader(step3)) == [], node  # committed again, intact
+
+    # 3. every memory copy damaged: storage (step 1)
+    for node in ("n0", "n1"):
+        for step in (2, 3):
+            for writer in (0, 1):
+                _damage(_step_file(tmp_path, node, step, writer))
+    run_local_world(memory_run, 2, cfg.to_json(), 0, (), (), "n{rank}", timeout_s=180)
+    event = _resume_event(run_dir)
+    assert (event["tier"], event["step"], event["memory_bytes_read"]) == ("storage", 1, 0), event
+    assert {e["step"] for e in damaged_events()[2:]} == {3, 2}

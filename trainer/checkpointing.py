@@ -2,10 +2,11 @@
 
 A save has two phases. The *snapshot* copies the bytes this rank writes (only the pieces it is the writer of:
 replicated pieces are written by one replica) into reused host buffers, pinned when the tensors live on a GPU;
-training is blocked only for that copy. The *persist* phase runs in a background thread: the rank writes its file,
-the ranks exchange what they wrote over a dedicated gloo group, and rank 0 commits the index only if every rank
-succeeded. At most one persistent save is in flight; the next persistent save, ``wait()`` and ``close()`` wait
-for it.
+training is blocked only for that copy. The *persist* phase runs in a background thread, through the engine's one
+save protocol (:mod:`moeckpt.reshard.save_protocol`, over a dedicated gloo group): the rank writes its file, the
+ranks exchange what they wrote, and rank 0 commits the index only if every rank succeeded; a failure is the
+protocol's :class:`~moeckpt.reshard.save_protocol.SaveFailedError` (``moeckpt.SaveFailedError``). At most one
+persistent save is in flight; the next persistent save, ``wait()`` and ``close()`` wait for it.
 
 With the memory tier (:mod:`.memory_tier`) a save that goes to both tiers writes the memory checkpoint from its
 snapshot first, then the persistent one. A *memory-only* save never waits behind a persistent write (a large
@@ -29,9 +30,9 @@ import torch.distributed as dist
 
 from moeckpt.formats.backend import get_backend
 from moeckpt.formats.box import Box
-from moeckpt.formats.checkpoint import begin_save, commit, committed_steps, staging_storage, step_dir_name
+from moeckpt.formats.checkpoint import committed_steps, step_dir_name
 from moeckpt.formats.errors import MoeckptError
-from moeckpt.formats.index import FileEntry, Index, TensorEntry
+from moeckpt.formats.index import Index, TensorEntry
 from moeckpt.formats.pieces import Piece
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
 from moeckpt.formats.storage import join
@@ -40,15 +41,14 @@ from moeckpt.reshard import collectives
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.local import local_shape, local_views
 from moeckpt.reshard.placement import placements
+from moeckpt.reshard.save_protocol import SaveFailedError, SaveHooks, save_collective
 
 from .faults import FaultInjector
 from .memory_tier import MemoryStats, MemoryTier
 
+__all__ = ["CheckpointManager", "SaveFailedError", "SaveStats"]
+
 log = logging.getLogger(__name__)
-
-
-class SaveFailedError(MoeckptError, RuntimeError):
-    """A background save failed on some rank; nothing was committed."""
 
 
 @dataclass
@@ -348,59 +348,51 @@ class CheckpointManager:
             stats.committed = stats.memory is not None and stats.memory.committed
 
     def _persist(self, step: int, pieces: list[Piece], train_state: dict[str, Any], stats: SaveStats) -> None:
+        """The persistent save of one snapshot, through the engine's save protocol
+        (:func:`~moeckpt.reshard.save_protocol.save_collective`): rank 0 commits, then applies the retention."""
         t0 = time.perf_counter()
         location = join(self.run_dir, step_dir_name(step))
-        error = None
-        if self.rank == 0:
-            try:
-                begin_save(location, replace_uncommitted=True)
-                boxes: dict[str, list[Box]] = {}
-                for name, e in self.tensors.items():
-                    boxes[name] = [p.box for p in placements(e, self.layout)]
-                self.backend.prepare(staging_storage(location), self.tensors, boxes)
-            except Exception as e:  # noqa: BLE001 - shared with the other ranks below
-                error = f"rank 0 could not start the save: {e}"
-        error = collectives.broadcast_json(error, 0, self.group)
-        if error:
-            raise SaveFailedError(error)
-        entries: list[dict] = []
-        try:
-            written = self.backend.write(staging_storage(location), self.rank, pieces, self.tensors)
+        index = Index(
+            backend=self.backend_name,
+            step=step,
+            layout=self.layout.to_json(),
+            model=self.model,
+            tensors=self.tensors,
+            files={},
+            train_state=train_state,
+        )
+
+        def after_write(written) -> None:
             if self.faults is not None:
                 self.faults.during_save(step)  # dies here: its file is written, nothing is committed
-            entries = [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in written]
-            mine = {"ok": True, "files": entries}
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or rank 0 would commit a torn checkpoint
-            mine = {"ok": False, "error": f"rank {self.rank}: {e}"}
-        everyone = collectives.all_gather_json(mine, self.group)
-        failures = [r["error"] for r in everyone if not r["ok"]]
-        if failures:
-            raise SaveFailedError("; ".join(failures))
-        if self.rank == 0:
-            files = [FileEntry(**f) for r in everyone for f in r["files"]]
-            files = self.backend.finish(staging_storage(location), files, self.tensors)
-            index = Index(
-                backend=self.backend_name,
-                step=step,
-                layout=self.layout.to_json(),
-                model=self.model,
-                tensors=self.tensors,
-                files={f.path: f for f in files},
-                train_state=train_state,
-            )
-            commit(location, index)
-            log.info(
-                "saved step %d to %s: %.2f MB in %.2f s",
-                step,
-                location,
-                sum(f.size for f in files) / 1e6,
-                time.perf_counter() - t0,
-            )
-            apply_gc(self.run_dir, replace(plan_gc(self.run_dir, self.retention), remove_uncommitted=[]))
-        collectives.barrier(self.group)
-        stats.committed = True
-        if self.faults is not None and open_storage(location).is_local:
-            self.faults.after_commit(step, open_storage(location).location)
+
+        def after_commit(final: Index) -> None:
+            if self.rank == 0:
+                log.info(
+                    "saved step %d to %s: %.2f MB in %.2f s",
+                    step,
+                    location,
+                    sum(f.size for f in final.files.values()) / 1e6,
+                    time.perf_counter() - t0,
+                )
+                apply_gc(self.run_dir, replace(plan_gc(self.run_dir, self.retention), remove_uncommitted=[]))
+            stats.committed = True
+            if self.faults is not None and open_storage(location).is_local:
+                self.faults.after_commit(step, open_storage(location).location)
+
+        boxes = {name: [p.box for p in placements(e, self.layout)] for name, e in self.tensors.items()}
+        save_collective(
+            location,
+            index,
+            pieces,
+            boxes,
+            group=self.group,
+            replace_uncommitted=True,
+            backend=self.backend,
+            threads=1,
+            hooks=SaveHooks(after_write=after_write, after_commit=after_commit),
+            commit_log_level=logging.DEBUG,
+        )
         stats.persist_s = time.perf_counter() - t0
 
     # -- resuming -------------------------------------------------------------------------------------------

@@ -28,20 +28,30 @@ import shutil
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from moeckpt.formats.backends.safetensors import file_name
-from moeckpt.formats.checkpoint import STEP_PREFIX, begin_save, commit, committed_steps, staging_storage, step_dir_name
+from moeckpt.formats.backend import Backend, get_backend
+from moeckpt.formats.checkpoint import (
+    STEP_PREFIX,
+    begin_save,
+    commit,
+    committed_steps,
+    replace_files,
+    staging_storage,
+    step_dir_name,
+)
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import INDEX_NAME, FileEntry, Index
 from moeckpt.formats.pieces import Piece
 from moeckpt.formats.storage import Storage
 from moeckpt.formats.storages import open_storage
 from moeckpt.reshard import collectives
+from moeckpt.reshard.save_protocol import SaveFailedError, SaveHooks, save_collective
 from moeckpt.reshard.save_protocol import write_threads as rank_write_threads
 
 __all__ = [
@@ -56,17 +66,21 @@ __all__ = [
     "choose_step",
     "node_name",
     "remove_run_memory",
+    "restore_newest",
     "run_id",
     "run_root",
 ]
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: where memory checkpoints live unless ``--memory-dir`` names another node-local directory.
 DEFAULT_PARENT = "/dev/shm"
 #: the run directory's record of its run id.
 MARKER = "memory-tier.json"
-#: the memory tier's file format: one file per writer, so a node's holdings are a set of writers.
+#: the memory tier's default file format. Any backend that stores each writer's pieces in files of its own
+#: (``stores_placements``, ``writer_of``) will do: a node's holdings are then a set of writers.
 BACKEND = "safetensors"
 
 
@@ -74,8 +88,9 @@ class MemoryBudgetError(MoeckptError, ValueError):
     """The memory directory's filesystem cannot hold ``--memory-keep`` memory checkpoints."""
 
 
-class MemorySaveError(MoeckptError, RuntimeError):
-    """A memory checkpoint could not be written or replicated on some rank; it was not committed."""
+class MemorySaveError(SaveFailedError):
+    """A memory checkpoint could not be written or replicated on some rank; it was not committed (a
+    :class:`~moeckpt.reshard.save_protocol.SaveFailedError`, so ``except moeckpt.SaveFailedError`` catches it)."""
 
 
 @dataclass
@@ -183,8 +198,15 @@ class MemoryTier:
     checkpoints of its ranks' share and of its buddies' shares.
     """
 
-    def __init__(self, root: str, *, group, keep: int, replicas: int, state_bytes: int) -> None:
+    def __init__(self, root: str, *, group, keep: int, replicas: int, state_bytes: int, backend: str = BACKEND) -> None:
         self.root = root
+        self.backend_name = backend
+        self.backend: Backend = get_backend(backend)
+        if not self.backend.stores_placements:
+            raise MoeckptError(
+                f"the memory tier cannot keep {backend} checkpoints: a node's holdings must be whole writers' files "
+                "(a backend that stores placements, such as safetensors)"
+            )
         self.group = group
         self.keep = keep
         self.node = node_name()
@@ -242,49 +264,45 @@ class MemoryTier:
         self, step: int, pieces: list[Piece], *, tensors, layout_json: dict, model: dict, train_state: dict[str, Any]
     ) -> MemoryStats:
         """Write this rank's pieces into its node's ``step-N``, replicate the node's part to its buddies and
-        commit every node's directory once every file has its replicas (collective over the group)."""
-        from moeckpt.formats.backend import get_backend
+        commit every node's directory once every file has its replicas (collective over the group).
 
+        The engine's save protocol (:func:`~moeckpt.reshard.save_protocol.save_collective`) with one location per
+        node, its leader the coordinator: the leader prunes before it begins, and the replication runs between the
+        exchange of what was written and the commit. A failure is a :class:`MemorySaveError` on every rank (or, at
+        the start, the format layer's own error class, e.g. a destination that is not empty)."""
         t0 = time.perf_counter()
         stats = MemoryStats(step=step)
-        backend = get_backend(BACKEND)
-        location = os.path.join(self.node_dir, step_dir_name(step))
-        error = None
-        if self.is_leader:
-            try:
-                self._prune(self.keep - 1)
-                begin_save(location, replace_uncommitted=True)
-            except Exception as e:  # noqa: BLE001 - shared with every rank below
-                error = f"node {self.node}: could not start the memory save: {e}"
-        entries: list[dict] = []
-        self._agree(error)
-        try:
-            written = backend.write(staging_storage(location), self.rank, pieces, tensors, threads=write_threads())
-            entries = [{"path": f.path, "size": f.size, "checksum": f.checksum} for f in written]
-            stats.bytes_written = sum(f.size for f in written)
-            mine: dict[str, Any] = {"ok": True, "files": entries}
-        except Exception as e:  # noqa: BLE001 - every rank learns of it
-            mine = {"ok": False, "error": f"rank {self.rank}: {e}"}
-        everyone = collectives.all_gather_json(mine, self.group)
-        self._agree(next((r["error"] for r in everyone if not r["ok"]), None))
-        files = [FileEntry(**f) for r in everyone for f in r["files"]]
-        self._replicate(location, everyone, stats)
-        error = None
-        if self.is_leader:
-            try:
-                index = Index(
-                    backend=BACKEND,
-                    step=step,
-                    layout=layout_json,
-                    model=model,
-                    tensors=tensors,
-                    files={f.path: f for f in files},
-                    train_state=train_state,
-                )
-                commit(location, index)
-            except Exception as e:  # noqa: BLE001 - shared below; the other nodes' commits stand
-                error = f"node {self.node}: could not commit: {e}"
-        self._agree(error)
+        location = self.location(step)
+        index = Index(
+            backend=self.backend_name,
+            step=step,
+            layout=layout_json,
+            model=model,
+            tensors=tensors,
+            files={},
+            train_state=train_state,
+        )
+
+        def written(files: list[FileEntry]) -> None:
+            stats.bytes_written = sum(f.size for f in files)
+
+        save_collective(
+            location,
+            index,
+            pieces,
+            group=self.group,
+            replace_uncommitted=True,
+            backend=self.backend,
+            threads=write_threads(),
+            coordinator=self.is_leader,
+            hooks=SaveHooks(
+                before_begin=lambda: self._begin(step),
+                after_write=written,
+                before_commit=lambda by_rank: self._replicate(location, by_rank, stats),
+            ),
+            failure=MemorySaveError,
+            commit_log_level=logging.DEBUG,
+        )
         stats.committed = True
         stats.seconds = time.perf_counter() - t0
         log.debug("memory checkpoint of step %d committed in %s (%.2f s)", step, location, stats.seconds)
@@ -295,7 +313,7 @@ class MemoryTier:
         if errors:
             raise MemorySaveError("; ".join(errors))
 
-    def _replicate(self, location: str, everyone: list[dict], stats: MemoryStats) -> None:
+    def _replicate(self, location: str, by_rank: list[list[FileEntry]], stats: MemoryStats) -> None:
         """Send this node's files to its ``replicas`` buddies, receive the files of the nodes it is buddy of.
 
         One round per distance ``d``: node ``i``'s leader sends to node ``i+d``'s and receives from ``i-d``'s;
@@ -310,10 +328,10 @@ class MemoryTier:
                     dst = self.leaders[(self.node_index + d) % n]
                     src_node = self.nodes[(self.node_index - d) % n]
                     src = self.leaders[(self.node_index - d) % n]
-                    mine = [f for r in self.ranks_of[self.key] for f in everyone[r]["files"]]
-                    theirs = [f for r in self.ranks_of[src_node] for f in everyone[r]["files"]]
+                    mine = [f for r in self.ranks_of[self.key] for f in by_rank[r]]
+                    theirs = [f for r in self.ranks_of[src_node] for f in by_rank[r]]
                     payload = _pack(staging, mine)
-                    incoming = torch.empty(sum(f["size"] for f in theirs), dtype=torch.uint8)
+                    incoming = torch.empty(sum(f.size for f in theirs), dtype=torch.uint8)
                     ops = [
                         dist.P2POp(dist.isend, payload, dst, self.group),
                         dist.P2POp(dist.irecv, incoming, src, self.group),
@@ -325,11 +343,28 @@ class MemoryTier:
                     offset = 0
                     raw = incoming.numpy()
                     for f in theirs:
-                        staging.write_parts(f["path"], [memoryview(raw[offset : offset + f["size"]])], fsync=False)
-                        offset += f["size"]
+                        staging.write_parts(f.path, [memoryview(raw[offset : offset + f.size])], fsync=False)
+                        offset += f.size
                 except Exception as e:  # noqa: BLE001 - shared below
                     error = f"node {self.node}: replication at distance {d} failed: {e}"
             self._agree(error)
+
+    def _begin(self, step: int) -> None:
+        """Before a memory save of ``step`` (leader): this node's copies of ``step`` and later steps are from before
+        a resume that went back (the run's step only grows otherwise), so they make way for the new ones; then the
+        budget is kept (:meth:`_prune`)."""
+        stale = [s for s, _ in committed_steps(self.node_dir) if s >= step] if os.path.isdir(self.node_dir) else []
+        if stale:
+            log.info(
+                "memory checkpoint(s) of step(s) %s on node %s are from before the resume (the run is at step %d "
+                "again): removed, the new ones take their place",
+                ", ".join(map(str, stale)),
+                self.node,
+                step,
+            )
+            for s in stale:
+                shutil.rmtree(self.location(s), ignore_errors=True)
+        self._prune(self.keep - 1)
 
     def _prune(self, keep: int) -> None:
         """Keep this node's ``keep`` newest committed memory checkpoints; remove older ones and leftovers."""
@@ -348,8 +383,9 @@ class MemoryTier:
 
     # -- resuming -------------------------------------------------------------------------------------------
     def holdings(self) -> dict[str, Any]:
-        """What this node holds: ``{step: {"files": {path: size} held, "need": [every file of the step]}}`` of
-        its committed memory checkpoints (an index that does not parse is skipped)."""
+        """What this node holds: ``{step: {"files": {path: size} held, "need": [every file of the step],
+        "writers": [the writers whose files those are]}}`` of its committed memory checkpoints (an index that does
+        not parse is skipped)."""
         out: dict[str, Any] = {}
         if not os.path.isdir(self.node_dir):
             return out
@@ -361,7 +397,8 @@ class MemoryTier:
                 continue
             present = set(_listdir(st.location))
             held = {p: f.size for p, f in index.files.items() if p in present}
-            out[str(step)] = {"files": held, "need": sorted(index.files)}
+            writers = sorted(w for w in map(self.backend.writer_of, held) if w is not None)
+            out[str(step)] = {"files": held, "need": sorted(index.files), "writers": writers}
         return out
 
     def location(self, step: int) -> str:
@@ -380,6 +417,49 @@ class MemoryTier:
             return
         begin_save(location, replace_uncommitted=True)
         commit(location, Index.loads(index_bytes, location))
+
+    def check_copy(self, step: int) -> list[str]:
+        """The problems of this node's copy of ``step`` (leader only): every file it holds read back whole, its
+        size and every piece's checksums; a file the node does not hold is not its problem. Empty: intact."""
+        location = self.location(step)
+        storage = open_storage(location)
+        try:
+            index = Index.loads(storage.read_bytes(INDEX_NAME), storage.path(INDEX_NAME))
+        except (MoeckptError, OSError, ValueError) as e:
+            return [f"{INDEX_NAME}: {e}"]
+        present = set(_listdir(location))
+        problems = []
+        for path, entry in index.files.items():
+            if path not in present:
+                continue
+            size = os.path.getsize(os.path.join(location, path))
+            if size != entry.size:
+                problems.append(f"{path}: {size} bytes, the index says {entry.size}")
+                continue
+            try:
+                for ref in self.backend.list_pieces(storage, replace_files(index, [entry])):
+                    self.backend.read_piece(storage, ref)
+            except (MoeckptError, OSError) as e:
+                problems.append(f"{path}: {e}")
+        return problems
+
+    def reject(self, step: int, why: str) -> str | None:
+        """Move this node's copy of ``step`` aside (leader only), so no resume takes it and the next save of that
+        step can be committed in its place; the next memory save removes it (host memory is the budget). Returns
+        where it went, ``None`` when the node held no copy."""
+        location = self.location(step)
+        if not os.path.isdir(location):
+            return None
+        aside = os.path.join(self.node_dir, f".rejected-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}")
+        os.rename(location, aside)
+        log.warning(
+            "memory checkpoint of step %d on node %s rejected (%s): moved aside to %s, removed at the next memory save",
+            step,
+            self.node,
+            why,
+            aside,
+        )
+        return aside
 
     def remove_all(self) -> None:
         """The run ended normally: remove this node's memory checkpoints (collective)."""
@@ -420,30 +500,21 @@ def choose_step(held: dict[str, dict[str, Any]], *, not_before: int | None) -> M
                 continue
             need |= set(entry["need"])
             have.update(entry["files"])
-            writers[key] = _writers(entry["files"])
+            writers[key] = set(entry.get("writers", ()))
         if need and need <= set(have):
             return MemoryChoice(step=step, writers=writers, nbytes=sum(have[p] for p in need))
     return None
 
 
-def _writers(files) -> set[int]:
-    out = set()
-    for path in files:
-        m = re.fullmatch(r"rank-(\d+)\.safetensors", path)
-        if m and file_name(int(m.group(1))) == path:
-            out.add(int(m.group(1)))
-    return out
-
-
-def _pack(staging: Storage, files: list[dict]) -> torch.Tensor:
+def _pack(staging: Storage, files: list[FileEntry]) -> torch.Tensor:
     """This node's files, end to end in one buffer to send; read one file at a time, so the node holds one
     file's bytes more than the buffer at most."""
-    out = torch.empty(sum(f["size"] for f in files), dtype=torch.uint8)
+    out = torch.empty(sum(f.size for f in files), dtype=torch.uint8)
     offset = 0
     for f in files:
-        data = staging.read_bytes(f["path"])
-        if len(data) != f["size"]:
-            raise MemorySaveError(f"{staging.path(f['path'])}: {len(data)} bytes, {f['size']} were written")
+        data = staging.read_bytes(f.path)
+        if len(data) != f.size:
+            raise MemorySaveError(f"{staging.path(f.path)}: {len(data)} bytes, {f.size} were written")
         if data:
             out[offset : offset + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         offset += len(data)
@@ -464,3 +535,117 @@ def _tree_bytes(path: str) -> int:
     for dirpath, _, names in os.walk(path):
         total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names)
     return total
+
+
+def restore_newest(
+    tier: MemoryTier,
+    load: Callable[[str, list[set[int]] | None], T],
+    *,
+    not_before: int | None,
+    group,
+    on_rejected: Callable[[int, str, dict[str, list[str]]], None] | None = None,
+) -> T | None:
+    """Load the newest memory checkpoint the nodes of this world hold between them, if it is not older than
+    ``not_before`` (the newest persisted step); ``None`` when none is left, for the caller to resume from storage.
+    Collective over ``group`` (the whole world).
+
+    ``load(location, readable)`` reads the checkpoint at ``location`` (``readable``: per rank, the writers whose
+    files its node holds; ``None`` when every node holds every file) and raises
+    :data:`~moeckpt.trainer.resume.DAMAGED_CHECKPOINT_ERRORS` for a copy that fails its checksums or is short.
+    Then each node checks its own copy of that step (:meth:`MemoryTier.check_copy`), a damaged copy is moved
+    aside (:meth:`MemoryTier.reject`; every copy, if none of them shows why) and the choice is made again, so the
+    fallback order is: the same step from the other nodes' replicas, then the newest older memory step that is
+    complete and not older than ``not_before``, then storage. Each turn is logged with its reason, and
+    ``on_rejected(step, error, {node: problems})`` runs on rank 0 for each rejection (the trainer's metrics).
+    """
+    from .resume import DAMAGED_CHECKPOINT_ERRORS
+
+    rank = collectives.rank(group)
+    rejected: dict[int, list[str]] = {}  # step -> the nodes whose copy was set aside
+    while True:
+        held = tier.gather()
+        choice = choose_step(held, not_before=not_before)
+        after = f"after setting aside {_rejections(rejected)}" if rejected else ""
+        if choice is None:
+            if rejected and rank == 0:
+                newest = "none is persisted" if not_before is None else f"the newest persisted one is {not_before}"
+                log.warning(
+                    "no complete memory checkpoint at or after the newest persisted step is left %s (%s): resuming "
+                    "from storage",
+                    after,
+                    newest,
+                )
+            return None
+        step = choice.step
+        if rejected and rank == 0:
+            if step in rejected:
+                holders = [_node_of(k) for k, w in choice.writers.items() if w]
+                log.warning(
+                    "resuming memory step %d from the copies on node(s) %s %s: every file of it is still held intact",
+                    step,
+                    ", ".join(holders),
+                    after,
+                )
+            else:
+                floor = "" if not_before is None else f", at or after the newest persisted step {not_before}"
+                log.warning(
+                    "memory step(s) %s incomplete %s: resuming from memory step %d, the newest complete one%s",
+                    ", ".join(map(str, sorted(rejected, reverse=True))),
+                    after,
+                    step,
+                    floor,
+                )
+        _share_index(tier, step, held, group)
+        readable: list[set[int]] | None = [choice.writers.get(key, set()) for key in tier.keys]
+        everything = set().union(*readable) if readable else set()
+        if readable and all(r == everything for r in readable):
+            # Every rank's node holds every file (one node, or replicas everywhere): no read needs routing, so the
+            # load takes its usual path (each rank alone, straight into its tensors, on a GPU through pinned
+            # staging) instead of the routed exchange.
+            readable = None
+        try:
+            return load(tier.location(step), readable)
+        except DAMAGED_CHECKPOINT_ERRORS as e:
+            problems = tier.check_copy(step) if tier.is_leader and os.path.isdir(tier.location(step)) else []
+            everyone = collectives.all_gather_json([tier.key, problems if tier.is_leader else None], group)
+            bad = {key: p for key, p in everyone if p}
+            if not bad:
+                # The load failed but no copy shows why on its own (a file read on another node than the one that
+                # checked it changed since): set every copy aside, so the next choice is another step.
+                bad = {
+                    key: [f"the load failed and no copy's own check shows why: {e}"]
+                    for key, h in held.items()
+                    if str(step) in h
+                }
+            if tier.is_leader and tier.key in bad:
+                tier.reject(step, "; ".join(bad[tier.key]))
+            collectives.barrier(group)
+            rejected.setdefault(step, []).extend(_node_of(k) for k in bad)
+            if rank == 0 and on_rejected is not None:
+                on_rejected(step, str(e), {_node_of(k): p for k, p in bad.items()})
+
+
+def _node_of(key: str) -> str:
+    """A node's name from its key (its memory directory)."""
+    return os.path.basename(key.rstrip("/"))
+
+
+def _rejections(rejected: dict[int, list[str]]) -> str:
+    return "; ".join(f"step {s} on node(s) {', '.join(sorted(set(n)))}" for s, n in sorted(rejected.items()))
+
+
+def _share_index(tier: MemoryTier, step: int, held: dict[str, dict[str, Any]], group) -> None:
+    """A node that holds none of ``step``'s files gets its index (committed, no data), so its ranks can plan the
+    load and read the files elsewhere (collective)."""
+    having = [key for key in tier.nodes if str(step) in held.get(key, {})]
+    if len(having) == len(tier.nodes):
+        return
+    src = tier.ranks_of[having[0]][0]
+    text = None
+    if collectives.rank(group) == src:
+        with open(os.path.join(tier.location(step), INDEX_NAME), encoding="utf-8") as f:
+            text = f.read()
+    text = collectives.broadcast_json(text, src, group)
+    if tier.is_leader:
+        tier.ensure_index(step, text.encode())
+    collectives.barrier(group)

@@ -45,7 +45,7 @@ from .faults import FaultInjector, parse_fault
 from .init_values import initial_value
 from .logs import progress
 from .memory import check_fits, training_bytes
-from .memory_tier import MemoryTier, check_host_budget, choose_step, run_id, run_root
+from .memory_tier import MemoryTier, check_host_budget, restore_newest, run_id, run_root
 from .metrics import MetricsLog
 from .models import ModelSpec, resolve_model
 from .muon import MuonConfig
@@ -481,58 +481,39 @@ class Trainer:
 
     def _restore_from_memory(self, *, not_before: int | None) -> Restored | None:
         """Load the newest memory checkpoint the nodes of this world hold between them, if it is not older than
-        the newest persisted step (collective); ``None`` when there is none (or it reads back damaged).
+        the newest persisted step (collective); ``None`` when there is none left (the fallback order, a damaged
+        copy set aside at each turn, is :func:`~moeckpt.trainer.memory_tier.restore_newest`'s).
 
         Each writer's file is read by a rank whose node holds it and exchanged over the checkpoint group, so a
         node that holds none of it (a new node) still loads; it gets the step's index to plan with."""
-        tier = self.memory
-        if tier is None:
+        if self.memory is None:
             return None
-        held = tier.gather()
-        choice = choose_step(held, not_before=not_before)
-        if choice is None:
-            return None
-        step = choice.step
-        having = [key for key in tier.nodes if str(step) in held.get(key, {})]
-        if len(having) < len(tier.nodes):
-            src = tier.ranks_of[having[0]][0]
-            text = None
-            if self.rank == src:
-                with open(os.path.join(tier.location(step), INDEX_NAME), encoding="utf-8") as f:
-                    text = f.read()
-            text = collectives.broadcast_json(text, src, self.checkpoints.group)
-            if tier.is_leader:
-                tier.ensure_index(step, text.encode())
-            collectives.barrier(self.checkpoints.group)
-        readable: list | None = [choice.writers.get(key, set()) for key in tier.keys]
-        everything = set().union(*readable) if readable else set()
-        if readable and all(r == everything for r in readable):
-            # Every rank's node holds every file (one node, or replicas everywhere): no read needs routing, so the
-            # load takes its usual path (each rank alone, straight into its tensors, on a GPU through pinned
-            # staging) instead of the routed exchange.
-            readable = None
-        try:
+
+        def load(location: str, readable) -> Restored:
             return restore(
-                tier.location(step),
+                location,
                 self.optimizer,
                 model_json=self.spec.to_json(),
                 group=self.checkpoints.group,
                 reset_optimizer=self.config.reset_optimizer,
                 readable=readable,
             )
-        except DAMAGED_CHECKPOINT_ERRORS as e:
-            if self.rank == 0:
-                log.warning("memory checkpoint of step %d is damaged (%s); resuming from storage", step, e)
-                self.metrics.write(
-                    {
-                        "event": "damaged_checkpoint",
-                        "tier": "memory",
-                        "step": step,
-                        "error": str(e),
-                        "time": time.time(),
-                    }
-                )
-            return None
+
+        def rejected(step: int, error: str, problems: dict[str, list[str]]) -> None:
+            self.metrics.write(
+                {
+                    "event": "damaged_checkpoint",
+                    "tier": "memory",
+                    "step": step,
+                    "error": error,
+                    "nodes": problems,
+                    "time": time.time(),
+                }
+            )
+
+        return restore_newest(
+            self.memory, load, not_before=not_before, group=self.checkpoints.group, on_rejected=rejected
+        )
 
     def _set_aside_damaged(self, step: int, location: str, error: Exception) -> None:
         """Resume found ``location`` damaged: record it, move it out of the way (rank 0) and let the caller try the

@@ -133,3 +133,8 @@ class BackendBase:
         """The data files the index lists (a backend whose index lists every object it writes)."""
         del storage
         return {f.path: f.size for f in index.files.values()}
+
+    def writer_of(self, path: str) -> int | None:
+        """No file is known to be one writer's own (a backend that stores placements overrides this)."""
+        del path
+        return None

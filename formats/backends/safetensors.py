@@ -264,6 +264,13 @@ class SafetensorsBackend(BackendBase):
     def open_reader(self, storage: Storage) -> SafetensorsReader:
         return SafetensorsReader(storage)
 
+    def writer_of(self, path: str) -> int | None:
+        """``rank-NNNNN.safetensors`` is writer ``NNNNN``'s file (exactly :func:`file_name`'s spelling)."""
+        stem = path.removeprefix("rank-").removesuffix(".safetensors")
+        if stem.isdigit() and stem.isascii() and file_name(int(stem)) == path:
+            return int(stem)
+        return None
+
 
 def _verify_parts(parts: Sequence[memoryview], first_block: int, ref: PieceRef, where: str) -> None:
     """:func:`verify_blocks` over the concatenation of ``parts`` (whole blocks of ``ref`` from ``first_block``)
