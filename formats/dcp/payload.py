@@ -17,9 +17,13 @@ from __future__ import annotations
 import io
 import math
 import struct
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from moeckpt.formats.render import bounded_repr, bounded_text
+
+from . import bounds
 from . import unpickler as up
 from .metadata import DcpFormatError, itemsize
 
@@ -127,17 +131,17 @@ def _zip64_extra(extra: bytes, size: int, compressed: int, header: int, where: s
 def _data_start(read: ReadRecord, entry: ZipEntry, length: int, where: str) -> int:
     if entry.method != 0 or entry.compressed != entry.size:
         raise DcpFormatError(
-            f"{where}: zip entry {entry.name} is compressed; torch.save never compresses, so the "
+            f"{where}: zip entry {bounded_text(entry.name)} is compressed; torch.save never compresses, so the "
             "item is not a torch.save archive"
         )
     local = read(entry.header, entry.header + 30)
     if local[:4] != _LOCAL or len(local) < 30:
-        raise DcpFormatError(f"{where}: damaged local header of {entry.name}; the file is corrupt")
+        raise DcpFormatError(f"{where}: damaged local header of {bounded_text(entry.name)}; the file is corrupt")
     nlen, elen = struct.unpack("<HH", local[26:30])
     start = entry.header + 30 + nlen + elen
     if start + entry.size > length:
         raise DcpFormatError(
-            f"{where}: {entry.name} runs past the end of its {length}-byte item; the file is truncated"
+            f"{where}: {bounded_text(entry.name)} runs past the end of its {length}-byte item; the file is truncated"
         )
     return start
 
@@ -176,20 +180,22 @@ def locate_tensor(read: ReadRecord, length: int, shape: tuple[int, ...], dtype: 
         raise DcpFormatError(f"{where}: the item holds {storage.dtype} data but the metadata says {dtype}")
     if tuple(ref.size) != tuple(shape):
         raise DcpFormatError(
-            f"{where}: the item holds a tensor of shape {list(ref.size)}, the metadata's chunk is {list(shape)}"
+            f"{where}: the item holds a tensor of shape {bounded_repr(list(ref.size))}, the metadata's chunk is "
+            f"{list(shape)}"
         )
     if math.prod(shape) and not _is_contiguous(tuple(ref.stride), shape):
         raise DcpFormatError(
-            f"{where}: the tensor was saved as a strided view (strides {list(ref.stride)} for shape {list(shape)}, "
+            f"{where}: the tensor was saved as a strided view (strides {bounded_repr(list(ref.stride))} for shape "
+            f"{list(shape)}, "
             "e.g. a transposed weight); moeckpt streams C-contiguous items only: save .contiguous() tensors"
         )
     data = entries.get(f"{prefix}data/{storage.key}")
     if data is None:
-        raise DcpFormatError(f"{where}: the archive lacks the storage record data/{storage.key}")
+        raise DcpFormatError(f"{where}: the archive lacks the storage record data/{bounded_text(storage.key)}")
     item = itemsize(dtype)
     if data.size != storage.numel * item or (ref.offset + math.prod(shape)) > storage.numel:
         raise DcpFormatError(
-            f"{where}: storage data/{storage.key} is {data.size} bytes, too small for the tensor "
+            f"{where}: storage data/{bounded_text(storage.key)} is {data.size} bytes, too small for the tensor "
             "it holds; the file is corrupt"
         )
     start = _data_start(read, data, length, where)
@@ -217,6 +223,7 @@ def decode_value(data: bytes, where: str) -> object:
     """
     if len(data) > MAX_VALUE_BYTES:
         raise DcpFormatError(f"{where}: a {len(data)}-byte value is larger than moeckpt decodes ({MAX_VALUE_BYTES})")
+    _check_value_pickle(data, where)
     import torch
 
     try:
@@ -225,6 +232,24 @@ def decode_value(data: bytes, where: str) -> object:
         raise DcpFormatError(f"{where}: value is not a readable weights-only torch.save ({_one_line(e)})") from None
     budget = [MAX_VALUE_NODES]
     return _jsonable(value, budget, where)
+
+
+def _check_value_pickle(data: bytes, where: str) -> None:
+    """Bound the pickle of a value's archive (:func:`~moeckpt.formats.dcp.bounds.scan`) before ``torch.load``
+    runs it: torch's restricted unpickler admits few names, but it hashes what it is given as dictionary keys (a
+    tuple nested deeply crashes it, a shared one takes forever) and sizes nothing."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        pickles = [i for i in archive.infolist() if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
+    except (zipfile.BadZipFile, ValueError, OSError):
+        raise DcpFormatError(f"{where}: the value is not a torch.save archive; the file is corrupt") from None
+    if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED or pickles[0].file_size > len(data):
+        raise DcpFormatError(f"{where}: the value's archive does not hold one stored data.pkl; the file is corrupt")
+    try:
+        pickle_bytes = archive.read(pickles[0])
+    except (zipfile.BadZipFile, ValueError, OSError):
+        raise DcpFormatError(f"{where}: the value's data.pkl cannot be read; the file is corrupt") from None
+    bounds.scan_bytes(pickle_bytes, where, persistent=True)
 
 
 class _NotJson:

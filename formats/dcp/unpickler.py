@@ -14,15 +14,19 @@ imported or called on behalf of the file:
   ``torch.serialization._get_layout``, ``OrderedDict``) accept only the argument types torch writes, so an admitted
   name cannot be abused as a general callable (there is no ``getattr``, ``eval`` or ``os.system`` to reach).
 * Persistent ids (``torch.save``'s storages) are only accepted by the payload unpickler, as descriptors.
+
+Before any of that, :func:`~moeckpt.formats.dcp.bounds.scan` checks the opcodes, so that what a pickle builds is
+bounded by its size (memo indices, nesting, tuples that memo references expand, integer widths); every message
+that quotes a value from the file shows it through :func:`~moeckpt.formats.render.bounded_repr`.
 """
 
 from __future__ import annotations
 
-import io
 import pickle
 from typing import Any, Self
 
 from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.render import bounded_repr, bounded_text
 
 
 class UnsafePickleError(MoeckptError, ValueError):
@@ -59,14 +63,16 @@ class _Record:
             raise UnsafePickleError(f"refusing to unpickle {self.dcp_name}: its state is not a field dictionary")
         for key, value in state.items():
             if key.startswith("__"):
-                raise UnsafePickleError(f"refusing to unpickle {self.dcp_name}: field {key!r} is not a data field")
+                raise UnsafePickleError(
+                    f"refusing to unpickle {self.dcp_name}: field {bounded_repr(key)} is not a data field"
+                )
             object.__setattr__(self, key, value)
 
     def get(self, name: str, default: Any = None) -> Any:
         return self.__dict__.get(name, default)
 
-    def __repr__(self) -> str:
-        return f"{self.dcp_name}({', '.join(f'{k}={v!r}' for k, v in self.__dict__.items())})"
+    def __repr__(self) -> str:  # the fields were built by a foreign file: shown bounded
+        return f"{self.dcp_name}({bounded_repr(self.__dict__)})"
 
 
 def _record(name: str, fields: tuple[str, ...] = ()) -> type:
@@ -78,7 +84,9 @@ class Size(tuple):
 
     def __new__(cls, dims: object = ()) -> Self:
         if not isinstance(dims, (tuple, list)) or not all(type(d) is int and d >= 0 for d in dims):
-            raise UnsafePickleError(f"refusing to unpickle torch.Size({dims!r}): not a tuple of non-negative ints")
+            raise UnsafePickleError(
+                f"refusing to unpickle torch.Size({bounded_repr(dims)}): not a tuple of non-negative ints"
+            )
         return super().__new__(cls, dims)
 
 
@@ -104,7 +112,9 @@ _LAYOUTS = (
 
 def _get_layout(name: object) -> Layout:
     if name not in _LAYOUTS:
-        raise UnsafePickleError(f"refusing to unpickle torch.serialization._get_layout({name!r}): not a torch layout")
+        raise UnsafePickleError(
+            f"refusing to unpickle torch.serialization._get_layout({bounded_repr(name)}): not a torch layout"
+        )
     return Layout(name)
 
 
@@ -113,19 +123,26 @@ def _enum(name: str, values: tuple[object, ...]) -> type:
 
     def new(cls: type, value: object) -> object:
         if value not in values or type(value) not in (int, str):
-            raise UnsafePickleError(f"refusing to unpickle {name}({value!r}): not one of its values")
+            raise UnsafePickleError(f"refusing to unpickle {name}({bounded_repr(value)}): not one of its values")
         return value
 
     return type(name.rsplit(".", 1)[-1], (), {"__new__": new})
+
+
+#: the longest path a pickled ``pathlib`` path may join to (PATH_MAX): its parts may be one string many times over.
+MAX_PATH_CHARS = 4096
 
 
 class _Path(str):
     """``pathlib.PosixPath('...')`` (``StorageMeta.checkpoint_id``), kept as the joined string."""
 
     def __new__(cls, *parts: object) -> Self:
-        if not all(isinstance(p, str) for p in parts):
-            raise UnsafePickleError(f"refusing to unpickle a path of {parts!r}: parts must be strings")
-        return super().__new__(cls, "/".join(str(p) for p in parts))
+        strings = [p for p in parts if isinstance(p, str)]
+        if len(strings) != len(parts):
+            raise UnsafePickleError(f"refusing to unpickle a path of {bounded_repr(parts)}: parts must be strings")
+        if sum(len(p) + 1 for p in strings) > MAX_PATH_CHARS:
+            raise UnsafePickleError(f"refusing to unpickle a path longer than {MAX_PATH_CHARS} characters")
+        return super().__new__(cls, "/".join(str(p) for p in strings))
 
 
 class _OrderedDict(dict):
@@ -217,9 +234,15 @@ class TensorRef(_Record):
     stride: tuple[int, ...]
 
 
+#: sizes, strides, offsets and element counts of a stored tensor are torch int64s, never negative.
+MAX_INT = 2**63 - 1
+
+
 def _ints(value: object, what: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(type(v) is int for v in value):
-        raise UnsafePickleError(f"refusing to unpickle a tensor whose {what} is {value!r}: not a tuple of ints")
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int and 0 <= v <= MAX_INT for v in value):
+        raise UnsafePickleError(
+            f"refusing to unpickle a tensor whose {what} is {bounded_repr(value)}: not a tuple of int64s >= 0"
+        )
     return tuple(value)
 
 
@@ -232,7 +255,7 @@ def _rebuild_tensor_v2(
     hooks: object = None,
     metadata: object = None,
 ) -> TensorRef:
-    if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
+    if not isinstance(storage, StorageRef) or type(offset) is not int or not 0 <= offset <= MAX_INT:
         raise UnsafePickleError("refusing to unpickle _rebuild_tensor_v2 of something that is not a stored tensor")
     if not isinstance(requires_grad, bool) or (hooks is not None and not isinstance(hooks, dict)) or hooks:
         raise UnsafePickleError("refusing to unpickle _rebuild_tensor_v2 with backward hooks or a non-bool flag")
@@ -275,9 +298,40 @@ PAYLOAD_CLASSES: dict[tuple[str, str], object] = {
 }
 
 
+class _Input:
+    """A file over the pickle's bytes without copying them (``io.BytesIO`` copies a ``bytearray``): what the
+    C unpickler reads (``peek`` lets it read ahead in blocks instead of one call per opcode)."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self._data = data
+        self._view = memoryview(data)
+        self._pos = 0
+
+    def peek(self, n: int = 1) -> bytes:
+        return bytes(self._view[self._pos : self._pos + max(1, n)])
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n is None or n < 0 else min(len(self._view), self._pos + n)
+        out = bytes(self._view[self._pos : end])
+        self._pos = end
+        return out
+
+    def readinto(self, out: memoryview | bytearray) -> int:
+        n = min(len(out), len(self._view) - self._pos)
+        memoryview(out).cast("B")[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def readline(self) -> bytes:
+        end = self._data.find(b"\n", self._pos)
+        return self.read(-1 if end < 0 else end + 1 - self._pos)
+
+
 class _Restricted(pickle.Unpickler):
-    def __init__(self, data: bytes, allowed: dict[tuple[str, str], object], where: str, persistent: bool):
-        super().__init__(io.BytesIO(data))
+    def __init__(
+        self, data: bytes | bytearray, allowed: dict[tuple[str, str], object], where: str, persistent: bool
+    ) -> None:
+        super().__init__(_Input(data))
         self._allowed = allowed
         self._where = where
         self._persistent = persistent
@@ -286,10 +340,11 @@ class _Restricted(pickle.Unpickler):
         try:
             return self._allowed[(module, name)]
         except (KeyError, TypeError):
+            named = f"{bounded_text(module)}.{bounded_text(name)}"
             raise UnsafePickleError(
-                f"{self._where}: refusing to unpickle {module}.{name} from {self._kind()}: not a DCP metadata class"
+                f"{self._where}: refusing to unpickle {named} from {self._kind()}: not a DCP metadata class"
                 if not self._persistent
-                else f"{self._where}: refusing to unpickle {module}.{name} from a tensor payload: not a stored tensor"
+                else f"{self._where}: refusing to unpickle {named} from a tensor payload: not a stored tensor"
             ) from None
 
     def _kind(self) -> str:
@@ -306,16 +361,24 @@ class _Restricted(pickle.Unpickler):
             or not isinstance(pid[2], str)
             or not isinstance(pid[3], str)
             or type(pid[4]) is not int
-            or pid[4] < 0
+            or not 0 <= pid[4] <= MAX_INT
         ):
-            raise UnsafePickleError(f"{self._where}: refusing persistent id {pid!r}: not a torch.save storage")
+            raise UnsafePickleError(
+                f"{self._where}: refusing persistent id {bounded_repr(pid)}: not a torch.save storage"
+            )
         ref = StorageRef()
         ref.__setstate__({"dtype": str(pid[1]), "key": pid[2], "location": pid[3], "numel": pid[4]})
         return ref
 
 
-def _load(data: bytes, allowed: dict, where: str, persistent: bool) -> object:
+def _load(data: bytes | bytearray, allowed: dict, where: str, persistent: bool, scanned: bool = False) -> object:
+    # What the pickle may build is bounded first (memo indices, nesting, tuple expansion, integer widths), then the
+    # restricted unpickler decides what it may name.
+    from .bounds import scan_bytes
+
     try:
+        if not scanned:
+            scan_bytes(data, where, persistent=persistent)
         return _Restricted(data, allowed, where, persistent).load()
     except UnsafePickleError:
         raise
@@ -325,13 +388,16 @@ def _load(data: bytes, allowed: dict, where: str, persistent: bool) -> object:
         raise UnsafePickleError(f"{where}: refusing a pickle that does not fit in memory") from None
     except Exception as e:  # noqa: BLE001 - a truncated or garbage pickle raises anything (EOFError, KeyError, ...)
         raise UnsafePickleError(
-            f"{where}: not a readable pickle ({type(e).__name__}: {e}); the file is corrupt"
+            f"{where}: not a readable pickle ({type(e).__name__}: {bounded_text(' '.join(str(e).split()), 200)}); "
+            "the file is corrupt"
         ) from None
 
 
-def load_metadata_pickle(data: bytes, where: str) -> object:
-    """Unpickle ``.metadata`` bytes into stand-ins (never torch objects); refuses anything DCP does not write."""
-    return _load(data, METADATA_CLASSES, where, persistent=False)
+def load_metadata_pickle(data: bytes | bytearray, where: str, *, scanned: bool = False) -> object:
+    """Unpickle ``.metadata`` bytes into stand-ins (never torch objects); refuses anything DCP does not write, and
+    any pickle whose opcodes break a bound of :mod:`~moeckpt.formats.dcp.bounds`, before building anything
+    (``scanned``: the bytes are what :func:`~moeckpt.formats.dcp.bounds.scan` returned, not to be scanned again)."""
+    return _load(data, METADATA_CLASSES, where, persistent=False, scanned=scanned)
 
 
 def load_payload_pickle(data: bytes, where: str) -> object:
