@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Self, cast
@@ -20,18 +21,24 @@ import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import StorageError
+from moeckpt.formats.storage import Storage, storage_error
 from moeckpt.formats.storages import open_storage
 from moeckpt.formats.storages.local import LocalFiles
 
 from . import payload
+from .bounds import Read
 from .metadata import (
+    MAX_METADATA_BYTES,
     METADATA_NAME,
     DcpFormatError,
     DcpMetadata,
     DcpTensor,
     Record,
-    parse_metadata,
+    read_metadata,
 )
+
+#: bytes of ``.metadata`` asked for at a time from an object store (from local disk: what the scan asks for).
+_REMOTE_READ = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -53,17 +60,7 @@ class DcpCheckpoint:
         self.storage = open_storage(location)
         self.location = self.storage.location
         self.workers = max(1, workers)
-        where = self.storage.path(METADATA_NAME)
-        try:
-            raw = self.storage.read_bytes(METADATA_NAME)
-        except FileNotFoundError:
-            hint = ""
-            if self.storage.exists("moeckpt.json"):
-                hint = " (it is a moeckpt checkpoint: use it directly, or `moeckpt export-dcp` to make a DCP one)"
-            raise DcpFormatError(f"{where}: missing; {self.location} is not a torch DCP checkpoint{hint}") from None
-        except IsADirectoryError:
-            raise DcpFormatError(f"{where}: is a directory, not DCP metadata") from None
-        self.metadata: DcpMetadata = parse_metadata(raw, where)
+        self.metadata: DcpMetadata = _load_metadata(self.storage)
         self._sizes = self._check_files()
         # The storage's read session: on local disk the open files every read, mapping and hint goes through.
         self._files = self.storage.open_reader()
@@ -245,6 +242,114 @@ class DcpCheckpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _load_metadata(storage: Storage) -> DcpMetadata:
+    """``.metadata`` of ``storage``, read only once it is known to be a regular file of at most
+    ``MAX_METADATA_BYTES`` (a link to ``/dev/zero``, a FIFO, a sparse file of gigabytes are refused before any
+    read; on an object store, by the size its listing gives), and checked opcode by opcode as it is read."""
+    where = storage.path(METADATA_NAME)
+    try:
+        if storage.is_local:
+            fd, size = _open_local(storage, where)
+            try:
+                return read_metadata(_local_reader(fd, where), where, size)
+            finally:
+                os.close(fd)
+        try:
+            size = storage.size(METADATA_NAME)
+        except FileNotFoundError:
+            raise _missing(storage, where) from None
+        _check_size(size, where)
+        return read_metadata(_remote_reader(storage, size), where, size)
+    except MemoryError:
+        raise DcpFormatError(
+            f"{where}: parsing it ran out of memory; it is not DCP metadata this machine can hold"
+        ) from None
+
+
+def _missing(storage: Storage, where: str) -> DcpFormatError:
+    hint = ""
+    if storage.exists("moeckpt.json"):
+        hint = " (it is a moeckpt checkpoint: use it directly, or `moeckpt export-dcp` to make a DCP one)"
+    return DcpFormatError(f"{where}: missing; {storage.location} is not a torch DCP checkpoint{hint}")
+
+
+def _check_size(size: int, where: str) -> None:
+    if size > MAX_METADATA_BYTES:
+        raise DcpFormatError(
+            f"{where}: {size} bytes is larger than any DCP metadata moeckpt reads (at most {MAX_METADATA_BYTES}, "
+            "about twice what a 1,024-rank save of a large MoE writes); the file is damaged or not DCP metadata"
+        )
+    if size == 0:
+        raise DcpFormatError(f"{where}: the file is empty; the save that wrote it did not finish")
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _open_local(storage: Storage, where: str) -> tuple[int, int]:
+    """The open ``.metadata`` of a local checkpoint and its size, once ``fstat`` shows a regular file small enough.
+
+    Opened without blocking (opening a FIFO would wait for a writer) and checked on the open file, so a path
+    swapped between a check and the open cannot slip through; a link is followed to what it names.
+    """
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise _missing(storage, where) from None
+    except IsADirectoryError:
+        raise DcpFormatError(f"{where}: is a directory, not a regular file; not DCP metadata") from None
+    except OSError as e:
+        raise storage_error(e, "opening", where) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a file")
+            raise DcpFormatError(f"{where}: is {kind}, not a regular file; not DCP metadata")
+        _check_size(st.st_size, where)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def _local_reader(fd: int, where: str) -> Read:
+    """``read(n)`` of an open local ``.metadata`` that refuses to go past ``MAX_METADATA_BYTES`` (a file that grows
+    while it is read)."""
+    total = [0]
+
+    def read(n: int) -> bytes:
+        try:
+            data = os.read(fd, min(n, MAX_METADATA_BYTES + 1 - total[0]))
+        except OSError as e:
+            raise storage_error(e, "reading", where) from None
+        total[0] += len(data)
+        if total[0] > MAX_METADATA_BYTES:
+            _check_size(total[0], where)
+        return data
+
+    return read
+
+
+def _remote_reader(storage: Storage, size: int) -> Read:
+    """``read(n)`` of ``.metadata`` on an object store: byte ranges, up to the size its listing gave."""
+    pos = [0]
+
+    def read(n: int) -> bytes:
+        if pos[0] >= size:
+            return b""
+        data = storage.read_range(METADATA_NAME, pos[0], min(size, pos[0] + max(n, _REMOTE_READ)))
+        pos[0] += len(data)
+        return bytes(data)
+
+    return read
 
 
 def open_dcp(location: str, *, workers: int = 8) -> DcpCheckpoint:
