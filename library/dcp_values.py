@@ -4,8 +4,8 @@
 tensor name in the index must be a safe relative path (the zarr backend makes it one). :func:`encode_key` maps
 every key to a safe name, reversibly, with percent escapes (``%`` and two upper-case hex digits of a code point
 below 128); :func:`decode_key` undoes it. A key that needs no escape is its own name, so the names of ordinary
-keys (``model.layers.0.w``) are what they always were. The rules are in docs/format.md ("Names and values of
-dcp.save").
+keys (``model.layers.0.w``) are what they always were. The rules are in docs/format.md ("What dcp.save through
+moeckpt.dcp adds").
 
 **Values.** A non-tensor value (a step, ``param_groups``, a ``BytesIO``, a tuple holding tensors, a whole nested
 dict under ``flatten_state_dict=False``) is stored as typed JSON in the index's ``train_state``: plain JSON stays
@@ -43,8 +43,9 @@ __all__ = [
 #: the member that marks a typed value; a plain dict holding a member of this name is itself stored typed.
 TYPE = "$type"
 
-# Escaped wherever they are: the escape character itself, the blob marker, backslash and control characters.
-_ALWAYS = frozenset("%$\\") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
+# Escaped wherever they are: the escape character itself, the blob marker, backslash, ':' (no path in an index may
+# hold one, and zarr makes names paths) and control characters.
+_ALWAYS = frozenset("%$\\:") | frozenset(chr(c) for c in range(0x20)) | {"\x7f"}
 _ESCAPE = re.compile(r"%([0-9A-F]{2})")
 
 
@@ -55,7 +56,7 @@ def _esc(ch: str) -> str:
 def encode_key(key: str) -> str:
     """The safe tensor name of DCP key ``key``: a '/' that would start an empty part, a part that is '.' or '..',
     the '__' that starts a part and a part named like a zarr or index document are escaped, as is every '%', '$',
-    backslash and control character. Refuses only the empty key."""
+    ':', backslash and control character. Refuses only the empty key."""
     if not isinstance(key, str) or not key:
         raise StateDictError(f"key {key!r}: an empty key cannot be saved; give the value a name")
     out: list[str] = []

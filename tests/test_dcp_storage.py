@@ -269,7 +269,7 @@ def test_a_planners_transform_object_is_stored_and_load_bytes_gets_its_bytes(tmp
 @pytest.mark.parametrize("fmt", ["safetensors", "zarr"])
 def test_keys_that_are_not_paths_are_stored_under_safe_names(tmp_path, fmt):
     path = tmp_path / "c"
-    keys = ["a//b", "/abs", "x/./y", "x/../y", "..", "a\\b", "100%", "__dunder"]
+    keys = ["a//b", "/abs", "x/./y", "x/../y", "..", "a\\b", "100%", "__dunder", "c:/drive"]
     sd = {k: torch.full((2,), float(i)) for i, k in enumerate(keys)} | {"../escape": 1, "/etc/passwd": b"x"}
     dcp.save(sd, storage_writer=moeckpt.dcp.StorageWriter(str(path), format=fmt))
     assert moeckpt.verify(str(path)) == []
@@ -295,3 +295,74 @@ def test_validate_checkpoint_id_is_true_only_for_what_the_storages_open():
         assert not cls.validate_checkpoint_id("abc://abc.abc")
         assert not cls.validate_checkpoint_id("")
         assert not cls.validate_checkpoint_id(None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def one_rank_world(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))  # the process mode's checkpoint process joins here
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _Counter:
+    """A stateful object as DCP takes them: its state_dict() is saved, load_state_dict() gets it back."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n, self.seen = n, torch.zeros(3)
+
+    def state_dict(self):
+        return {"n": self.n, "seen": self.seen}
+
+    def load_state_dict(self, sd) -> None:
+        self.n, self.seen = sd["n"], sd["seen"]
+
+
+def _async_round_trip(tmp_path, kind, stager) -> None:
+    import io
+
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    model = torch.nn.Linear(3, 2)
+    counter = _Counter(9)
+    counter.seen = torch.arange(3.0)
+    sd = {"model": model.state_dict(), "counter": counter, "blob": io.BytesIO(b"xyz")}
+    path = str(tmp_path / "c")
+    result = dcp.async_save(
+        sd,
+        storage_writer=moeckpt.dcp.StorageWriter(path),
+        async_checkpointer_type=getattr(AsyncCheckpointerType, kind),
+        async_stager=stager,
+    )
+    (getattr(result, "upload_completion", None) or result).result()
+    assert moeckpt.verify(path) == []
+    back = _Counter()
+    out = {"model": torch.nn.Linear(3, 2).state_dict(), "counter": back, "blob": io.BytesIO()}
+    dcp.load(out, storage_reader=moeckpt.dcp.StorageReader(path))
+    assert torch.equal(out["model"]["weight"], model.weight) and back.n == 9 and torch.equal(back.seen, counter.seen)
+    assert out["blob"].getvalue() == b"xyz"
+
+
+def test_async_save_in_a_thread_with_and_without_dcps_stager(tmp_path, one_rank_world):
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    _async_round_trip(tmp_path / "plain", "THREAD", None)
+    _async_round_trip(tmp_path / "staged", "THREAD", DefaultStager(StagingOptions(False, False, False, False)))
+
+
+@pytest.mark.slow
+def test_async_save_in_dcps_checkpoint_process(tmp_path, one_rank_world):
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    _async_round_trip(tmp_path / "staged", "PROCESS", DefaultStager(StagingOptions(False, True, False, False)))

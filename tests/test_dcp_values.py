@@ -28,6 +28,7 @@ AWKWARD_KEYS = [
     "..",
     ".",
     "a\\b",
+    "c:/drive",
     "trailing/",
     "//",
     "ctl\x00\x1f\x7f",
