@@ -152,7 +152,7 @@ class HfDirectory:
 def spec_of(hf_dir: HfDirectory) -> ModelSpec:
     """Our model from the directory's ``config.json``."""
     model_type = hf_dir.config.get("model_type")
-    arch = HF_MODEL_TYPES.get(model_type)
+    arch = HF_MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
         raise HfFormatError(
             f"{hf_dir.location}: model_type {model_type!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}"

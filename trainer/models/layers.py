@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -438,6 +439,10 @@ class CausalLM(nn.Module):
     vocabulary slice under TP), ``loss`` the mean next-token cross-entropy.
     """
 
+    #: the architecture's body: ``embed_tokens`` (a VocabEmbedding), ``layers``, ``norm``
+    model: Any
+    lm_head: Linear | None
+
     def __init__(self, cfg, body: nn.Module, shard: Shard, comm: Collectives) -> None:
         super().__init__()
         self.config = cfg
@@ -445,7 +450,8 @@ class CausalLM(nn.Module):
         self.comm = comm
         self.model = body
         # Tied embeddings (ZAYA1's default) have no separate head tensor in the state dict.
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, body.embed_tokens.weight.shape[0])
+        vocab = self.model.embed_tokens.weight.shape[0]
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, vocab)
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -461,7 +467,7 @@ class CausalLM(nn.Module):
         return cross_entropy(self(input_ids), targets, vocab_start=emb.vocab_start, comm=self.comm, split=emb.split)
 
 
-def build_model(spec, shard: Shard = Shard(), comm: Collectives = SINGLE_PROCESS) -> nn.Module:
+def build_model(spec, shard: Shard = Shard(), comm: Collectives = SINGLE_PROCESS) -> CausalLM:
     """The training module of a :class:`~moeckpt.trainer.models.ModelSpec` holding ``shard``, freshly initialised.
 
     Dispatches to ``<arch>/model.py``'s ``build``; imported lazily because those modules import this one.

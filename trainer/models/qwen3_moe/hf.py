@@ -8,6 +8,8 @@ them at load time). Exports use the per-expert layout so both versions load the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..base import config_from_json, refuse_rope_scaling, require_fields
 from ..hf_layout import ExpertLayout
 from .config import Qwen3MoeConfig
@@ -35,7 +37,7 @@ HF_FIELDS = _SAME = (
 def to_hf_config(cfg: Qwen3MoeConfig, *, dtype: str = "float32") -> dict:
     """A ``config.json`` both transformers 4.x and 5.x load: ``num_experts`` and ``num_local_experts``, and
     ``rope_theta`` at the top level as well as in ``rope_parameters``."""
-    out = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+    out: dict[str, Any] = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
     out.update({k: getattr(cfg, k) for k in _SAME})
     out.update(
         num_local_experts=cfg.num_experts,

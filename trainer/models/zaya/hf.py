@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..base import config_from_json, refuse_rope_scaling, require_fields
 from .config import ZayaConfig
 
@@ -28,7 +30,7 @@ HF_FIELDS = _SAME = (
 
 def to_hf_config(cfg: ZayaConfig, *, dtype: str = "float32") -> dict:
     """The ``config.json`` that ``transformers.ZayaForCausalLM`` loads for this model."""
-    out = {"architectures": ["ZayaForCausalLM"], "model_type": "zaya"}
+    out: dict[str, Any] = {"architectures": ["ZayaForCausalLM"], "model_type": "zaya"}
     out.update({k: getattr(cfg, k) for k in _SAME})
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary_factor}
     out.update(
