@@ -1,19 +1,19 @@
-"""Issue 16 on one GPU: a worker killed mid-run and restarted by its torchrun agent resumes from the memory tier.
+"""The memory tier on one GPU: a worker killed at several steps of one run, restarted each time by its torchrun agent.
 
-Two runs side by side, the same model and fault (``--inject kill:rank=0,step=K``, between two persistent saves):
-with ``--memory-tier --memory-every 1`` (a memory checkpoint whenever the previous memory checkpoint is written,
-beside a persistent save in flight: the ones due while a memory write is in flight are left out) and without.
-For each: the tier and step the restarted worker resumed from, the steps lost, the time from the kill to its
-first new step, with the phases (the agent's failure record, process start, imports, device and process-group
-init, model build, load, first step); and, for the memory run, the time each save blocked training against a
-bare device-to-host copy of the same bytes into pinned memory.
+Two runs side by side, the same model and faults (``--inject kill:rank=0,step=K`` for every K of ``--kill-at``,
+each firing once, between persistent saves and right after one): with ``--memory-tier --memory-every N`` and
+without. For each kill: the tier and step the restarted worker resumed from, the steps lost, the time from the kill
+to its first new step with the phases (the agent's failure record, process start, imports, device and
+process-group init, model build, load, first step), the time every save blocked training since the kill before,
+the first save after the restart, and the memory saves left out; for the memory run the saves' blocked time
+against a bare device-to-host copy of the same bytes into pinned memory. A per-kill table is printed and written.
 
-Writes ``OUT/memory_tier_gpu.json`` and ``OUT/memory_tier_gpu.png``.
+Writes ``OUT/memory_tier_gpu.json``, ``OUT/memory_tier_gpu.png`` and ``OUT/memory_tier_gpu_kills.md``.
 
 Usage (one H200): ``python benchmarks/memory_tier_gpu.py --out docs/benchmarks/gpu`` (zaya-small, bf16; a few
 minutes). Without a GPU it exits 0 saying so, unless ``--cpu`` (a small CPU run for testing:
-``python benchmarks/memory_tier_gpu.py --cpu --model zaya-tiny --steps 12 --kill-at 7 --save-every 5 --batch 4
---seq 32 --dtype fp32 --out /tmp/mt-gpu``).
+``python benchmarks/memory_tier_gpu.py --cpu --model zaya-tiny --steps 20 --kill-at 5,7,10,13,16 --save-every 0
+--memory-every 2 --nproc 2 --batch 4 --seq 32 --dtype fp32 --slow 0 --no-storage-run --out /tmp/mt-gpu``).
 """
 
 from __future__ import annotations
@@ -43,11 +43,14 @@ def _rows(run: str) -> list[dict]:
 
 
 def one_run(args, work: str, memory: bool) -> dict:
+    """One run killed at every step of ``args.kills`` (each kill fires once; the agent restarts the worker), the
+    memory tier on or off; a row per kill."""
     name = "memory" if memory else "storage"
     run = os.path.join(work, name, "run")
     shm = tempfile.mkdtemp(prefix="moeckpt-gpu-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     events = os.path.join(work, name, "agent.jsonl")
     os.makedirs(os.path.dirname(run), exist_ok=True)
+    kills = [arg for k in args.kills for arg in ("--inject", f"kill:rank=0,step={k}")]
     cmd = [
         sys.executable,
         "-m",
@@ -73,14 +76,13 @@ def one_run(args, work: str, memory: bool) -> dict:
         "7",
         "--log-every",
         "5",
-        "--inject",
-        f"kill:rank=0,step={args.kill_at}",
+        *kills,
         "--max-restarts",
-        "1",
+        str(len(args.kills)),
         *(["--inject", f"slow:step=1,seconds={args.slow}"] if args.slow else []),
         # one node of an elastic job of one node: torchrun's agent restarts the killed worker
         "--nproc",
-        "1",
+        str(args.nproc),
         "--nnodes",
         "1:1",
         "--rdzv-endpoint",
@@ -89,7 +91,7 @@ def one_run(args, work: str, memory: bool) -> dict:
         "last_call_timeout=1,join_timeout=60",
     ]
     if memory:
-        cmd += ["--memory-tier", "--memory-every", "1", "--memory-dir", shm]
+        cmd += ["--memory-tier", "--memory-every", str(args.memory_every), "--memory-dir", shm]
     if args.cpu:
         cmd += ["--cpu"]
     print("$", " ".join(cmd[2:]), flush=True)
@@ -99,39 +101,70 @@ def one_run(args, work: str, memory: bool) -> dict:
     wall = time.time() - t0
     shutil.rmtree(shm, ignore_errors=True)
     rows = _rows(run)
-    marker = glob.glob(os.path.join(run, ".fault-kill-*"))
-    with open(marker[0]) as f:
-        kill = float(f.read().strip())
-    steps = [r for r in rows if "loss" in r]
-    resume = next((r for r in rows if r.get("event") == "resume" and r["time"] > kill), {})
-    phases = next((r for r in rows if r.get("event") == "restart_phases" and r["time"] > kill), {})
-    first = min((r["time"] for r in steps if r["time"] > kill), default=None)
-    trained = max((r["step"] for r in steps if r["time"] <= kill), default=0)
+    times = {}
+    for marker in glob.glob(os.path.join(run, ".fault-kill-*")):
+        with open(marker) as f:
+            times[int(marker.rsplit("step", 1)[1])] = float(f.read().strip())
     agent = []
     if os.path.exists(events):
         with open(events) as f:
             agent = [json.loads(line) for line in f if line.strip()]
-    detected = min((e["time"] for e in agent if e["time"] >= kill), default=None)
-    timeline = {"failure detected by the agent": detected, **(phases.get("marks") or {})}
-    blocked = [r["save_blocked_s"] for r in steps if r.get("save_blocked_s")]
-    skipped = [r["step"] for r in steps if r.get("memory_skipped")]
-    return {
-        "tier": name,
-        "exit": code,
-        "wall_s": round(wall, 2),
-        "kill_step": args.kill_at,
-        "resume_tier": resume.get("tier"),
-        "resume_step": resume.get("step"),
-        "steps_lost": None if not resume else trained - resume["step"],
-        "storage_bytes_read": resume.get("storage_bytes_read"),
-        "memory_bytes_read": resume.get("memory_bytes_read"),
-        "state_bytes": resume.get("state_bytes"),
-        "failure_to_first_step_s": None if first is None else round(first - kill, 3),
-        "phases_since_kill_s": {k: round(v - kill, 3) for k, v in timeline.items() if v},
-        "phase_seconds": phases.get("seconds", {}),
-        "save_blocked_s": blocked,
-        "memory_skipped_steps": skipped,
-    }
+    steps = [r for r in rows if "loss" in r]
+    out = []
+    order = sorted(times.items(), key=lambda kv: kv[1])
+    for i, (kill_step, kill) in enumerate(order):
+        since = order[i - 1][1] if i else float("-inf")
+        until = order[i + 1][1] if i + 1 < len(order) else float("inf")
+        resume = next((r for r in rows if r.get("event") == "resume" and kill < r["time"] < until), {})
+        phases = next((r for r in rows if r.get("event") == "restart_phases" and kill < r["time"] < until), {})
+        first = min((r["time"] for r in steps if kill < r["time"] < until), default=None)
+        trained = max((r["step"] for r in steps if since < r["time"] <= kill), default=0)
+        detected = min((e["time"] for e in agent if e["time"] >= kill), default=None)
+        timeline = {"failure detected by the agent": detected, **(phases.get("marks") or {})}
+        blocked = [
+            (r["step"], r["save_blocked_s"]) for r in steps if since < r["time"] <= kill and "save_blocked_s" in r
+        ]
+        after = [r["save_blocked_s"] for r in steps if kill < r["time"] < until and "save_blocked_s" in r]
+        out.append(
+            {
+                "tier": name,
+                "kill_step": kill_step,
+                "trained_before_kill": trained,
+                "resume_tier": resume.get("tier"),
+                "resume_step": resume.get("step"),
+                "steps_lost": None if not resume else trained - resume["step"],
+                "storage_bytes_read": resume.get("storage_bytes_read"),
+                "memory_bytes_read": resume.get("memory_bytes_read"),
+                "state_bytes": resume.get("state_bytes"),
+                "failure_to_first_step_s": None if first is None else round(first - kill, 3),
+                "phases_since_kill_s": {k: round(v - kill, 3) for k, v in timeline.items() if v},
+                "phase_seconds": phases.get("seconds", {}),
+                "save_blocked_s": blocked,
+                "first_save_after_restart_blocked_s": after[0] if after else None,
+                "memory_skipped_steps": [
+                    r["step"] for r in steps if since < r["time"] <= kill and r.get("memory_skipped")
+                ],
+            }
+        )
+    return {"tier": name, "exit": code, "wall_s": round(wall, 2), "kills": out}
+
+
+def table(doc: dict) -> str:
+    """The per-kill table (markdown)."""
+    lines = [
+        "| run | kill at step | trained | resumed from | steps lost | kill to first step (s) | saves blocked max (s) "
+        "| first save after restart (s) | memory saves left out |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["runs"]:
+        for k in r["kills"]:
+            worst = max((b for _, b in k["save_blocked_s"]), default=None)
+            lines.append(
+                f"| {r['tier']} | {k['kill_step']} | {k['trained_before_kill']} | {k['resume_tier']} step "
+                f"{k['resume_step']} | {k['steps_lost']} | {k['failure_to_first_step_s']} | {worst} | "
+                f"{k['first_save_after_restart_blocked_s']} | {len(k['memory_skipped_steps'])} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def d2h_copy_seconds(nbytes: int, device: str, reps: int = 5) -> list[float]:
@@ -171,8 +204,9 @@ def plot(doc: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(11, 3.2))
-    for row, r in enumerate(doc["runs"]):
+    rows = [{**k, "tier": f"{r['tier']} kill@{k['kill_step']}"} for r in doc["runs"] for k in r["kills"]]
+    fig, ax = plt.subplots(figsize=(11, 1.0 + 0.4 * len(rows)))
+    for row, r in enumerate(rows):
         prev = 0.0
         for name, t in sorted(r["phases_since_kill_s"].items(), key=lambda kv: kv[1]):
             j = list(PHASE_NAMES).index(name)
@@ -185,10 +219,10 @@ def plot(doc: dict, path: str) -> None:
             va="center",
             fontsize=8,
         )
-    ax.set_yticks(range(len(doc["runs"])), [r["tier"] for r in doc["runs"]])
+    ax.set_yticks(range(len(rows)), [r["tier"] for r in rows])
     ax.set_xlabel("seconds since the worker was killed")
     ax.set_title(f"{doc['model']}: a killed worker restarted by its agent, kill to first new step by phase")
-    ax.set_xlim(0, max(max(r["phases_since_kill_s"].values(), default=1) for r in doc["runs"]) * 1.35)
+    ax.set_xlim(0, max((max(r["phases_since_kill_s"].values(), default=1) for r in rows), default=1) * 1.35)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(
         dict(zip(labels, handles)).values(),
@@ -206,8 +240,15 @@ def main() -> None:
     ap.add_argument("--out", default="docs/benchmarks/gpu")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "moeckpt-memory-tier-gpu"))
     ap.add_argument("--model", default="zaya-small")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--kill-at", type=int, default=47)
+    ap.add_argument("--steps", type=int, default=66)
+    ap.add_argument(
+        "--kill-at",
+        default="31,37,44,47,55,61",
+        help="the steps the worker is killed at, comma-separated (each once, in one invocation)",
+    )
+    ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument("--memory-every", type=int, default=1)
+    ap.add_argument("--storage-run", action=argparse.BooleanOptionalAction, default=True, help="the run beside it")
     ap.add_argument("--save-every", type=int, default=30)
     ap.add_argument(
         "--slow",
@@ -220,6 +261,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a small test of this script)")
     args = ap.parse_args()
+    args.kills = sorted({int(k) for k in str(args.kill_at).split(",") if k.strip()})
     import torch
 
     if not args.cpu and not torch.cuda.is_available():
@@ -227,12 +269,12 @@ def main() -> None:
         return
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
-    runs = [one_run(args, args.dir, memory) for memory in (True, False)]
+    runs = [one_run(args, args.dir, memory) for memory in ((True, False) if args.storage_run else (True,))]
     for r in runs:
         print(json.dumps(r), flush=True)
-    state = runs[0]["state_bytes"] or 0
+    state = next((k["state_bytes"] for k in runs[0]["kills"] if k["state_bytes"]), 0)
     copy = d2h_copy_seconds(state, "cpu" if args.cpu else "cuda") if state else []
-    blocked = runs[0]["save_blocked_s"]
+    blocked = [b for k in runs[0]["kills"] for _, b in k["save_blocked_s"]]
     doc = {
         "command": "python benchmarks/memory_tier_gpu.py " + " ".join(sys.argv[1:]),
         "model": args.model,
@@ -240,6 +282,7 @@ def main() -> None:
         "runs": runs,
         "d2h_copy_s": copy,
         "memory_save_blocked_median_s": statistics.median(blocked) if blocked else None,
+        "memory_save_blocked_max_s": max(blocked) if blocked else None,
         "blocked_over_copy": round(statistics.median(blocked) / statistics.median(copy), 3)
         if blocked and copy and statistics.median(copy) > 0
         else None,
@@ -248,6 +291,9 @@ def main() -> None:
     with open(os.path.join(args.out, "memory_tier_gpu.json"), "w") as f:
         json.dump(doc, f, indent=1)
     plot(doc, os.path.join(args.out, "memory_tier_gpu.png"))
+    with open(os.path.join(args.out, "memory_tier_gpu_kills.md"), "w") as f:
+        f.write(table(doc))
+    print(table(doc))
     print(
         f"memory save blocked (median) {doc['memory_save_blocked_median_s']} s, bare copy {copy} s, "
         f"ratio {doc['blocked_over_copy']}"

@@ -67,6 +67,8 @@ class SaveStats:
     memory: MemoryStats | None = None
     #: a memory-only save left out because the previous memory-only save was still being written on some rank.
     skipped: bool = False
+    #: the memory ring's slot the snapshot landed in (:mod:`.memory_ring`), busy until this save's writes end.
+    memory_slot: int | None = None
 
 
 @dataclass
@@ -125,11 +127,32 @@ class CheckpointManager:
         self._memory_done: threading.Event | None = None
         self.history: list[SaveStats] = []
         #: the in-memory tier (:mod:`.memory_tier`), set by the trainer with ``--memory-tier``.
-        self.memory: MemoryTier | None = None
+        self._memory: MemoryTier | None = None
+        #: memory-only saves left out so far (the previous one still being written), logged with each.
+        self.memory_skipped = 0
         #: a gloo group of the whole world for the training thread's one question before a memory-only save
         #: (is the previous memory-only save still being written anywhere?), set with :attr:`memory`. The memory
         #: tier's own group must not be :attr:`group` either: its writes run beside a persistent one.
         self.decide_group = None
+
+    @property
+    def memory(self) -> MemoryTier | None:
+        """The in-memory tier (:mod:`.memory_tier`), set by the trainer with ``--memory-tier``. Setting it opens
+        this rank's memory ring (:mod:`.memory_ring`) at once, while the model loads: the snapshots of the saves
+        that go to memory land in its slots, which are the memory checkpoint's files."""
+        return self._memory
+
+    @memory.setter
+    def memory(self, tier: MemoryTier | None) -> None:
+        self._memory = tier
+        if tier is not None:
+            layout = [(name, box) for name, (_, views) in self._plan.items() for box, *_ in views]
+            pin = torch.cuda.is_available() and torch.cuda.is_initialized()
+            tier.open_ring(self.rank, layout, self.tensors, pin=pin)
+
+    def _ring_slot(self, step: int) -> int | None:
+        ring = self._memory.ring if self._memory is not None else None
+        return ring.acquire(step) if ring is not None else None
 
     # -- saving ---------------------------------------------------------------------------------------------
     def save(
@@ -159,12 +182,15 @@ class CheckpointManager:
             log.debug("memory part of the save of step %d left out: a memory write is still in flight", step)
             to_memory = False
         t0 = time.perf_counter()
-        pieces = self._snapshot(local_state, self._buffers)
+        slot = self._ring_slot(step) if to_memory else None
+        # With a memory ring the snapshot lands in its slot, and the persistent write reads the same slot.
+        pieces = self._snapshot(local_state, self._buffers if slot is None else self._memory.ring.views(slot))
         stats = SaveStats(
             step=step,
             blocked_s=0.0,
             bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
             persisted=persist,
+            memory_slot=slot,
         )
         memory_turn = self._memory_turn() if to_memory else None
         self._inflight = self._start(step, pieces, train_state, stats, to_memory, memory_turn, t0, "save")
@@ -181,10 +207,20 @@ class CheckpointManager:
             # rank.
             stats = SaveStats(step=step, persisted=False, skipped=True)
             self.history.append(stats)
-            log.debug("memory checkpoint of step %d left out: the previous memory save is still being written", step)
+            self.memory_skipped += 1
+            done = [s.step for s in self.history if s.memory is not None and s.memory.committed]
+            every = (done[-1] - done[0]) / (len(done) - 1) if len(done) > 1 else None
+            log.info(
+                "memory checkpoint of step %d left out (%d so far): the previous memory save is still being "
+                "written; the effective memory interval is %s",
+                step,
+                self.memory_skipped,
+                f"{every:.1f} steps" if every is not None else "not known yet",
+            )
             return stats
         self._wait_memory()
-        if not self._memory_buffers and self.rank == 0:
+        slot = self._ring_slot(step)
+        if slot is None and not self._memory_buffers and self.rank == 0:
             share = sum(e.nbytes for e in self.tensors.values()) / max(1, self.layout.world)
             log.info(
                 "memory-only saves take their own snapshot (host buffers of about %.1f MB per rank, beside the "
@@ -192,9 +228,12 @@ class CheckpointManager:
                 share / 1e6,
             )
         t0 = time.perf_counter()
-        pieces = self._snapshot(local_state, self._memory_buffers)
+        pieces = self._snapshot(local_state, self._memory_buffers if slot is None else self._memory.ring.views(slot))
         stats = SaveStats(
-            step=step, bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces), persisted=False
+            step=step,
+            bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
+            persisted=False,
+            memory_slot=slot,
         )
         memory_turn = self._memory_turn()
         self._memory_inflight = self._start(step, pieces, train_state, stats, True, memory_turn, t0, "memory-save")
@@ -320,32 +359,38 @@ class CheckpointManager:
         memory_turn: tuple[threading.Event | None, threading.Event] | None = None,
     ) -> None:
         """The memory tier first (seconds of host memory, the likelier one to be resumed from), then the run
-        directory. A failed memory save is logged and costs only that memory checkpoint, never the run."""
-        if to_memory and self.memory is not None:
-            previous, done = memory_turn or (None, None)
-            try:
-                if previous is not None:
-                    previous.wait()  # the memory write before this one (a thread of its own) has ended
-                stats.memory = self.memory.save(
-                    step,
-                    pieces,
-                    tensors=self.tensors,
-                    layout_json=self.layout.to_json(),
-                    model=self.model,
-                    train_state=train_state,
-                )
-            except MoeckptError as e:  # every rank raises it alike (agreed inside), none is left in a collective
-                stats.memory = MemoryStats(step=step, error=str(e))
-                log.warning("memory checkpoint of step %d not committed: %s", step, e)
-            finally:
-                if done is not None:
-                    done.set()
-        elif memory_turn is not None:
-            memory_turn[1].set()
-        if stats.persisted:
-            self._persist(step, pieces, train_state, stats)
-        else:
-            stats.committed = stats.memory is not None and stats.memory.committed
+        directory. A failed memory save is logged and costs only that memory checkpoint, never the run. The
+        memory ring's slot, if the snapshot is in one, is released once both are written."""
+        try:
+            if to_memory and self.memory is not None:
+                previous, done = memory_turn or (None, None)
+                try:
+                    if previous is not None:
+                        previous.wait()  # the memory write before this one (a thread of its own) has ended
+                    stats.memory = self.memory.save(
+                        step,
+                        pieces,
+                        tensors=self.tensors,
+                        layout_json=self.layout.to_json(),
+                        model=self.model,
+                        train_state=train_state,
+                        slot=stats.memory_slot,
+                    )
+                except MoeckptError as e:  # every rank raises it alike (agreed inside), none is left in a collective
+                    stats.memory = MemoryStats(step=step, error=str(e))
+                    log.warning("memory checkpoint of step %d not committed: %s", step, e)
+                finally:
+                    if done is not None:
+                        done.set()
+            elif memory_turn is not None:
+                memory_turn[1].set()
+            if stats.persisted:
+                self._persist(step, pieces, train_state, stats)
+            else:
+                stats.committed = stats.memory is not None and stats.memory.committed
+        finally:
+            if stats.memory_slot is not None and self.memory is not None and self.memory.ring is not None:
+                self.memory.ring.release(stats.memory_slot)
 
     def _persist(self, step: int, pieces: list[Piece], train_state: dict[str, Any], stats: SaveStats) -> None:
         """The persistent save of one snapshot, through the engine's save protocol

@@ -54,6 +54,9 @@ from moeckpt.reshard import collectives
 from moeckpt.reshard.save_protocol import SaveFailedError, SaveHooks, save_collective
 from moeckpt.reshard.save_protocol import write_threads as rank_write_threads
 
+from .memory_ring import FORMAT as RING_FORMAT
+from .memory_ring import MemoryRing
+
 __all__ = [
     "BACKEND",
     "DEFAULT_PARENT",
@@ -232,7 +235,29 @@ class MemoryTier:
                 self.replicas,
             )
         share = state_bytes * len(self.ranks_of[self.key]) / max(1, world)
-        self.budget_bytes = int(keep * share * (1 + self.replicas))
+        #: the node's memory checkpoints, and the memory ring's spare slot (:meth:`open_ring`).
+        self.budget_bytes = int(keep * share * (1 + self.replicas) + share)
+        #: this rank's ring of slot files (:mod:`.memory_ring`), opened by the checkpoint manager.
+        self.ring: MemoryRing | None = None
+        self.ring_dir = os.path.join(root, f"{self.node}.ring")
+
+    def open_ring(self, rank: int, layout, tensors, *, pin: bool) -> MemoryRing | None:
+        """Open this rank's memory ring for its written ``layout`` (``(tensor, box)`` in snapshot order): the
+        files the snapshots land in and the memory checkpoints are made of, ``keep + 1`` slots (the spare one
+        for a persistent save reading a slot); mapped from a previous process's files where they survive. Only
+        for the ring's format; ``None`` (the tier writes copies) for another backend."""
+        if self.backend_name != RING_FORMAT:
+            return None
+        self.ring = MemoryRing(
+            os.path.join(self.ring_dir, f"rank-{rank:05d}"),
+            rank,
+            layout,
+            tensors,
+            slots=max(2, self.keep + 1),
+            pin=pin,
+            node_dir=self.node_dir,
+        )
+        return self.ring
 
     # -- budget ---------------------------------------------------------------------------------------------
     def check_budget(self) -> None:
@@ -261,7 +286,15 @@ class MemoryTier:
 
     # -- writing --------------------------------------------------------------------------------------------
     def save(
-        self, step: int, pieces: list[Piece], *, tensors, layout_json: dict, model: dict, train_state: dict[str, Any]
+        self,
+        step: int,
+        pieces: list[Piece],
+        *,
+        tensors,
+        layout_json: dict,
+        model: dict,
+        train_state: dict[str, Any],
+        slot: int | None = None,
     ) -> MemoryStats:
         """Write this rank's pieces into its node's ``step-N``, replicate the node's part to its buddies and
         commit every node's directory once every file has its replicas (collective over the group).
@@ -269,7 +302,10 @@ class MemoryTier:
         The engine's save protocol (:func:`~moeckpt.reshard.save_protocol.save_collective`) with one location per
         node, its leader the coordinator: the leader prunes before it begins, and the replication runs between the
         exchange of what was written and the commit. A failure is a :class:`MemorySaveError` on every rank (or, at
-        the start, the format layer's own error class, e.g. a destination that is not empty)."""
+        the start, the format layer's own error class, e.g. a destination that is not empty).
+
+        With ``slot`` (of :attr:`ring`, which the snapshot landed in) this rank's file is that slot: hashed off the
+        training thread, its header written in place and linked into the step, no byte copied."""
         t0 = time.perf_counter()
         stats = MemoryStats(step=step)
         location = self.location(step)
@@ -292,7 +328,7 @@ class MemoryTier:
             pieces,
             group=self.group,
             replace_uncommitted=True,
-            backend=self.backend,
+            backend=self.backend if slot is None or self.ring is None else _RingWriter(self.ring, slot, self.backend),
             threads=write_threads(),
             coordinator=self.is_leader,
             hooks=SaveHooks(
@@ -304,6 +340,8 @@ class MemoryTier:
             commit_log_level=logging.DEBUG,
         )
         stats.committed = True
+        if slot is not None and self.ring is not None:
+            self.ring.committed(slot, step)
         stats.seconds = time.perf_counter() - t0
         log.debug("memory checkpoint of step %d committed in %s (%.2f s)", step, location, stats.seconds)
         return stats
@@ -464,8 +502,13 @@ class MemoryTier:
     def remove_all(self) -> None:
         """The run ended normally: remove this node's memory checkpoints (collective)."""
         collectives.barrier(self.group)
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        collectives.barrier(self.group)
         if self.is_leader:
             shutil.rmtree(self.node_dir, ignore_errors=True)
+            shutil.rmtree(self.ring_dir, ignore_errors=True)
             try:
                 os.rmdir(self.root)  # the last node of the host removes the run's directory
             except OSError:
@@ -649,3 +692,23 @@ def _share_index(tier: MemoryTier, step: int, held: dict[str, dict[str, Any]], g
     if tier.is_leader:
         tier.ensure_index(step, text.encode())
     collectives.barrier(group)
+
+
+class _RingWriter:
+    """The backend a memory save with a ring slot writes through: this rank's file is the slot (hashed, its header
+    written in place, linked into the staging directory); the rest is the tier's backend."""
+
+    def __init__(self, ring: MemoryRing, slot: int, backend: Backend) -> None:
+        self.ring, self.slot, self.backend = ring, slot, backend
+
+    def prepare(self, storage: Storage, tensors, boxes) -> None:
+        self.backend.prepare(storage, tensors, boxes)
+
+    def write(self, storage: Storage, writer: int, pieces, tensors, *, threads: int = 1) -> list[FileEntry]:
+        del writer, tensors  # the ring's own: this rank's layout
+        entry = self.ring.finish(self.slot, pieces, threads=threads)
+        self.ring.link(self.slot, storage.path())
+        return [entry]
+
+    def finish(self, storage: Storage, files: list[FileEntry], tensors) -> list[FileEntry]:
+        return self.backend.finish(storage, files, tensors)

@@ -1,0 +1,153 @@
+"""The memory tier's ring of slot files: byte-identical checkpoint files written in place, reused, remapped."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from moeckpt.formats.backends.safetensors_write import encode
+from moeckpt.formats.box import Box
+from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, Piece
+from moeckpt.trainer.memory_ring import MemoryRing
+
+TENSORS = {
+    "big": TensorEntry(
+        name="big", shape=(3 * CHECKSUM_BLOCK_BYTES // 8 + 5, 2), dtype="float32", role="param", param=None
+    ),
+    "half": TensorEntry(name="half", shape=(6, 4), dtype="bfloat16", role="param", param=None),
+    "scalar": TensorEntry(name="scalar", shape=(), dtype="int64", role="param", param=None),
+    "mask": TensorEntry(name="mask", shape=(7,), dtype="bool", role="param", param=None),
+}
+LAYOUT = [
+    ("mask", Box((0,), (7,))),  # odd-sized first: the float pieces after it are not aligned in the file
+    ("big", Box((0, 0), TENSORS["big"].shape)),
+    ("half", Box((2, 0), (3, 4))),
+    ("half", Box((5, 0), (0, 4))),  # an empty ZeRO part: never stored
+    ("scalar", Box((), ())),
+]
+
+
+def _pieces(seed: int) -> list[Piece]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for name, box in LAYOUT:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int64": torch.int64, "bool": torch.bool}[
+            TENSORS[name].dtype
+        ]
+        data = (torch.randn(box.shape, generator=g) * 100).to(dtype)
+        out.append(Piece(name, box, data))
+    return out
+
+
+def _ring(tmp_path, **kw) -> MemoryRing:
+    node = tmp_path / "node"
+    node.mkdir(exist_ok=True)
+    return MemoryRing(str(tmp_path / "ring"), 3, LAYOUT, TENSORS, slots=3, pin=False, node_dir=str(node), **kw)
+
+
+def _reference(pieces) -> bytes:
+    head, buffers = encode(pieces, TENSORS)
+    return head + b"".join(bytes(b) for b in buffers)
+
+
+def test_a_slot_filled_by_the_copy_is_the_file_the_safetensors_writer_makes(tmp_path):
+    ring = _ring(tmp_path)
+    assert ring.stats.allocated == 3 and not ring.stats.pinned and ring.stats.unpinned_why
+    for threads in (1, 4):
+        k = ring.acquire(10 + threads)
+        pieces = _pieces(threads)
+        views = ring.views(k)
+        landed = []
+        for p in pieces:
+            views[(p.tensor, p.box)].copy_(p.data)  # the snapshot's copy, straight into the slot
+            landed.append(Piece(p.tensor, p.box, views[(p.tensor, p.box)]))
+        assert ring.holds(k, landed)
+        entry = ring.finish(k, landed, threads=threads)
+        staging = tmp_path / f"staging{threads}"
+        staging.mkdir()
+        ring.link(k, str(staging))
+        data = (staging / "rank-00003.safetensors").read_bytes()
+        assert data == _reference(pieces) and entry.size == len(data)
+    ring.close()
+
+
+def test_a_piece_from_elsewhere_is_copied_in_and_the_file_is_the_same(tmp_path):
+    ring = _ring(tmp_path)
+    k = ring.acquire(1)
+    pieces = _pieces(7)
+    ring.finish(k, pieces)
+    ring.link(k, str(tmp_path / "node"))
+    assert (tmp_path / "node" / "rank-00003.safetensors").read_bytes() == _reference(pieces)
+
+
+def test_the_ring_never_takes_a_busy_slot_and_unlinks_the_oldest_step_before_reuse(tmp_path):
+    node = tmp_path / "node"
+    ring = _ring(tmp_path)
+    taken = []
+    for step in (1, 2, 3):
+        k = ring.acquire(step)
+        ring.finish(k, _pieces(step))
+        (node / f"step-{step:08d}").mkdir()
+        ring.link(k, str(node / f"step-{step:08d}"))
+        ring.committed(k, step)
+        taken.append(k)
+    assert sorted(taken) == [0, 1, 2]
+    assert ring.acquire(4) is None  # every slot busy (a persistent write of each still in flight)
+    ring.release(taken[1])
+    ring.release(taken[0])
+    k = ring.acquire(4)
+    assert k == taken[0]  # the oldest step's slot
+    assert not (node / "step-00000001" / "rank-00003.safetensors").exists()  # step 1 unlinked before any change
+    assert (node / "step-00000002" / "rank-00003.safetensors").read_bytes() == _reference(_pieces(2))
+
+
+def test_a_restarted_process_maps_the_surviving_slots_and_knows_their_steps(tmp_path):
+    node = tmp_path / "node"
+    ring = _ring(tmp_path)
+    k = ring.acquire(5)
+    ring.finish(k, _pieces(5))
+    (node / "step-00000005").mkdir()
+    ring.link(k, str(node / "step-00000005"))
+    ring.committed(k, 5)
+    ring.close()
+    again = _ring(tmp_path)  # the next process of the run
+    assert (again.stats.remapped, again.stats.allocated) == (3, 0)
+    # the slot holding step 5 is taken last; the committed file is intact until then
+    order = [again.acquire(6), again.acquire(7)]
+    assert k not in order
+    assert (node / "step-00000005" / "rank-00003.safetensors").read_bytes() == _reference(_pieces(5))
+    # another layout (a new world) replaces the files by a rename: the committed step keeps its bytes
+    other = MemoryRing(
+        str(tmp_path / "ring"), 3, LAYOUT[:2], TENSORS, slots=3, pin=False, node_dir=str(tmp_path / "elsewhere")
+    )
+    assert other.stats.allocated == 3
+    assert (node / "step-00000005" / "rank-00003.safetensors").read_bytes() == _reference(_pieces(5))
+    assert sorted(os.listdir(tmp_path / "ring")) == [f"slot-{i}.safetensors" for i in range(3)]
+
+
+def test_the_trainers_memory_checkpoint_files_are_its_ring_slots_and_a_restart_remaps_them(tmp_path):
+    from moeckpt.trainer import memory_tier
+    from moeckpt.trainer.train import TrainConfig, Trainer
+    from tests.train_workers import memory_run
+
+    base = {"model": "zaya-tiny", "steps": 6, "seq_len": 32, "global_batch": 4, "warmup_steps": 2, "cpu": True}
+    cfg = TrainConfig(run_dir=str(tmp_path / "run"), memory_tier=True, memory_dir=str(tmp_path / "shm"), **base)
+    memory_run(0, cfg.to_json(), 3, (1,), (2, 3))
+    root = memory_tier.run_root(str(tmp_path / "shm"), memory_tier.run_id(cfg.run_dir, create=False))
+    node = memory_tier.node_name()
+    slots = {
+        os.stat(os.path.join(root, f"{node}.ring", "rank-00000", n)).st_ino
+        for n in os.listdir(os.path.join(root, f"{node}.ring", "rank-00000"))
+    }
+    for step in (2, 3):
+        f = os.path.join(root, node, f"step-{step:08d}", "rank-00000.safetensors")
+        assert os.stat(f).st_ino in slots and os.stat(f).st_nlink == 2  # the slot itself, no copy
+    trainer = Trainer(cfg)  # a restart: the ring is mapped from the surviving files, the resume reads the slots
+    try:
+        ring = trainer.memory.ring
+        assert (ring.stats.remapped, ring.stats.allocated) == (3, 0)
+        assert (trainer.resume_tier, trainer.step) == ("memory", 3)
+    finally:
+        trainer.close()

@@ -1,0 +1,343 @@
+"""The memory tier's host buffers *are* its checkpoint files: a ring of pre-laid-out safetensors files in the node's
+memory directory (``/dev/shm``), mapped once, registered as pinned memory, into which the snapshot's
+device-to-host copy lands directly.
+
+Each rank keeps ``slots`` files ``<run root>/<node>.ring/rank-NNNNN/slot-K.safetensors``, each already the exact
+size and layout of the file this rank writes (a header of fixed length, then every piece's bytes where the header
+will say they are): the header's length does not depend on the checksum values, only on how many there are. A
+memory save then
+
+1. takes a slot (:meth:`MemoryRing.acquire`, on the training thread): the free one, else the one holding the oldest
+   step; if that step's directory still links the slot's file, the link is removed first, so that step is no longer
+   complete on this node before a byte of it changes (the newest complete slot is never the one written);
+2. copies the rank's pieces straight into the slot's tensors (a non-blocking device-to-host copy into pinned,
+   mapped memory: no second host copy, no new page);
+3. off the training thread, hashes the slot's checksum blocks with a few threads and writes the header in place
+   (:meth:`MemoryRing.finish`), then hard-links the slot's file into the step's staging directory: the ordinary
+   commit (:mod:`moeckpt.reshard.save_protocol`) renames that into place. The file is byte-identical to what the
+   safetensors writer makes of the same pieces.
+
+A persistent save of the same step reads the same slot (the slot stays *busy* until it is written), so ``slots`` is
+``--memory-keep`` plus one: the newest complete checkpoints, and one slot free while a persistent write of another
+is in flight.
+
+The ring is allocated when the trainer attaches the memory tier, before the resume, and a restarted process maps
+the slot files that survived it (``/dev/shm`` outlives the workers) instead of allocating: the first save after a
+restart does not wait for buffers. Files of the wrong size (a new layout) are replaced by a rename, never written
+over, so a committed checkpoint that links one stays intact for the resume.
+
+Pinned registration is ``cudaHostRegister`` through ``torch.cuda.cudart()`` where the state lives on a CUDA GPU.
+Where it is not available or refused (no CUDA, a ROCm build whose runtime does not register file-backed mappings, a
+kernel or container that refuses to lock the pages: ``RLIMIT_MEMLOCK``), the ring is used unpinned, logged once:
+the copy into it is then a synchronous pageable copy, still into the checkpoint file itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.backends.safetensors import file_name
+from moeckpt.formats.backends.safetensors_write import header_bytes
+from moeckpt.formats.box import Box
+from moeckpt.formats.checksum import checksum
+from moeckpt.formats.errors import MoeckptError
+from moeckpt.formats.index import FileEntry, TensorEntry
+from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, Piece
+
+__all__ = ["FORMAT", "MemoryRing", "RingStats"]
+
+log = logging.getLogger(__name__)
+
+#: the file format the ring lays out in advance (the memory tier uses the ring only with this backend).
+FORMAT = "safetensors"
+_PLACEHOLDER = checksum(b"")
+
+
+@dataclass
+class RingStats:
+    """What the ring did, for logs and benchmarks."""
+
+    slots: int = 0
+    bytes_per_slot: int = 0
+    #: slots mapped from files a previous process left (no allocation).
+    remapped: int = 0
+    #: slots allocated and faulted in by this process.
+    allocated: int = 0
+    #: seconds spent allocating or mapping, at attach time.
+    open_s: float = 0.0
+    #: whether the slots are registered as pinned memory, and if not, why.
+    pinned: bool = False
+    unpinned_why: str | None = None
+
+
+@dataclass
+class _Slot:
+    path: str
+    mm: mmap.mmap
+    base: torch.Tensor  # the whole file as uint8, over the mapping
+    views: dict[tuple[str, Box], torch.Tensor]
+    step: int | None = None
+    busy: bool = False
+    pinned_ptr: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class MemoryRing:
+    """One rank's ring of slot files; see the module docstring."""
+
+    def __init__(
+        self,
+        directory: str,
+        rank: int,
+        layout: Sequence[tuple[str, Box]],
+        tensors: dict[str, TensorEntry],
+        *,
+        slots: int,
+        pin: bool,
+        node_dir: str,
+    ) -> None:
+        import time
+
+        if slots < 2:
+            raise MoeckptError(f"a memory ring needs at least 2 slots, got {slots}")
+        t0 = time.perf_counter()
+        self.directory = directory
+        self.rank = rank
+        self.node_dir = node_dir
+        self.name = file_name(rank)
+        self.tensors = tensors
+        self.layout = [(t, b) for t, b in layout if not b.is_empty()]
+        blocks = [_blocks(b, tensors[t]) for t, b in self.layout]
+        self._placeholder = header_bytes(
+            [(t, b, [_PLACEHOLDER] * n) for (t, b), n in zip(self.layout, blocks)], tensors
+        )
+        offsets, at = [], len(self._placeholder)
+        for t, b in self.layout:
+            n = b.numel * dtypes.itemsize(tensors[t].dtype)
+            offsets.append((at, n))
+            at += n
+        self._offsets = offsets
+        self.size = at
+        self._all = {(t, b): torch.empty(b.shape, dtype=dtypes.to_torch(tensors[t].dtype)) for t, b in layout}
+        self._lock = threading.Lock()
+        self.stats = RingStats(slots=slots, bytes_per_slot=self.size)
+        os.makedirs(directory, exist_ok=True)
+        self._slots = [self._open(os.path.join(directory, f"slot-{k}.safetensors")) for k in range(slots)]
+        self._pin(pin)
+        self._find_steps()
+        self.stats.open_s = time.perf_counter() - t0
+        log.debug(
+            "memory ring of rank %d: %d slots of %.1f MB in %s (%d mapped from before, %d allocated, %s) in %.2f s",
+            rank,
+            slots,
+            self.size / 1e6,
+            directory,
+            self.stats.remapped,
+            self.stats.allocated,
+            "pinned" if self.stats.pinned else f"not pinned: {self.stats.unpinned_why}",
+            self.stats.open_s,
+        )
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+    def _open(self, path: str) -> _Slot:
+        fresh = not (os.path.isfile(path) and os.path.getsize(path) == self.size and self._header_fits(path))
+        if fresh:
+            # A new file renamed over the old name: a committed step that links the old one keeps it whole.
+            tmp = f"{path}.new"
+            with open(tmp, "wb") as f:
+                f.truncate(self.size)
+            os.replace(tmp, path)
+        fd = os.open(path, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, max(1, self.size), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        base = torch.frombuffer(mm, dtype=torch.uint8) if self.size else torch.empty(0, dtype=torch.uint8)
+        if fresh:
+            base[: len(self._placeholder)] = torch.frombuffer(bytearray(self._placeholder), dtype=torch.uint8)
+            base[len(self._placeholder) :].zero_()  # fault every page in now, not during the first save
+            self.stats.allocated += 1
+        else:
+            self.stats.remapped += 1
+        views = dict(self._all)
+        loose = {}
+        for (t, b), (off, n) in zip(self.layout, self._offsets):
+            dtype = dtypes.to_torch(self.tensors[t].dtype)
+            if off % max(1, dtype.itemsize):
+                # After an odd-sized piece (a bool mask) a wider dtype cannot be viewed in place: the snapshot copies
+                # it into a tensor of its own, whose bytes finish() moves into the file.
+                loose[(t, b)] = views[(t, b)] = torch.empty(b.shape, dtype=dtype)
+            else:
+                views[(t, b)] = base[off : off + n].view(dtype).view(b.shape)
+        return _Slot(path=path, mm=mm, base=base, views=views, extra={"loose": loose})
+
+    def _header_fits(self, path: str) -> bool:
+        """A surviving slot file is reused when its header has this layout's length and prefix (its checksums are
+        rewritten at every save)."""
+        with open(path, "rb") as f:
+            head = f.read(len(self._placeholder))
+        return len(head) == len(self._placeholder) and head[:8] == self._placeholder[:8]
+
+    def _pin(self, pin: bool) -> None:
+        if not pin:
+            self.stats.unpinned_why = "the state is not on a CUDA device"
+            return
+        try:
+            cudart = torch.cuda.cudart()
+            for slot in self._slots:
+                ptr = slot.base.data_ptr()
+                code = int(cudart.cudaHostRegister(ptr, self.size, 0))
+                if code != 0:
+                    raise RuntimeError(f"cudaHostRegister returned {code}")
+                slot.pinned_ptr = ptr
+            self.stats.pinned = True
+        except Exception as e:  # noqa: BLE001 - any refusal falls back to pageable copies, logged
+            self._unpin()
+            self.stats.unpinned_why = f"{type(e).__name__}: {e}"
+            log.warning(
+                "memory ring: the slot files could not be registered as pinned memory (%s); device-to-host copies "
+                "into them are pageable (slower, synchronous) copies",
+                self.stats.unpinned_why,
+            )
+
+    def _unpin(self) -> None:
+        for slot in self._slots:
+            if slot.pinned_ptr is not None:
+                try:
+                    torch.cuda.cudart().cudaHostUnregister(slot.pinned_ptr)
+                except Exception:  # noqa: BLE001 - closing: nothing more to do
+                    pass
+                slot.pinned_ptr = None
+
+    def _find_steps(self) -> None:
+        """Which committed step of this node links each slot's file (after a restart)."""
+        inodes = {os.stat(s.path).st_ino: s for s in self._slots}
+        try:
+            names = os.listdir(self.node_dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if not name.startswith("step-") or not name[5:].isdigit():
+                continue
+            try:
+                ino = os.stat(os.path.join(self.node_dir, name, self.name)).st_ino
+            except FileNotFoundError:
+                continue
+            if ino in inodes:
+                inodes[ino].step = int(name[5:])
+
+    # -- saving ---------------------------------------------------------------------------------------------
+    def acquire(self, step: int) -> int | None:
+        """A slot for ``step`` (training thread): a free one, else the one holding the oldest step, never a busy
+        one; ``None`` when every slot is busy. The slot's old step is unlinked from its directory first."""
+        with self._lock:
+            free = [k for k, s in enumerate(self._slots) if not s.busy]
+            if not free:
+                return None
+            k = min(free, key=lambda i: -1 if self._slots[i].step is None else self._slots[i].step)
+            slot = self._slots[k]
+            slot.busy = True
+            old, slot.step = slot.step, None
+        if old is not None:
+            self._unlink(old, slot)
+        return k
+
+    def _unlink(self, step: int, slot: _Slot) -> None:
+        link = os.path.join(self.node_dir, f"step-{step:08d}", self.name)
+        try:
+            if os.stat(link).st_ino == os.stat(slot.path).st_ino:
+                os.unlink(link)  # that step is no longer complete on this node before its bytes change
+        except FileNotFoundError:
+            pass  # pruned already
+
+    def views(self, k: int) -> dict[tuple[str, Box], torch.Tensor]:
+        """Slot ``k``'s tensor for each ``(tensor, box)`` of this rank's layout (empty boxes: small tensors)."""
+        return self._slots[k].views
+
+    def holds(self, k: int, pieces: Sequence[Piece]) -> bool:
+        """Whether ``pieces`` are slot ``k``'s own tensors (the snapshot landed in it)."""
+        views = self._slots[k].views
+        return all(views.get((p.tensor, p.box)) is p.data for p in pieces if not p.box.is_empty())
+
+    def finish(self, k: int, pieces: Sequence[Piece], *, threads: int = 1) -> FileEntry:
+        """Make slot ``k`` a complete file of ``pieces``: copy in any piece that is not already its own, hash the
+        checksum blocks with ``threads`` threads and write the header over the placeholder; returns its entry."""
+        slot = self._slots[k]
+        if len(pieces) != len(self._all) or {(p.tensor, p.box) for p in pieces} != set(self._all):
+            raise MoeckptError(f"{slot.path}: the pieces to save are not this ring's layout (rank {self.rank})")
+        loose = slot.extra["loose"]
+        where = dict(zip(self.layout, self._offsets))
+        for p in pieces:
+            key = (p.tensor, p.box)
+            if p.box.is_empty():
+                continue
+            if key in loose:
+                off, n = where[key]
+                slot.base[off : off + n].copy_(p.data.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+            elif slot.views[key] is not p.data:
+                slot.views[key].copy_(p.data)
+        raw = memoryview(slot.mm) if self.size else memoryview(b"")
+        jobs = [
+            (i, lo, min(lo + CHECKSUM_BLOCK_BYTES, off + n))
+            for i, (off, n) in enumerate(self._offsets)
+            for lo in (range(off, off + n, CHECKSUM_BLOCK_BYTES) if n else [off])
+        ]
+
+        def one(job: tuple[int, int, int]) -> str:
+            return checksum(raw[job[1] : job[2]])
+
+        if threads > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-ring-hash") as pool:
+                digests = list(pool.map(one, jobs))
+        else:
+            digests = [one(j) for j in jobs]
+        sums: list[list[str]] = [[] for _ in self.layout]
+        for (i, _, _), d in zip(jobs, digests):
+            sums[i].append(d)
+        head = header_bytes([(t, b, s) for (t, b), s in zip(self.layout, sums)], self.tensors)
+        if len(head) != len(self._placeholder):
+            raise MoeckptError(f"{slot.path}: the header changed length after hashing ({len(head)} bytes)")
+        slot.mm[: len(head)] = head
+        if self.size:
+            raw.release()  # else the mapping could not be closed
+        return FileEntry(path=self.name, size=self.size, checksum=checksum(head))
+
+    def link(self, k: int, directory: str) -> None:
+        """Hard-link slot ``k``'s file into ``directory`` (a step's staging directory) under this rank's name."""
+        target = os.path.join(directory, self.name)
+        if os.path.lexists(target):
+            os.unlink(target)
+        os.link(self._slots[k].path, target)
+
+    def committed(self, k: int, step: int) -> None:
+        """Slot ``k`` now holds the committed ``step`` (still busy until :meth:`release`)."""
+        self._slots[k].step = step
+
+    def release(self, k: int) -> None:
+        """Slot ``k``'s writes (memory commit, persistent save) have ended: it may be taken again."""
+        with self._lock:
+            self._slots[k].busy = False
+
+    def close(self) -> None:
+        """Unregister and unmap (the files stay, for the next process of the run)."""
+        self._unpin()
+        for slot in self._slots:
+            slot.views = {}
+            slot.base = torch.empty(0, dtype=torch.uint8)
+            try:
+                slot.mm.close()
+            except BufferError:
+                pass  # a tensor still views it: the mapping goes with that tensor
+
+
+def _blocks(box: Box, entry: TensorEntry) -> int:
+    return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // CHECKSUM_BLOCK_BYTES))
