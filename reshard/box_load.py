@@ -2,32 +2,28 @@
 
 The engine under every in-place load: ``(tensor name, box, view)`` triples are planned against the checkpoint's
 stored pieces (:func:`~moeckpt.reshard.planner.plan_boxes`), read once through the chunk cache (or straight into
-the view where its bytes land as they are) and verified as they land. The library's state-dict loads
+the view where its bytes land as they are) and verified as they land, by the fill loop a rank loading its own
+layout alone runs too (:func:`~.fill.fill_boxes`). The library's state-dict loads
 (:mod:`moeckpt.library.state_load`) and the trainer's resume (whose live tensors are boxes) both call it.
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, MoeckptError, StateDictError, StorageError
 
 from . import collectives
-from .chunks import ChunkReader, reads_started_ahead
-from .inplace import Job, in_place_jobs, read_in_place
-from .load import LoadStats, refs_for
+from .fill import fill_boxes, listed_sources, refs_for
+from .load import LoadStats
 from .options import LoadOptions
 from .placement import is_stored
-from .plan import SourcePiece
 from .planner import plan_boxes
 from .runtime import paused_gc, single_threaded_torch
-from .slabs import fill
 
 __all__ = ["agree_on_load", "load_boxes", "needs_listing", "read_boxes_into"]
 
@@ -99,12 +95,7 @@ def read_boxes_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStat
     names = {name for name, _, _ in wanted}
     listed = {n for n in names if needs_listing(reader, n)}
     stored = {(r.tensor, r.box): r for r in reader.pieces(tensors=listed)} if listed else None
-    sources: dict[str, list[SourcePiece]] | None = None
-    if stored is not None:
-        found: dict[str, list[SourcePiece]] = {n: [] for n in listed}
-        for ref in stored.values():
-            found[ref.tensor].append(SourcePiece(ref.tensor, ref.box, 0))
-        sources = found
+    sources = None if stored is None else listed_sources(stored.values(), listed)
     plan = plan_boxes(reader.index, {rank: [(name, box) for name, box, _ in wanted]}, sources=sources)
     (rank_plan,) = plan.ranks
     refs = {}
@@ -119,51 +110,9 @@ def read_boxes_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStat
                 if r.tensor in listed
             }
         )
-    views = [view for _, _, view in wanted]
-    index = reader.index
-    pieces = rank_plan.pieces
     # A box whose every stored source row lands in one contiguous range of each of its rows (full-width rows of
     # one stored piece, TP halves of a matrix loaded whole, an expert's TP slice), into a CPU tensor of the stored
-    # dtype that is contiguous, is read straight into it by the fill threads (verified as it lands); this thread
-    # assembles the others through the chunk cache meanwhile.
-    jobs: list[Job] = []
-    for pos, piece in enumerate(pieces):
-        if _takes_bytes(views[pos], index.tensors[piece.tensor].dtype):
-            jobs += in_place_jobs(pos, piece, refs, views[pos])
-    direct = {job[0] for job in jobs}
-    with ChunkReader(
-        reader,
-        refs,
-        chunk_bytes=options.chunk_bytes,
-        cache_bytes=options.cache_bytes,
-        read_threads=options.read_threads,
-        clip=True,
-    ) as chunks:
-        with ThreadPoolExecutor(1) as one:
-            in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
-            try:
-                rest = [pos for pos in range(len(pieces)) if pos not in direct]
-                _fill_boxes(chunks, index, pieces, views, rest, options.prefetch_bytes)
-            finally:
-                failed, fetched = in_place.result()
-        _fill_boxes(chunks, index, pieces, views, sorted(failed), options.prefetch_bytes)  # not readable in place
-    stats.bytes_read += chunks.bytes_read + fetched
-
-
-def _takes_bytes(view: torch.Tensor, dtype: str) -> bool:
-    """Whether a stored piece's bytes can land in ``view`` as they are (a contiguous CPU tensor of its dtype)."""
-    return view.device.type == "cpu" and view.dtype == dtypes.to_torch(dtype) and view.is_contiguous()
-
-
-def _fill_boxes(chunks: ChunkReader, index, pieces, views: list[torch.Tensor], positions, window: int) -> None:
-    """Assemble the boxes at ``positions`` through the chunk cache into their views (through a host tensor for a
-    view on a device or of another dtype)."""
-    todo = [pieces[p] for p in positions]
-    for k, piece in reads_started_ahead(todo, index, chunks, window):
-        out = views[positions[k]]
-        if out.device.type == "cpu" and out.dtype == dtypes.to_torch(index.tensors[piece.tensor].dtype):
-            fill(out, piece.box, piece.reads, chunks)
-        else:  # a device tensor: assemble on the host, one copy over
-            host = torch.empty(piece.box.shape, dtype=dtypes.to_torch(index.tensors[piece.tensor].dtype))
-            fill(host, piece.box, piece.reads, chunks)
-            out.copy_(host)
+    # dtype that is contiguous, is read straight into it by the fill threads (verified as it lands); the others are
+    # assembled through the chunk cache meanwhile, a view on a device or of another dtype through a host tensor.
+    views = [view for _, _, view in wanted]
+    stats.bytes_read += fill_boxes(reader, refs, rank_plan.pieces, views, options, device_in_place=False)

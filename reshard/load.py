@@ -18,7 +18,6 @@ import logging
 import socket
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -32,9 +31,10 @@ from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.pieces import PieceRef
 from moeckpt.formats.storage import is_url
 
-from .chunks import ChunkReader, reads_started_ahead
+from .chunks import ChunkReader
 from .collectives import all_gather_json
-from .inplace import Job, in_place_jobs, read_in_place
+from .exchange_rounds import GuardedExtract, exchange_rounds
+from .fill import fill_boxes, listed_sources, refs_for
 from .layout import Layout
 from .local import join_local
 from .options import LoadOptions
@@ -43,7 +43,6 @@ from .plan import ReshardPlan, SourcePiece
 from .planner import plan_load
 from .rank_exchange import Summary, decide, gather_summaries, rank_exchange, summarize
 from .runtime import paused_gc, single_threaded_torch
-from .slabs import assemble
 from .source_lookup import SourcePositions
 
 RankState = dict[str, list[tuple[Box, torch.Tensor]]]
@@ -112,7 +111,7 @@ def load_rank_state(
         index = reader.index
         names = _select(index.tensors, roles, tensors)
         stored = _stored_refs(reader, names)
-        sources = None if stored is None else _sources_of(stored.values(), names)
+        sources = None if stored is None else listed_sources(stored.values(), names)
         if group is not None and (exchange or readable is not None):
             state = _load_collective(
                 reader, layout, rank, names, group, peers, stats, options, sources, stored, readable=readable
@@ -187,26 +186,6 @@ def _stored_refs(reader: CheckpointReader, names: list[str]) -> dict[tuple[str, 
     return {(ref.tensor, ref.box): ref for ref in reader.pieces(tensors=set(names))}
 
 
-def _sources_of(refs, names: list[str]) -> dict[str, list[SourcePiece]]:
-    """Planner sources for pieces that are not placements (zarr cells, named by cell, not writer): every piece gets
-    writer 0, the same on every rank."""
-    sources: dict[str, list[SourcePiece]] = {name: [] for name in names}
-    for ref in refs:
-        sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, 0))
-    return sources
-
-
-def refs_for(reader: CheckpointReader, sources: set, stored) -> dict[tuple[str, Box], PieceRef]:
-    """The stored pieces behind ``sources`` (SourcePiece values): from ``stored`` when the caller listed them
-    already, else reading only their writers' headers."""
-    if not sources:
-        return {}
-    if stored is not None:
-        return {(s.tensor, s.box): stored[(s.tensor, s.box)] for s in sources}
-    refs = reader.pieces(tensors={s.tensor for s in sources}, writers={s.writer for s in sources})
-    return {(r.tensor, r.box): r for r in refs}
-
-
 def _load_alone(
     reader: CheckpointReader,
     plan: ReshardPlan,
@@ -220,33 +199,10 @@ def _load_alone(
     refs = refs_for(reader, {r.source for p in rank_plan.pieces for r in p.reads}, stored)
     index = reader.index
     pieces = rank_plan.pieces
-    with ChunkReader(
-        reader,
-        refs,
-        chunk_bytes=options.chunk_bytes,
-        cache_bytes=options.cache_bytes,
-        read_threads=options.read_threads,
-        clip=True,
-    ) as chunks:
-        dests = [_destination(p, index.tensors[p.tensor].dtype, device, out) for p in pieces]
-        # positions whose destination is a new CPU tensor: the assembled tensor itself can take its place
-        mine = {pos for pos, d in enumerate(dests) if d.device.type == "cpu" and not _given(out, pieces[pos], d)}
-        # Boxes that are full-width rows of one stored piece go straight into their destination (:mod:`.inplace`);
-        # this thread fills the others through the chunk cache meanwhile.
-        jobs: list[Job] = []
-        for pos, p in enumerate(pieces):
-            jobs += in_place_jobs(pos, p, refs, dests[pos])
-        with ThreadPoolExecutor(1) as one:
-            in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
-            direct = {job[0] for job in jobs}
-            try:
-                rest = [pos for pos in range(len(pieces)) if pos not in direct]
-                _assemble_into(chunks, index, pieces, dests, rest, mine, options.prefetch_bytes, options.fill_threads)
-            finally:
-                failed, fetched = in_place.result()
-        # what the session could not read in place after all
-        _assemble_into(chunks, index, pieces, dests, sorted(failed), mine, options.prefetch_bytes, 1)
-    stats.bytes_read += chunks.bytes_read + fetched
+    dests = [_destination(p, index.tensors[p.tensor].dtype, device, out) for p in pieces]
+    # positions whose destination is a new CPU tensor: the assembled tensor itself can take its place
+    mine = {pos for pos, d in enumerate(dests) if d.device.type == "cpu" and not _given(out, pieces[pos], d)}
+    stats.bytes_read += fill_boxes(reader, refs, pieces, dests, options, threads=options.fill_threads, own=mine)
     state: RankState = {}
     for piece, dest in zip(pieces, dests):
         state.setdefault(piece.tensor, []).append((piece.box, dest))
@@ -271,36 +227,6 @@ def _destination(piece, dtype: str, device: torch.device | None, out) -> torch.T
     ):
         return given
     return torch.empty(piece.box.shape, dtype=torch_dtype, device=device or "cpu")
-
-
-def _assemble_into(
-    chunks: ChunkReader, index, pieces, dests: list[torch.Tensor], positions, mine: set, window: int, threads: int
-) -> None:
-    """Fill ``dests[pos]`` for ``positions`` through the chunk cache, ``threads`` boxes at a time (the copies
-    release the interpreter lock): a box in a tensor of this load's own on the CPU (``mine``) becomes the
-    assembled tensor itself (the read chunk where it is one), others get a copy."""
-    todo = [pieces[p] for p in positions]
-
-    def one(k: int, piece) -> None:
-        pos = positions[k]
-        data = assemble(piece, index.tensors[piece.tensor].dtype, chunks)
-        if pos in mine:
-            dests[pos] = data
-        else:
-            dests[pos].copy_(data)
-
-    if threads <= 1 or len(todo) <= 1:
-        for k, piece in reads_started_ahead(todo, index, chunks, window):
-            one(k, piece)
-        return
-    with ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-assemble") as pool:
-        running: list = []
-        for k, piece in reads_started_ahead(todo, index, chunks, window):
-            running.append(pool.submit(one, k, piece))
-            if len(running) >= 2 * threads:  # boxes in flight stay few: their chunks stay within the cache
-                running.pop(0).result()
-        for fut in running:
-            fut.result()
 
 
 def _load_collective(
@@ -335,7 +261,7 @@ def _load_collective(
     mine = plan.ranks[0]
     state_list = [torch.empty(p.box.shape, dtype=dtypes.to_torch(index.tensors[p.tensor].dtype)) for p in mine.pieces]
     owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
-    extract = _GuardedExtract(index)
+    extract = GuardedExtract(index)
     try:
         refs = refs_for(reader, owned_sources, stored)  # reads the headers of the files this rank reads from
     except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail
@@ -347,7 +273,7 @@ def _load_collective(
         cache_bytes=options.cache_bytes,
         read_threads=options.read_threads,
     ) as chunks:
-        _exchange(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
+        exchange_rounds(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
     failure, extract.failure = extract.failure, None
     _raise_if_any_failed(failure, group, reader.location)
     stats.bytes_read += chunks.bytes_read
@@ -379,30 +305,6 @@ class LoadFailedError(MoeckptError, RuntimeError):
     exit_code = 1
 
 
-class _GuardedExtract:
-    """Reads the regions this rank owns; after a read fails it keeps the rank in step with zeros.
-
-    Every rank must take part in every all_to_all round, or the others wait for it until the process group's
-    timeout. A damaged piece (checksum mismatch, truncated file) is therefore remembered, the rounds finish with
-    zeros in its place, and all ranks then raise the same error together (:func:`_raise_if_any_failed`).
-    """
-
-    def __init__(self, index):
-        self.index = index
-        self.failure: MoeckptError | OSError | None = None
-
-    def __call__(self, chunks: ChunkReader, tensor: str, src: Box, sub: Box) -> torch.Tensor:
-        if self.failure is None:
-            try:
-                return _extract(chunks, tensor, src, sub)
-            except (MoeckptError, OSError) as e:
-                # Kept without its traceback: the traceback's frames hold this object, and a cycle through them
-                # would keep whatever the caller's frames hold (process groups, a whole trainer) alive until the
-                # cyclic collector runs, or until interpreter shutdown, where tearing down a process group aborts.
-                self.failure = e.with_traceback(None)
-        return torch.zeros(sub.shape, dtype=dtypes.to_torch(self.index.tensors[tensor].dtype))
-
-
 #: the typed errors, by class name: a rank's failed planning is raised as its class on every rank.
 _ERROR_CLASSES = {
     name: cls
@@ -427,79 +329,3 @@ def _raise_if_any_failed(failure: BaseException | None, group, location: str) ->
             raise _SHARED_ERRORS.get(other["type"], LoadFailedError)(
                 f"{location}: group rank {g} could not read its part: {other['message']}"
             )
-
-
-def _exchange(
-    chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract: _GuardedExtract
-) -> None:
-    """Run the rounds: read owned chunks (ahead, in the pool), keep local regions, all_to_all the rest."""
-    import torch.distributed as dist
-
-    for keys in rounds:
-        for key in keys:
-            if owner[key] == me and key[2] and extract.failure is None:
-                ref = chunks.ref(key[0], Box(key[1], key[2]))
-                per = chunks.chunk_rows(ref)
-                c = key[4]
-                chunks.read_ahead(ref, c * per, min((c + 1) * per, ref.box.shape[0]))
-        # Sizes first (every transfer padded to 8 bytes, so each slot can be viewed as its dtype), then one copy of
-        # each region straight into its slot of the send buffer.
-        in_sizes, recv_sizes = [0] * size, [0] * size
-        sends: list[tuple[int, int, tuple, Box]] = []  # (destination, offset in its part, unit key, sub-region)
-        recvs: list[tuple[int, int, int, Box]] = []  # (source, offset in its part, piece position, sub-region)
-        for key in keys:
-            o = owner[key]
-            item_bytes = dtypes.itemsize(index.tensors[key[0]].dtype)
-            for g, pos, sub in units[key]:
-                if o == g:
-                    continue
-                nbytes = _padded(sub.numel * item_bytes)
-                if o == me:
-                    sends.append((g, in_sizes[g], key, sub))
-                    in_sizes[g] += nbytes
-                elif g == me:
-                    recvs.append((o, recv_sizes[o], pos, sub))
-                    recv_sizes[o] += nbytes
-        in_starts = [sum(in_sizes[:g]) for g in range(size)]
-        flat_in = torch.empty(sum(in_sizes), dtype=torch.uint8)
-        for g, off, key, sub in sends:
-            dtype = dtypes.to_torch(index.tensors[key[0]].dtype)
-            start = in_starts[g] + off
-            slot = flat_in[start : start + sub.numel * dtypes.itemsize(index.tensors[key[0]].dtype)]
-            slot.view(dtype).view(sub.shape).copy_(extract(chunks, key[0], Box(key[1], key[2]), sub))
-        flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-        # Every rank takes part in every round (rounds are global), even with nothing to send or receive. The
-        # exchange runs in the backend's threads while this rank copies what stays here (and waits less on the
-        # slowest rank).
-        work = dist.all_to_all_single(flat_out, flat_in, recv_sizes, in_sizes, group=group, async_op=True)
-        for key in keys:  # what stays on this rank
-            if owner[key] != me:
-                continue
-            src = Box(key[1], key[2])
-            for g, pos, sub in units[key]:
-                if g == me:
-                    state_list[pos][sub.relative_to(mine.pieces[pos].box).slices()] = extract(chunks, key[0], src, sub)
-        work.wait()
-        stats.rounds += 1
-        stats.bytes_received += flat_out.numel()
-        out_starts = [sum(recv_sizes[:o]) for o in range(size)]
-        for o, off, pos, sub in recvs:
-            piece = mine.pieces[pos]
-            entry = index.tensors[piece.tensor]
-            start = out_starts[o] + off
-            raw = flat_out[start : start + sub.numel * dtypes.itemsize(entry.dtype)]
-            state_list[pos][sub.relative_to(piece.box).slices()] = raw.view(dtypes.to_torch(entry.dtype)).view(
-                sub.shape
-            )
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // 8) * 8
-
-
-def _extract(chunks: ChunkReader, tensor: str, src: Box, sub: Box) -> torch.Tensor:
-    rel = sub.relative_to(src)
-    if not src.ndim:
-        return chunks.rows(tensor, src, 0, 1)
-    data = chunks.rows(tensor, src, rel.offsets[0], rel.offsets[0] + rel.shape[0])
-    return data[(slice(None),) + rel.slices()[1:]]

@@ -312,7 +312,7 @@ def gather_summaries(summary: Summary, failed: bool, group) -> list[tuple[np.nda
     """Every member's ``(ids, nbytes, tags)``, in group rank order (collective over ``group``, a CPU group):
     one all_gather of two integers per member (its count, and whether its planning failed), then one of its
     three integer columns padded to the longest. None, on every member alike, when any member's planning failed
-    (the members then agree on the error: :func:`~moeckpt.reshard.load._load_collective`)."""
+    (the members then agree on the error: :func:`~moeckpt.reshard.load.load_rank_state`)."""
     import torch
     import torch.distributed as dist
 
