@@ -77,7 +77,7 @@ class Destination:
 def top_level_names(backend: str, writers: int, tensors: Collection[str]) -> set[str] | None:
     """The top-level entries a save writes with ``backend`` (None for a backend whose file names are not known)."""
     if backend == "safetensors":
-        from moeckpt.formats.backends.safetensors_write import file_name
+        from moeckpt.formats.backends.safetensors_header import file_name
 
         return {file_name(w) for w in range(writers)}
     if backend == "zarr":

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moeckpt.formats.backends import safetensors as st
+from moeckpt.formats.backends.piece_stream import WritebackKick
 from moeckpt.formats.box import Box
 from moeckpt.formats.checksum import checksum
 from moeckpt.formats.index import TensorEntry
@@ -106,7 +107,7 @@ def test_written_pieces_read_back(tmp_path):
 
 def test_early_writeback_keeps_the_bytes(tmp_path, monkeypatch):
     # Kick the writeback after every few KiB (normally every 32 MiB), so that it runs many times on a small file.
-    monkeypatch.setattr(st._WritebackKick, "EVERY", 4096)
+    monkeypatch.setattr(WritebackKick, "EVERY", 4096)
     pieces, tensors = _pieces()
     storage = open_storage(str(tmp_path))
     st.write_file(storage, "rank-00000.safetensors", pieces, tensors)

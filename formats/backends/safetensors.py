@@ -25,22 +25,18 @@ from ..index import FileEntry, Index, TensorEntry
 from ..pieces import Piece, PieceRef, block_span, tensor_bytes, verify_blocks
 from ..storage import Storage, StorageReader
 from .base import BackendBase
-from .safetensors_write import (
+from .piece_stream import BlockHasher
+from .safetensors_header import (
     MAX_HEADER_BYTES,
     META_BLOCK_KEY,
     META_VERSION_KEY,
     NAME,
-    BlockHasher,
-    _WritebackKick,
-    encode,
     file_name,
     header_bytes,
     parse_piece_key,
     piece_key,
-    write_file,
-    write_file_parallel,
-    write_file_stream,
 )
+from .safetensors_write import encode, write_file, write_file_parallel, write_file_stream
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -50,7 +46,6 @@ __all__ = [
     "BlockHasher",
     "SafetensorsBackend",
     "SafetensorsReader",
-    "_WritebackKick",
     "encode",
     "file_name",
     "header_bytes",

@@ -1,52 +1,28 @@
-"""Writing safetensors files: the header layout and the writers (whole pieces, or slabs streamed in order).
+"""Writing safetensors files: whole pieces (coalesced, or by several threads), or slabs streamed in order.
 
 A save is bound by memory traffic and the disk, not by hashing, so the writers touch the data as few times as
-possible (see :func:`write_file`); :func:`write_file_stream` holds one slab at a time whatever the file size.
-The bytes equal the reference encoding :func:`encode`, which ``tests/golden`` pins.
+possible (see :func:`write_file`; the byte streaming is :mod:`.piece_stream`'s); :func:`write_file_stream` holds
+one slab at a time whatever the file size. The file layout is :mod:`.safetensors_header`'s; the bytes equal the
+reference encoding :func:`encode`, which ``tests/golden`` pins.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import struct
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
-
-import numpy as np
-import torch
+from collections.abc import Iterable, Sequence
 
 from .. import dtypes
 from ..box import Box
 from ..checksum import checksum
-from ..errors import DataFileError, MoeckptError, StorageError
+from ..errors import MoeckptError, StorageError
 from ..index import FileEntry, TensorEntry
-from ..pieces import CHECKSUM_BLOCK_BYTES, Piece, block_checksums, tensor_bytes
+from ..pieces import Piece, block_checksums, tensor_bytes
 from ..storage import Storage
 from ..writeback import Writeback
-
-NAME = "safetensors"
-#: header size limit, as in the safetensors reference implementation (100 MB): refuses hostile lengths early.
-MAX_HEADER_BYTES = 100_000_000
-META_VERSION_KEY = "moeckpt.format_version"
-META_BLOCK_KEY = "moeckpt.checksum_block_bytes"
-
-
-def piece_key(tensor: str, box: Box) -> str:
-    return f"{tensor}@{','.join(str(o) for o in box.offsets)}"
-
-
-def parse_piece_key(key: str) -> tuple[str, tuple[int, ...]]:
-    tensor, sep, offs = key.rpartition("@")
-    if not sep or not tensor:
-        raise ValueError(f"key {key!r} is not '<tensor>@<offsets>'")
-    offsets = tuple(int(o) for o in offs.split(",")) if offs else ()
-    return tensor, offsets
-
-
-def file_name(writer: int) -> str:
-    return f"rank-{writer:05d}.safetensors"
+from .piece_stream import BlockHasher, Coalescer, WritebackKick, flat_if_scalar, stream_piece
+from .safetensors_header import CHECKSUM_PLACEHOLDER, block_count, dump_header, final_header, header_bytes, header_doc
 
 
 def encode(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> tuple[bytes, list[memoryview]]:
@@ -55,7 +31,7 @@ def encode(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> tuple[by
     The reference encoding: :func:`write_file` streams the same bytes without materialising the buffers.
     """
     plan = _plan(pieces, tensors)
-    buffers = [tensor_bytes(_flat_if_scalar(p.data)) for p in plan]
+    buffers = [tensor_bytes(flat_if_scalar(p.data)) for p in plan]
     sums = [block_checksums(b) for b in buffers]
     return header_bytes([(p.tensor, p.box, s) for p, s in zip(plan, sums)], tensors), buffers
 
@@ -67,39 +43,39 @@ def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors:
     each checksum block is hashed right before it is written, while it is still in the CPU cache; a piece that is a
     strided view of a trainer's local tensor (one block of a fused gate/up) is written row by row, never copied
     whole; small pieces are coalesced into large writes; and on local disk the writeback to the device starts while
-    the rest is still being written (:class:`_WritebackKick`). On local disk the header, whose length does not
+    the rest is still being written (:class:`WritebackKick`). On local disk the header, whose length does not
     depend on the checksum values, is written last over a placeholder of the same length; other storages cannot
     seek back, so they hash in a first pass and then stream.
     """
     plan = _plan(pieces, tensors)
     # The header document is built once; only its checksums change between the placeholder and the final one.
-    doc = _header_doc(
-        [(p.tensor, p.box, [_CHECKSUM_PLACEHOLDER] * _blocks(p.box, tensors[p.tensor])) for p in plan], tensors
+    doc = header_doc(
+        [(p.tensor, p.box, [CHECKSUM_PLACEHOLDER] * block_count(p.box, tensors[p.tensor])) for p in plan], tensors
     )
     keys = [k for k in doc if k != "__metadata__"]
 
     def header(sums: Sequence[Sequence[str]]) -> bytes:
-        return _final_header(doc, keys, sums)
+        return final_header(doc, keys, sums)
 
     with storage.open_write(relpath) as f:
         if storage.is_local:
-            placeholder = _dump_header(doc)
+            placeholder = dump_header(doc)
             f.write(placeholder)
             with Writeback(_writeback_fd(f)) as writeback:
-                sink = _Coalescer(f.write, _WritebackKick(f, len(placeholder), writeback))
-                sums = [_stream_piece(p.data, sink.write) for p in plan]
+                sink = Coalescer(f.write, WritebackKick(f, len(placeholder), writeback))
+                sums = [stream_piece(p.data, sink.write) for p in plan]
                 sink.flush()
-            head = _final_header(doc, keys, sums, placeholder, storage.path(relpath))
+            head = final_header(doc, keys, sums, placeholder, storage.path(relpath))
             f.seek(0)
             f.write(head)
             f.seek(0, 2)
         else:
-            sums = [_stream_piece(p.data, None) for p in plan]
+            sums = [stream_piece(p.data, None) for p in plan]
             head = header(sums)
             f.write(head)
-            sink = _Coalescer(f.write)
+            sink = Coalescer(f.write)
             for p in plan:
-                _stream_piece(p.data, sink.write)
+                stream_piece(p.data, sink.write)
             sink.flush()
     data_bytes = doc[keys[-1]]["data_offsets"][1] if keys else 0
     return FileEntry(path=relpath, size=len(head) + data_bytes, checksum=checksum(head))
@@ -118,11 +94,11 @@ def write_file_parallel(
     from concurrent.futures import ThreadPoolExecutor
 
     plan = _plan(pieces, tensors)
-    doc = _header_doc(
-        [(p.tensor, p.box, [_CHECKSUM_PLACEHOLDER] * _blocks(p.box, tensors[p.tensor])) for p in plan], tensors
+    doc = header_doc(
+        [(p.tensor, p.box, [CHECKSUM_PLACEHOLDER] * block_count(p.box, tensors[p.tensor])) for p in plan], tensors
     )
     keys = [k for k in doc if k != "__metadata__"]
-    placeholder = _dump_header(doc)
+    placeholder = dump_header(doc)
     with storage.open_write(relpath) as f:
         f.write(placeholder)
         f.flush()  # the pieces go around the file object's buffer
@@ -139,35 +115,19 @@ def write_file_parallel(
                     done += os.pwrite(fd, mv[done:], at[0] + done)
                 at[0] += len(mv)
 
-            sums = _stream_piece(plan[i].data, write)
-            if at[0] - start >= _WritebackKick.EVERY // 8:  # small pieces are left to the closing fsync
+            sums = stream_piece(plan[i].data, write)
+            if at[0] - start >= WritebackKick.EVERY // 8:  # small pieces are left to the closing fsync
                 writeback.start(start, at[0] - start)
             return sums
 
         with Writeback(fd) as writeback, ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-write") as pool:
             sums = list(pool.map(lambda i: one(i, writeback), range(len(plan))))
-        head = _final_header(doc, keys, sums, placeholder, storage.path(relpath))
+        head = final_header(doc, keys, sums, placeholder, storage.path(relpath))
         f.seek(0)
         f.write(head)
         f.seek(0, 2)
     data_bytes = doc[keys[-1]]["data_offsets"][1] if keys else 0
     return FileEntry(path=relpath, size=len(head) + data_bytes, checksum=checksum(head))
-
-
-def _final_header(
-    doc: dict, keys: Sequence[str], sums: Sequence[Sequence[str]], placeholder: bytes | None = None, where: str = ""
-) -> bytes:
-    """The header with the pieces' block checksums filled in; the same length as ``placeholder`` when given (the
-    header is written over it)."""
-    for key, piece_sums in zip(keys, sums):
-        doc["__metadata__"][key] = ",".join(piece_sums)
-    head = _dump_header(doc)
-    if placeholder is not None and len(head) != len(placeholder):
-        raise DataFileError(
-            f"{where}: header length changed from {len(placeholder)} to {len(head)} bytes after hashing; the checksum "
-            "algorithm must produce fixed-length digests"
-        )
-    return head
 
 
 def _plan(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> list[Piece]:
@@ -180,217 +140,6 @@ def _plan(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> list[Piec
         if not p.box.is_empty():  # empty ZeRO parts are legal in a layout and never stored
             out.append(p)
     return out
-
-
-#: rows of a strided piece at least this long are written straight from the trainer's tensor; shorter ones are
-#: gathered into a reused buffer first, so that small rows do not turn into many small writes.
-_DIRECT_ROW_BYTES = 64 * 1024
-
-
-def _stream_piece(data: torch.Tensor, write: Callable[[memoryview], object] | None) -> list[str]:
-    """Hash a piece's bytes block by block, passing each part to ``write`` right after hashing it."""
-    if data.device.type != "cpu":
-        data = data.cpu()
-    if data.is_contiguous() and data.numel() * data.element_size() <= CHECKSUM_BLOCK_BYTES:
-        # Most pieces (norms, biases, small projections) are one contiguous block: skip the machinery below.
-        mv = _contiguous_bytes(data)
-        if write is not None:
-            write(mv)
-        return [checksum(mv)]
-    hasher = BlockHasher()
-    for frag in _fragments(data):
-        for i in range(0, len(frag), CHECKSUM_BLOCK_BYTES):
-            part = frag[i : i + CHECKSUM_BLOCK_BYTES]
-            hasher.update(part)
-            if write is not None:
-                write(part)
-    return hasher.finish()
-
-
-def _flat_if_scalar(t: torch.Tensor) -> torch.Tensor:
-    # A 0-dim tensor cannot be viewed as bytes of another element size; as one element it can, with the same bytes.
-    return t.reshape(1) if t.dim() == 0 else t
-
-
-def _fragments(t: torch.Tensor) -> Iterator[memoryview]:
-    """The bytes of ``t`` in row-major order as contiguous buffers, without copying a strided tensor whole.
-
-    A yielded buffer may be reused for the next one: consume it before advancing.
-    """
-    t = _flat_if_scalar(t.detach())
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if t.numel() == 0:
-        return
-    if t.is_contiguous():
-        yield _contiguous_bytes(t)
-    elif t.stride(-1) == 1:
-        # Rows of a view along a leading dim: walk them as numpy byte arrays, several times cheaper per row than
-        # torch indexing (a fused gate/up block has a few hundred rows per piece).
-        yield from _byte_rows(t.view(torch.uint8).numpy())
-    else:
-        yield from _gathered(t)
-
-
-def _byte_rows(a: np.ndarray) -> Iterator[memoryview]:
-    if a.flags.c_contiguous:
-        yield a.data.cast("B")
-        return
-    if a[0].nbytes >= _DIRECT_ROW_BYTES:
-        for row in a:
-            yield from _byte_rows(row)
-        return
-    per = max(1, CHECKSUM_BLOCK_BYTES // a[0].nbytes)
-    scratch = np.empty((min(per, a.shape[0]),) + a.shape[1:], dtype=np.uint8)
-    for r0 in range(0, a.shape[0], per):
-        n = min(per, a.shape[0] - r0)
-        np.copyto(scratch[:n], a[r0 : r0 + n])
-        yield scratch[:n].data.cast("B")
-
-
-def _gathered(t: torch.Tensor) -> Iterator[memoryview]:
-    """Any other layout (e.g. a transposed view): copied a block's worth of rows at a time into one buffer."""
-    row_bytes = max(1, t[0].numel() * t.element_size())
-    per = max(1, CHECKSUM_BLOCK_BYTES // row_bytes)
-    scratch = torch.empty((min(per, t.shape[0]),) + tuple(t.shape[1:]), dtype=t.dtype)
-    for r0 in range(0, t.shape[0], per):
-        n = min(per, t.shape[0] - r0)
-        scratch[:n].copy_(t[r0 : r0 + n])
-        yield _contiguous_bytes(scratch[:n])
-
-
-def _contiguous_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (a leaner :func:`tensor_bytes` for the hot loop)."""
-    t = _flat_if_scalar(t)
-    if t.numel() == 0:
-        return memoryview(b"")
-    return t.detach().view(torch.uint8).numpy().data.cast("B")
-
-
-class _Coalescer:
-    """Gathers small writes into one buffer so that hundreds of norm-sized pieces cost a few system calls.
-
-    Large parts bypass the buffer (after flushing it), so big tensors are written straight from their memory.
-    """
-
-    LIMIT = 1 << 20
-
-    def __init__(self, write: Callable[[memoryview], object], kick: _WritebackKick | None = None):
-        self._write = write
-        self._kick = kick
-        self._buf = bytearray(self.LIMIT)
-        self._used = 0
-
-    def write(self, part: memoryview) -> None:
-        n = len(part)
-        if n >= self.LIMIT // 16:
-            self.flush()
-            self._write(part)
-            if self._kick is not None:
-                self._kick.wrote(n)
-            return
-        if self._used + n > self.LIMIT:
-            self.flush()
-        self._buf[self._used : self._used + n] = part
-        self._used += n
-
-    def flush(self) -> None:
-        if self._used:
-            self._write(memoryview(self._buf)[: self._used])
-            if self._kick is not None:
-                self._kick.wrote(self._used)
-            self._used = 0
-
-
-class _WritebackKick:
-    """Starts the disk writeback of what was written so far, every ``EVERY`` bytes, without waiting for it
-    (:class:`~moeckpt.formats.writeback.Writeback`): the closing fsync then finds most of the file on disk."""
-
-    EVERY = 32 << 20
-
-    def __init__(self, f, start: int, writeback: Writeback):
-        self._f = f
-        self._done = start  # bytes already handed to the kernel for writeback (the header placeholder is not)
-        self._pos = start
-        self._writeback = writeback
-
-    def wrote(self, n: int) -> None:
-        self._pos += n
-        if self._pos - self._done < self.EVERY:
-            return
-        self._f.flush()
-        self._writeback.start(self._done, self._pos - self._done)
-        self._done = self._pos
-
-
-#: a placeholder of the exact width of a checksum, so a header can be sized before its pieces are hashed.
-_CHECKSUM_PLACEHOLDER = checksum(b"")
-
-
-def header_bytes(layout: Sequence[tuple[str, Box, Sequence[str]]], tensors: dict[str, TensorEntry]) -> bytes:
-    """The header (length prefix included) of a file holding pieces ``(tensor, box, block checksums)`` in order.
-
-    Byte-identical to what :func:`encode` writes for the same pieces; empty boxes are skipped as there.
-    """
-    return _dump_header(_header_doc(layout, tensors))
-
-
-def _header_doc(layout: Sequence[tuple[str, Box, Sequence[str]]], tensors: dict[str, TensorEntry]) -> dict:
-    """The header as a JSON document; ``write_file`` fills in the checksums of ``__metadata__`` afterwards."""
-    header: dict[str, object] = {}
-    meta = {META_VERSION_KEY: "1", META_BLOCK_KEY: str(CHECKSUM_BLOCK_BYTES)}
-    offset = 0
-    for tensor, box, sums in layout:
-        if box.is_empty():
-            continue
-        entry = tensors[tensor]
-        nbytes = box.numel * dtypes.itemsize(entry.dtype)
-        key = piece_key(tensor, box)
-        header[key] = {
-            "dtype": dtypes.to_safetensors(entry.dtype),
-            "shape": list(box.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        meta[key] = ",".join(sums)
-        offset += nbytes
-    return {"__metadata__": meta, **header}
-
-
-def _dump_header(doc: dict) -> bytes:
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # align the data start to 8 bytes, as the safetensors writer does
-    return struct.pack("<Q", len(raw)) + raw
-
-
-class BlockHasher:
-    """Block checksums of a byte stream fed in arbitrary slices (a piece written slab by slab)."""
-
-    def __init__(self, block_bytes: int = CHECKSUM_BLOCK_BYTES):
-        import xxhash
-
-        self._new = xxhash.xxh3_64
-        self._block = block_bytes
-        self._h = self._new()
-        self._fill = 0
-        self.sums: list[str] = []
-
-    def update(self, data: memoryview | bytes) -> None:
-        mv = memoryview(data).cast("B")
-        while len(mv):
-            take = min(len(mv), self._block - self._fill)
-            self._h.update(mv[:take])
-            self._fill += take
-            mv = mv[take:]
-            if self._fill == self._block:
-                self.sums.append(f"xxh3_64:{self._h.hexdigest()}")
-                self._h, self._fill = self._new(), 0
-
-    def finish(self) -> list[str]:
-        """The checksums, the last (short) block included; an empty stream has one checksum of no bytes."""
-        if self._fill or not self.sums:
-            self.sums.append(f"xxh3_64:{self._h.hexdigest()}")
-            self._h, self._fill = self._new(), 0
-        return self.sums
 
 
 def write_file_stream(
@@ -409,7 +158,9 @@ def write_file_stream(
     spooling the data to a local temporary file first (a ``memory://`` or other fsspec file is a write-once stream).
     """
     kept = [(t, b) for t, b in layout if not b.is_empty()]
-    head_len = len(header_bytes([(t, b, [_CHECKSUM_PLACEHOLDER] * _blocks(b, tensors[t])) for t, b in kept], tensors))
+    head_len = len(
+        header_bytes([(t, b, [CHECKSUM_PLACEHOLDER] * block_count(b, tensors[t])) for t, b in kept], tensors)
+    )
     hashers = [BlockHasher() for _ in layout]
     sizes = [b.numel * dtypes.itemsize(tensors[t].dtype) for t, b in layout]
     written = [0] * len(layout)
@@ -501,7 +252,3 @@ def _writeback_fd(sink) -> int | None:
         return sink.fileno()
     except (OSError, ValueError):
         return None
-
-
-def _blocks(box: Box, entry: TensorEntry) -> int:
-    return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // CHECKSUM_BLOCK_BYTES))
