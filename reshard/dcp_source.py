@@ -195,8 +195,8 @@ def write_from_dcp(
 
     sources = sorted({s.source for s in slots})
     refs = virtual_pieces(dcp.chunks(sources), slots, index)
-    new_index, _plan, bytes_read = executor._convert(
-        executor._Source(DcpPieceReader(dcp, index), refs),
+    new_index, _plan, bytes_read = executor.convert(
+        executor.OfflineSource(DcpPieceReader(dcp, index), refs),
         index,
         dst,
         target,

@@ -78,9 +78,9 @@ def reshard(
         _refuse_overlap(reader.location, open_storage(dst).location)
         # A state dict's tensors have no layout rules: the target only sets how many writers hold them.
         written = sharded_over_writers(index, target) if is_state_dict(index) else index
-        source = _Source(reader.open_reader(), reader.pieces())
+        source = OfflineSource(reader.open_reader(), reader.pieces())
         try:
-            new_index, plan, bytes_read = _convert(
+            new_index, plan, bytes_read = convert(
                 source,
                 written,
                 dst,
@@ -172,8 +172,8 @@ def write_rows(
         box = Box((0,) * len(entry.shape), tuple(entry.shape))
         nbytes = box.numel * dtypes.itemsize(entry.dtype)
         refs.append(PieceRef(name, box, entry.dtype, source_name, 0, nbytes, (), block_bytes=0))
-    source = _Source(_RowFunctionReader(read_rows, source_name), refs)
-    new_index, _plan, _read = _convert(
+    source = OfflineSource(_RowFunctionReader(read_rows, source_name), refs)
+    new_index, _plan, _read = convert(
         source,
         index,
         dst,
@@ -187,15 +187,15 @@ def write_rows(
 
 
 @dataclass(frozen=True)
-class _Source:
+class OfflineSource:
     """What an offline run reads: a read session, and the stored pieces it reads from."""
 
     pieces: PieceReader
     refs: Sequence[PieceRef]
 
 
-def _convert(
-    source: _Source,
+def convert(
+    source: OfflineSource,
     index: Index,
     dst: str,
     target: Layout,

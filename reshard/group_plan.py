@@ -84,13 +84,13 @@ def plan_exchange(
         first = needs[0][0]
         if readable is not None:
             needers = _readers_of(key[3], sorted({g for g, _, _ in needs}), readable, location)
-            seed = _unit_seed(key)
+            seed = unit_seed(key)
             pick = min(needers, key=lambda g: (load[g], (g - seed) % size))
         elif all(g == first for g, _, _ in needs):  # one rank needs it (a ZeRO part): it reads it
             pick = first
         else:
             needers = sorted({g for g, _, _ in needs})
-            seed = _unit_seed(key)
+            seed = unit_seed(key)
             pick = min(needers, key=lambda g: (load[g], (g - seed) % size))
         owner[key] = pick
         load[pick] += unit_bytes[key]
@@ -132,7 +132,7 @@ def _cut(
         geo = (src.offsets, src.shape, region.offsets, region.shape, dtype)
         parts = chunked.get(geo)
         if parts is None:
-            parts = chunked[geo] = _chunks_of(src, region, dtype, chunk_bytes)
+            parts = chunked[geo] = chunks_of(src, region, dtype, chunk_bytes)
         for c, sub, nbytes in parts:
             key = (item.tensor, src.offsets, src.shape, item.writer, c)
             if key not in unit_bytes:
@@ -141,7 +141,7 @@ def _cut(
     return tuple(out)
 
 
-def _chunks_of(src: Box, region: Box, dtype: str, chunk_bytes: int) -> tuple[tuple[int, Box, int], ...]:
+def chunks_of(src: Box, region: Box, dtype: str, chunk_bytes: int) -> tuple[tuple[int, Box, int], ...]:
     """(chunk number, the part of ``region`` in that chunk of the stored piece ``src``, the chunk's bytes)."""
     per = chunk_rows(src, dtype, chunk_bytes)
     item_bytes = dtypes.itemsize(dtype)
@@ -164,6 +164,6 @@ def _chunks_of(src: Box, region: Box, dtype: str, chunk_bytes: int) -> tuple[tup
     return tuple(out)
 
 
-def _unit_seed(key: tuple) -> int:
+def unit_seed(key: tuple) -> int:
     """A stable small integer per unit (Python's ``hash`` of str is salted per process; ranks must agree)."""
     return zlib.crc32(repr(key).encode())

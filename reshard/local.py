@@ -4,7 +4,8 @@ A rank's local tensor of a logical tensor is the concatenation of its boxes (``p
 TP dimension: one box for a plain split, several for fused blocks (gate/up, q/k conv channels), possibly none for
 a window split that misses the rank. ZeRO parts (optimizer roles) are rows of the TP/EP-local tensor, the same
 boxes cut along dim 0, so an empty part is that tensor with no rows. These functions convert between the local
-tensor a trainer (or a load) holds and the boxes a checkpoint stores.
+tensor a trainer (or a load) holds and the boxes a checkpoint stores. A DTensor's local tensor on a device mesh
+is :mod:`.mesh`'s (:func:`~.mesh.mesh_local_shape`, :func:`~.mesh.local_boxes`).
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ __all__ = [
     "MeshPlacement",
     "local_boxes",
     "local_intervals",
-    "local_shape",
     "mesh_geometry",
+    "mesh_local_shape",
     "parse_placements",
 ]
 
@@ -156,10 +156,11 @@ def local_intervals(
     return dims
 
 
-def local_shape(
+def mesh_local_shape(
     shape: Sequence[int], mesh_shape: Sequence[int], coord: Sequence[int], placements: Sequence[MeshPlacement]
 ) -> tuple[int, ...]:
-    """The shape of the rank's local tensor (what ``DTensor.to_local()`` has)."""
+    """The shape of the rank's local tensor of a DTensor (what ``DTensor.to_local()`` has); a layout's local
+    tensors are :func:`~.local.local_shape`'s."""
     return tuple(sum(b - a for a, b in seq) for seq in local_intervals(shape, mesh_shape, coord, placements))
 
 

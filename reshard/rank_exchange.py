@@ -27,7 +27,7 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.errors import LayoutError
 from moeckpt.formats.index import Index
 
-from .group_plan import ExchangePlan, UnitKey, _chunks_of, _unit_seed
+from .group_plan import ExchangePlan, UnitKey, chunks_of, unit_seed
 from .layout import Layout
 from .placement import rank_boxes
 from .plan import RankPlan
@@ -48,7 +48,7 @@ class Summary:
     nbytes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: per unit of ``ids``: its writer and seed packed (``writer << 32 | seed``): the source writer whose file holds
     #: it, and the stable number plan_exchange breaks ties between readers with
-    #: (:func:`~moeckpt.reshard.group_plan._unit_seed`; each member computes it for its own units, so no member
+    #: (:func:`~moeckpt.reshard.group_plan.unit_seed`; each member computes it for its own units, so no member
     #: decodes the group's units to strings).
     tags: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     #: per unit of ``ids`` (same order): its key and ``(piece position, sub-region)`` of each part it needs.
@@ -70,7 +70,7 @@ def summarize(index: Index, rank_plan: RankPlan, chunk_bytes: int, positions: So
             geo = (src.offsets, src.shape, region.offsets, region.shape, dtype)
             parts = chunked.get(geo)
             if parts is None:
-                parts = chunked[geo] = _chunks_of(src, region, dtype, chunk_bytes)
+                parts = chunked[geo] = chunks_of(src, region, dtype, chunk_bytes)
             k = -1
             for c, sub, nbytes in parts:
                 key = (item.tensor, src.offsets, src.shape, item.writer, c)
@@ -90,7 +90,7 @@ def summarize(index: Index, rank_plan: RankPlan, chunk_bytes: int, positions: So
     return Summary(
         ids=np.array([meta[key][0] for key in order], dtype=np.int64),
         nbytes=np.array([meta[key][1] for key in order], dtype=np.int64),
-        tags=np.array([key[3] << 32 | _unit_seed(key) for key in order], dtype=np.int64),
+        tags=np.array([key[3] << 32 | unit_seed(key) for key in order], dtype=np.int64),
         keys=order,
         needs=[found[key] for key in order],
     )
@@ -303,7 +303,7 @@ def _parts_for(entry, target: Layout, rank: int, src: Box, chunk: int, chunk_byt
         geo = (src.offsets, src.shape, region.offsets, region.shape, entry.dtype)
         parts = chunked.get(geo)
         if parts is None:
-            parts = chunked[geo] = _chunks_of(src, region, entry.dtype, chunk_bytes)
+            parts = chunked[geo] = chunks_of(src, region, entry.dtype, chunk_bytes)
         out += [sub for c, sub, _ in parts if c == chunk]
     return out
 

@@ -21,8 +21,8 @@ from moeckpt.formats.errors import LayoutError
 from moeckpt.reshard.mesh import (
     MeshPlacement,
     local_boxes,
-    local_shape,
     mesh_geometry,
+    mesh_local_shape,
     parse_placements,
 )
 
@@ -58,7 +58,7 @@ def torch_locals(full: torch.Tensor, mesh_shape, placements) -> list[torch.Tenso
 
 def ours(full: torch.Tensor, mesh_shape, coord, placements) -> torch.Tensor:
     """The local tensor assembled from our boxes, each at its local offsets."""
-    shape = local_shape(full.shape, mesh_shape, coord, placements)
+    shape = mesh_local_shape(full.shape, mesh_shape, coord, placements)
     local = torch.full(shape, -1, dtype=full.dtype)
     for box, offs in local_boxes(full.shape, mesh_shape, coord, placements):
         local[tuple(slice(o, o + s) for o, s in zip(offs, box.shape))] = full[box.slices()]
