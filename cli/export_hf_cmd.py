@@ -13,7 +13,7 @@ from moeckpt.trainer.models import UnknownModelError, resolve_model
 from .common import announce_overwrite, progress
 from .params import Text
 
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DTYPES = dtypes.short_names("bf16", "fp32")
 
 
 @click.command("export-hf")

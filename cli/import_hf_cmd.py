@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from moeckpt.formats import dtypes
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.hf_import import HfImport
 
@@ -16,7 +17,7 @@ from .common import (
 )
 from .params import Text
 
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+DTYPES = dtypes.short_names("bf16", "fp32")
 
 
 @click.command("import-hf")

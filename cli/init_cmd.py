@@ -7,6 +7,7 @@ import shutil
 
 import click
 
+from moeckpt.formats import dtypes
 from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.save import save_full_tensors
@@ -24,7 +25,7 @@ from .common import (
 )
 from .params import Text, count
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPES = dtypes.short_names("fp32", "bf16", "fp16")
 
 
 def _presets_help() -> str:

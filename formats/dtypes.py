@@ -1,4 +1,5 @@
-"""The dtype names used in the index and their torch and safetensors equivalents."""
+"""The dtype names used in the index, their torch and safetensors equivalents, and the short names a command line
+takes for them (``--dtype bf16``): the one home of dtype names."""
 
 from __future__ import annotations
 
@@ -32,6 +33,15 @@ _BY_TORCH = {v[0]: k for k, v in _DTYPES.items()}
 _BY_ST = {v[1]: k for k, v in _DTYPES.items()}
 
 DTYPE_NAMES = tuple(_DTYPES)
+
+#: short names of parameter dtypes, as commands and the trainer's config take them, by the index name they stand for.
+SHORT_NAMES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def short_names(*shorts: str) -> dict[str, str]:
+    """The short names ``shorts`` (all of :data:`SHORT_NAMES` when none are given) with the index names they stand
+    for, in the order given: what a command that takes only some of them offers."""
+    return {s: SHORT_NAMES[s] for s in (shorts or SHORT_NAMES)}
 
 
 def check_dtype_name(name: object, where: str) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moeckpt.formats import dtypes
 from moeckpt.formats.checkpoint import CheckpointReader, committed_steps, quarantine
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import INDEX_NAME, TensorEntry
@@ -38,6 +39,7 @@ from moeckpt.reshard.tensors import logical_tensors
 
 from .adamw import AdamWConfig
 from .checkpointing import CheckpointManager
+from .config import DTYPES as CONFIG_DTYPES
 from .config import RESUME_READS, TrainConfig
 from .data import BatchLoader, DataError, TokenDataset, default_text_path
 from .distributed import build_parallel_model
@@ -70,7 +72,7 @@ __all__ = [
 ]
 
 #: ``--dtype`` values and the parameter dtype they select.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {short: dtypes.to_torch(name) for short, name in dtypes.short_names(*CONFIG_DTYPES).items()}
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +271,7 @@ class Trainer:
             dp=layout.dp,
             seed=config.seed,
         )
-        param_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+        param_dtype = dtypes.from_torch(dtype)
         self.tensors: dict[str, TensorEntry] = logical_tensors(
             params, param_dtype=param_dtype, optimizer_roles=self.optimizer.roles
         )
