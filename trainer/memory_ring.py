@@ -26,7 +26,8 @@ the slot files that survived it (``/dev/shm`` outlives the workers) instead of a
 restart does not wait for buffers. Files of the wrong size (a new layout) are replaced by a rename, never written
 over, so a committed checkpoint that links one stays intact for the resume.
 
-Pinned registration is ``cudaHostRegister`` through ``torch.cuda.cudart()`` where the state lives on a CUDA GPU.
+Pinned registration is ``cudaHostRegister`` through ``torch.cuda.cudart()`` where the state lives on a CUDA GPU,
+done with a first DMA read of every slot by a thread while the model loads and the resume runs.
 Where it is not available or refused (no CUDA, a ROCm build whose runtime does not register file-backed mappings, a
 kernel or container that refuses to lock the pages: ``RLIMIT_MEMLOCK``), the ring is used unpinned, logged once:
 the copy into it is then a synchronous pageable copy, still into the checkpoint file itself.
@@ -77,6 +78,8 @@ class RingStats:
     #: whether the slots are registered as pinned memory, and if not, why.
     pinned: bool = False
     unpinned_why: str | None = None
+    #: seconds the background registration and warm-up took (beside the model's load, off the training path).
+    pin_s: float = 0.0
 
 
 @dataclass
@@ -132,8 +135,19 @@ class MemoryRing:
         self.stats = RingStats(slots=slots, bytes_per_slot=self.size)
         os.makedirs(directory, exist_ok=True)
         self._slots = [self._open(os.path.join(directory, f"slot-{k}.safetensors")) for k in range(slots)]
-        self._pin(pin)
         self._find_steps()
+        self._pinning: threading.Thread | None = None
+        if pin:
+            # Registering (and first touching by DMA) the slots takes seconds for a large state: a thread does it
+            # while the model loads and the resume runs, so a restart's first step does not wait for it; a snapshot
+            # before it is done is a pageable copy, correct and slower.
+            device = torch.cuda.current_device()
+            self._pinning = threading.Thread(
+                target=self._pin_and_warm, args=(device,), daemon=True, name="moeckpt-ring-pin"
+            )
+            self._pinning.start()
+        else:
+            self._pin(False)
         self.stats.open_s = time.perf_counter() - t0
         log.debug(
             "memory ring of rank %d: %d slots of %.1f MB in %s (%d mapped from before, %d allocated, %s) in %.2f s",
@@ -143,7 +157,7 @@ class MemoryRing:
             directory,
             self.stats.remapped,
             self.stats.allocated,
-            "pinned" if self.stats.pinned else f"not pinned: {self.stats.unpinned_why}",
+            "being pinned" if pin else f"not pinned: {self.stats.unpinned_why}",
             self.stats.open_s,
         )
 
@@ -208,6 +222,37 @@ class MemoryRing:
                 "into them are pageable (slower, synchronous) copies",
                 self.stats.unpinned_why,
             )
+
+    def _pin_and_warm(self, device: int) -> None:
+        """Register every slot, then read each once into the device (a first DMA touch of every page), on a
+        stream of its own; ``stats.pin_s`` is how long it took."""
+        import time
+
+        t0 = time.perf_counter()
+        torch.cuda.set_device(device)
+        self._pin(True)
+        if self.stats.pinned and self.size:
+            try:
+                chunk = min(self.size, 256 << 20)
+                scratch = torch.empty(chunk, dtype=torch.uint8, device=f"cuda:{device}")
+                with torch.cuda.stream(torch.cuda.Stream(device)):
+                    for slot in self._slots:
+                        for a in range(0, self.size, chunk):
+                            n = min(chunk, self.size - a)
+                            scratch[:n].copy_(slot.base[a : a + n], non_blocking=True)
+                    torch.cuda.current_stream().synchronize()
+                del scratch
+            except Exception as e:  # noqa: BLE001 - only a warm-up: the slots stay pinned
+                log.debug("memory ring: warming the slots failed (%s)", e)
+        self.stats.pin_s = time.perf_counter() - t0
+        log.info(
+            "memory ring of rank %d: %d slots of %.1f MB %s in %.2f s",
+            self.rank,
+            len(self._slots),
+            self.size / 1e6,
+            "registered as pinned memory and warmed" if self.stats.pinned else "left unpinned",
+            self.stats.pin_s,
+        )
 
     def _unpin(self) -> None:
         for slot in self._slots:
@@ -329,6 +374,8 @@ class MemoryRing:
 
     def close(self) -> None:
         """Unregister and unmap (the files stay, for the next process of the run)."""
+        if self._pinning is not None:
+            self._pinning.join()
         self._unpin()
         for slot in self._slots:
             slot.views = {}
