@@ -404,6 +404,28 @@ def test_the_scan_reads_no_further_than_the_first_bad_opcode():
     assert given_bytes == [4096]
 
 
+def test_the_scan_bounds_the_stack_marks_and_memo():
+    from moeckpt.formats.dcp import bounds
+
+    cases = {
+        b"\x80\x04" + b"N" * (bounds.MAX_STACK + 70_000) + b".": "values on the stack",
+        b"\x80\x04" + b"(" * 200 + b"N.": "MARKs nested more than 100 deep",
+        b"\x80\x02Nq\x05.": "memo index 5 skips past the 0 entries",
+        b"\x80\x02h\x00.": "memo entry 0, which was never stored",
+        b"\x80\x02\x8a\x11" + b"\x01" * 17 + b".": "an integer of 17 bytes",
+        b"\x80\x02X\xff\xff\xff\x7f.": "past the end of the 8-byte file",
+        b"\x80\x02ccopyreg\n_reconstructor\n)\x81N.": None,  # fine for the scan: find_class refuses it later
+        b"\x80\x02\x82\x01.": "opcode EXT1",
+        b"\x80\x02Ncos\nsystem\n(Vx\nto.": "opcode OBJ",
+    }
+    for data, must in cases.items():
+        if must is None:
+            bounds.scan_bytes(data, "test")
+            continue
+        with pytest.raises(UnsafePickleError, match=must):
+            bounds.scan_bytes(data, "test")
+
+
 # -- chunk covers: linear in the chunks ----------------------------------------------------------------------------
 
 

@@ -54,7 +54,22 @@ _I32 = struct.Struct("<i").unpack_from
 _U64 = struct.Struct("<Q").unpack_from
 
 # Opcode classes, in the order the loop tests them (the most frequent in a DCP metadata first).
-_MEMOIZE, _GET, _LEAF, _COUNTED, _MARK, _CALL, _BUILD, _TUPLE_N, _MARK_ADD, _MARK_NEW, _ADD, _PUT, _OTHER = range(13)
+(
+    _MEMOIZE,
+    _GET,
+    _LEAF,
+    _COUNTED,
+    _MARK,
+    _CALL,
+    _BUILD,
+    _TUPLE_N,
+    _MARK_ADD,
+    _MARK_ADD_SET,
+    _MARK_NEW,
+    _ADD,
+    _PUT,
+    _OTHER,
+) = range(14)
 
 _KIND = [_OTHER] * 256
 #: argument bytes of each opcode of a fixed-size argument (and of the length prefix of a counted one).
@@ -75,7 +90,8 @@ for _codes, _kind, _n in (
     (b"R\x81", _CALL, 0),
     (b"b", _BUILD, 0),
     (b"\x85\x86\x87", _TUPLE_N, 0),
-    (b"eu\x90", _MARK_ADD, 0),
+    (b"eu", _MARK_ADD, 0),
+    (b"\x90", _MARK_ADD_SET, 0),
     (b"tld\x91", _MARK_NEW, 0),
     (b"as", _ADD, 0),
     (b"q", _PUT, 1),
@@ -97,6 +113,8 @@ _REFUSED = {
     0x98: "READONLY_BUFFER",
 }
 
+#: the stack is checked against MAX_STACK at least once every this many bytes (it grows by one value a byte at most).
+_CHECK_EVERY = 1 << 16
 #: most bytes asked of ``read`` at once (a string's length is the file's to claim: it is read in steps).
 _READ_AT_MOST = 64 << 20
 
@@ -241,8 +259,9 @@ class _Scan:
 
     # -- the loop --------------------------------------------------------------------------------------
     def run(self) -> bytes | bytearray:
-        # The frequent opcodes are handled inline on local names (this loop runs once per opcode of a file of
-        # up to hundreds of MB); the rest go through rare(), with the position and count saved first.
+        # This loop runs once per opcode of files of hundreds of MB, so the frequent opcodes are tested first, by
+        # value, on local names; the rest go by class (_KIND) or through rare(). One comparison per opcode guards
+        # both the buffer's end and the periodic stack check: ``limit`` is the nearer of the two.
         kinds, args = _KIND, _ARG
         stack, memo = self.stack, self.memo
         push, remember, marks = stack.append, memo.append, self.marks
@@ -252,117 +271,153 @@ class _Scan:
         buf = self.buf
         pos = 0
         fence = 0
+        limit = -1
         while True:
-            if pos + 9 > n:  # the longest fixed part of an opcode: itself and 8 argument bytes
+            if pos > limit:
+                # every _CHECK_EVERY bytes (the stack grows by at most one value a byte) and near the buffer's end
                 self.pos = pos
-                n = self.fill(pos + 9)
-                buf = self.buf
-                if pos >= n:
-                    raise _Refused("it ends before its STOP opcode (truncated)")
-                if pos + 1 + args[buf[pos]] > n:
-                    raise _Refused("it ends inside an opcode (truncated)")
+                if len(stack) > MAX_STACK:
+                    raise _Refused(f"more than {MAX_STACK} values on the stack at once")
+                if pos + 9 > n:  # the longest fixed part of an opcode: itself and 8 argument bytes
+                    n = self.fill(pos + 9)
+                    buf = self.buf
+                    if pos >= n:
+                        raise _Refused("it ends before its STOP opcode (truncated)")
+                    if pos + 1 + args[buf[pos]] > n:
+                        raise _Refused("it ends inside an opcode (truncated)")
+                limit = min(n - 9, pos + _CHECK_EVERY)
             op = buf[pos]
-            kind = kinds[op]
-            k = args[op]
-            if kind == _MEMOIZE:
+            if op == 0x94:  # MEMOIZE
                 if len(stack) <= fence:
                     self.pos = pos
                     raise _Refused("MEMOIZE of nothing")
                 remember(stack[-1])
                 pos += 1
-            elif kind == _GET:
-                idx = buf[pos + 1] if k == 1 else u32(buf, pos + 1)[0]
+            elif op == 0x6A:  # LONG_BINGET
+                idx = u32(buf, pos + 1)[0]
                 if idx >= len(memo):
                     self.pos = pos
                     raise _Refused(f"a reference to memo entry {idx}, which was never stored")
                 push(memo[idx])
-                pos += 1 + k
-            elif kind == _LEAF:
-                push(leaf)
-                pos += 1 + k
-            elif kind == _COUNTED:
-                if k == 1:
-                    length = buf[pos + 1]
-                elif k == 4:
-                    length = (_I32 if op == 0x54 else u32)(buf, pos + 1)[0]  # BINSTRING's length is signed
-                else:
-                    length = _U64(buf, pos + 1)[0]
-                self.pos = pos
-                if length < 0:
-                    raise _Refused("a string of negative length")
-                pos += 1 + k + length
-                if pos > n:
-                    n = self.more(pos)
+                pos += 5
+            elif op == 0x68:  # BINGET
+                idx = buf[pos + 1]
+                if idx >= len(memo):
+                    self.pos = pos
+                    raise _Refused(f"a reference to memo entry {idx}, which was never stored")
+                push(memo[idx])
+                pos += 2
+            elif op == 0x8C:  # SHORT_BINUNICODE
+                end = pos + 2 + buf[pos + 1]
+                if end > n:
+                    self.pos = pos
+                    n = self.more(end)
                     buf = self.buf
                 push(leaf)
-            elif kind == _MARK:
+                pos = end
+            elif op == 0x28:  # MARK
                 if len(marks) >= MAX_DEPTH:
                     self.pos = pos
                     raise _Refused(f"MARKs nested more than {MAX_DEPTH} deep")
                 fence = len(stack)
                 marks.append(fence)
                 pos += 1
-            elif kind == _CALL or kind == _BUILD or kind == _ADD:
-                # NEWOBJ / REDUCE (a class or callable and its arguments: a new object), BUILD (a state for the
-                # object below it), APPEND (an item), SETITEM (a key and a value for the container below them)
-                c = 2 if op == 0x73 or kind == _CALL else 1
-                if len(stack) - fence <= c - (kind == _CALL):
+            elif op == 0x81 or op == 0x52:  # NEWOBJ, REDUCE: a class or callable and its arguments, a new object
+                if len(stack) - fence < 2:
                     self.pos = pos
                     raise _Refused("an opcode that takes more values than the stack holds")
-                del stack[-c:]
-                if kind == _CALL:
-                    push(leaf)
+                del stack[-2:]
+                push(leaf)
                 pos += 1
-            elif kind == _MARK_ADD:  # APPENDS, SETITEMS, ADDITEMS: the items since the MARK, to the value below it
+            elif op == 0x62:  # BUILD: a state for the object below it
+                if len(stack) - fence < 2:
+                    self.pos = pos
+                    raise _Refused("an opcode that takes more values than the stack holds")
+                stack.pop()
+                pos += 1
+            elif op == 0x75 or op == 0x65:  # SETITEMS, APPENDS: the items since the MARK, to the value below it
                 if not marks:
                     self.pos = pos
                     raise _Refused("an opcode that needs a MARK without one")
-                at = marks.pop()
-                if op == 0x90:  # ADDITEMS hashes its items: each must be a bounded tuple (checked when built)
-                    pass
-                del stack[at:]
+                del stack[marks.pop() :]
                 fence = marks[-1] if marks else 0
                 if len(stack) <= fence:
                     self.pos = pos
                     raise _Refused("items added to nothing")
                 pos += 1
-            elif kind == _TUPLE_N:  # TUPLE1, TUPLE2, TUPLE3
-                c = op - 0x84
-                if len(stack) - fence < c:
-                    self.pos = pos
-                    raise _Refused("an opcode that takes more values than the stack holds")
-                items = stack[-c:]
-                del stack[-c:]
-                self.pos = pos
-                push(self.tuple_of(items))
-                pos += 1
-            elif kind == _MARK_NEW:  # TUPLE, LIST, DICT, FROZENSET: the items since the MARK
-                self.pos = pos
-                items = self.pop_mark()
-                fence = self.fence()
-                push(self.tuple_of(items) if op == 0x74 or op == 0x91 else leaf)
-                pos += 1
-            elif kind == _PUT:
-                self.pos = pos
-                self.put(buf[pos + 1] if k == 1 else u32(buf, pos + 1)[0])
-                pos += 1 + k
-            elif op == 0x2E:  # STOP
-                self.pos = pos
-                self.pop(1)
-                if pos + 1 < len(buf):  # bytes after STOP are not part of the pickle
-                    if isinstance(buf, bytes):
-                        return buf[: pos + 1]
-                    del buf[pos + 1 :]
-                return buf
             else:
-                self.pos = pos
-                pos = self.rare(op)
-                n = len(self.buf)
-                buf = self.buf
-                fence = self.fence()
-            if len(stack) > MAX_STACK:
-                self.pos = pos
-                raise _Refused(f"more than {MAX_STACK} values on the stack at once")
+                kind = kinds[op]
+                k = args[op]
+                if kind == _LEAF:
+                    push(leaf)
+                    pos += 1 + k
+                elif kind == _TUPLE_N:  # TUPLE1, TUPLE2, TUPLE3
+                    c = op - 0x84
+                    if len(stack) - fence < c:
+                        self.pos = pos
+                        raise _Refused("an opcode that takes more values than the stack holds")
+                    items = stack[-c:]
+                    del stack[-c:]
+                    self.pos = pos
+                    push(self.tuple_of(items))
+                    pos += 1
+                elif kind == _COUNTED:
+                    if k == 1:
+                        length = buf[pos + 1]
+                    elif k == 4:
+                        length = (_I32 if op == 0x54 else u32)(buf, pos + 1)[0]  # BINSTRING's length is signed
+                    else:
+                        length = _U64(buf, pos + 1)[0]
+                    self.pos = pos
+                    if length < 0:
+                        raise _Refused("a string of negative length")
+                    pos += 1 + k + length
+                    if pos > n:
+                        n = self.more(pos)
+                        buf = self.buf
+                    push(leaf)
+                elif kind == _ADD:  # APPEND (an item), SETITEM (a key and a value): to the container below them
+                    c = 2 if op == 0x73 else 1
+                    if len(stack) - fence <= c:
+                        self.pos = pos
+                        raise _Refused("an opcode that takes more values than the stack holds")
+                    del stack[-c:]
+                    pos += 1
+                elif kind == _MARK_ADD_SET:  # ADDITEMS: like SETITEMS (its items, tuples, are bounded when built)
+                    if not marks:
+                        self.pos = pos
+                        raise _Refused("an opcode that needs a MARK without one")
+                    del stack[marks.pop() :]
+                    fence = marks[-1] if marks else 0
+                    if len(stack) <= fence:
+                        self.pos = pos
+                        raise _Refused("items added to nothing")
+                    pos += 1
+                elif kind == _MARK_NEW:  # TUPLE, LIST, DICT, FROZENSET: the items since the MARK
+                    self.pos = pos
+                    items = self.pop_mark()
+                    fence = self.fence()
+                    push(self.tuple_of(items) if op == 0x74 or op == 0x91 else leaf)
+                    pos += 1
+                elif kind == _PUT:
+                    self.pos = pos
+                    self.put(buf[pos + 1] if k == 1 else u32(buf, pos + 1)[0])
+                    pos += 1 + k
+                elif op == 0x2E:  # STOP
+                    self.pos = pos
+                    self.pop(1)
+                    if pos + 1 < len(buf):  # bytes after STOP are not part of the pickle
+                        if isinstance(buf, bytes):
+                            return buf[: pos + 1]
+                        del buf[pos + 1 :]
+                    return buf
+                else:
+                    self.pos = pos
+                    pos = self.rare(op)
+                    n = len(self.buf)
+                    buf = self.buf
+                    fence = self.fence()
+                    limit = -1
 
     def rare(self, op: int) -> int:
         """Check the opcode ``op`` at ``self.pos`` (one DCP rarely or never writes); the position after it."""
