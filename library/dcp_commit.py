@@ -81,7 +81,7 @@ def top_level_names(backend: str, writers: int, tensors: Collection[str]) -> set
 
         return {file_name(w) for w in range(writers)}
     if backend == "zarr":
-        from moeckpt.formats.backends.zarr import META_NAME
+        from moeckpt.formats.backends.zarr_array import META_NAME
 
         return {META_NAME} | {name.split("/", 1)[0] for name in tensors}
     return None

@@ -1,0 +1,154 @@
+"""One grid cell's object of a zarr array: encoded with crc32c (one plain chunk, or inner chunks behind an index
+with the sharding codec) and read back verified, whole or by rows of its dim 0.
+
+A cell of more than :data:`~.zarr.INNER_CHUNK_BYTES` is stored with the sharding codec, each inner chunk followed
+by its crc32c, behind a crc32c-protected index at the start of the object, so a reader fetches the index plus only
+the inner chunks of the rows it needs; an edge cell is stored padded to the chunk shape (the fill value).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import google_crc32c
+import numpy as np
+import torch
+
+from .. import dtypes
+from ..errors import ChecksumMismatchError, DataFileError
+from ..pieces import PieceRef, tensor_bytes
+from ..storage import Storage
+from .zarr_array import ArrayPlan
+
+CRC_BYTES = 4
+INDEX_ENTRY_BYTES = 16  # (offset, nbytes) as two little-endian uint64
+
+
+def crc32c(data: bytes | bytearray | memoryview) -> bytes:
+    """The 4-byte little-endian crc32c the zarr ``crc32c`` codec appends."""
+    return struct.pack("<I", google_crc32c.value(np.frombuffer(data, dtype=np.uint8)))
+
+
+def encode_cell(plan: ArrayPlan, data: torch.Tensor) -> list[bytes | memoryview]:
+    """The bytes of one cell's object, as parts to write back to back (views of ``data`` where possible).
+
+    A cell at the array's end (smaller than the chunk) is padded with zeros (the fill value) to the chunk shape.
+    """
+    if tuple(data.shape) != plan.shard:
+        padded = torch.zeros(plan.shard, dtype=data.dtype)
+        padded[tuple(slice(0, n) for n in data.shape)] = data
+        data = padded
+    if plan.inner is None:
+        raw = tensor_bytes(data.reshape(-1))  # reshape: tensor_bytes cannot view a 0-d tensor as bytes
+        return [raw, crc32c(raw)]
+    grid = tuple(s // i for s, i in zip(plan.shard, plan.inner))
+    n = math.prod(grid)
+    chunk = math.prod(plan.inner) * dtypes.itemsize(plan.dtype) + CRC_BYTES
+    head = n * INDEX_ENTRY_BYTES + CRC_BYTES
+    index = np.empty((n, 2), dtype="<u8")
+    index[:, 0] = head + np.arange(n, dtype=np.uint64) * chunk
+    index[:, 1] = chunk
+    index_raw = index.tobytes()
+    parts: list[bytes | memoryview] = [index_raw, crc32c(index_raw)]
+    for coords in np.ndindex(*grid):  # C order, as the index lists them
+        raw = tensor_bytes(data[tuple(slice(c * i, (c + 1) * i) for c, i in zip(coords, plan.inner))])
+        parts += [raw, crc32c(raw)]
+    return parts
+
+
+def missing_object(storage: Storage, relpath: str, what: str) -> DataFileError:
+    """The error for an object the index lists that is not there."""
+    return DataFileError(
+        f"{storage.path(relpath)}: {what} is missing (listed in the index); the checkpoint is incomplete"
+    )
+
+
+def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    """Read one cell, or rows ``[r0, r1)`` of its dim 0, verifying the crc32c of every chunk read."""
+    box_shape = tuple(ref.box.shape)
+    r0, r1 = rows if rows is not None and box_shape else (0, box_shape[0] if box_shape else 1)
+    shape = ref.stored_shape or box_shape  # an edge cell is stored padded to the chunk shape
+    data = _read_stored(storage, ref, shape, r0, r1)
+    if shape == box_shape:
+        return data
+    # crop the padding: rows are already cut to [r0, r1); the other dims to the cell
+    return data[(slice(None),) + tuple(slice(0, n) for n in box_shape[1:])]
+
+
+def _read_stored(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of an object that stores an array of ``shape``, every chunk read verified."""
+    where = storage.path(ref.file)
+    torch_dtype = dtypes.to_torch(ref.dtype)
+    item = dtypes.itemsize(ref.dtype)
+    if ref.chunks is None:
+        nbytes = math.prod(shape) * item
+        try:
+            (buf,) = storage.read_ranges([(ref.file, None, None)])
+        except FileNotFoundError:
+            raise missing_object(storage, ref.file, f"chunk of tensor {ref.tensor!r}") from None
+        if len(buf) != nbytes + CRC_BYTES:
+            raise DataFileError(
+                f"{where}: chunk of tensor {ref.tensor!r} has {len(buf)} bytes, expected {nbytes + CRC_BYTES}: "
+                "the object is truncated or replaced"
+            )
+        _check_crc(buf, 0, nbytes, ref, where, "chunk")
+        full = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        full = full.view(torch_dtype).reshape(shape)
+        return full[r0:r1] if shape and (r0, r1) != (0, shape[0]) else full
+    inner = ref.chunks
+    grid = tuple(s // i for s, i in zip(shape, inner))
+    n, per_band = math.prod(grid), math.prod(grid[1:])
+    data_bytes = math.prod(inner) * item
+    chunk = data_bytes + CRC_BYTES
+    head = n * INDEX_ENTRY_BYTES + CRC_BYTES
+    b0, b1 = r0 // inner[0], -(-r1 // inner[0])
+    out_rows = (b1 - b0) * inner[0]
+    if r1 <= r0:
+        return torch.empty((0,) + shape[1:], dtype=torch_dtype)
+    k0, k1 = b0 * per_band, b1 * per_band
+    try:
+        if (k0, k1) == (0, n):  # the whole shard: one request instead of two
+            (data,) = storage.read_ranges([(ref.file, None, None)])
+            if len(data) != head + n * chunk:
+                raise DataFileError(
+                    f"{where}: shard of tensor {ref.tensor!r} has {len(data)} bytes, expected {head + n * chunk}: "
+                    "the object is truncated or replaced"
+                )
+            index_raw, base = data[:head], head
+        else:
+            index_raw, data = storage.read_ranges(
+                [(ref.file, 0, head), (ref.file, head + k0 * chunk, head + k1 * chunk)]
+            )
+            base = 0
+    except FileNotFoundError:
+        raise missing_object(storage, ref.file, f"shard of tensor {ref.tensor!r}") from None
+    if len(index_raw) != head or len(data) != base + (k1 - k0) * chunk:
+        raise DataFileError(f"{where}: shard of tensor {ref.tensor!r} ends early: the object is truncated")
+    _check_crc(index_raw, 0, head - CRC_BYTES, ref, where, "shard index")
+    index = np.frombuffer(bytes(index_raw[: head - CRC_BYTES]), dtype="<u8").reshape(n, 2)
+    want = head + np.arange(k0, k1, dtype=np.uint64) * chunk
+    if not (np.array_equal(index[k0:k1, 0], want) and bool((index[k0:k1, 1] == chunk).all())):
+        raise DataFileError(f"{where}: shard index of tensor {ref.tensor!r} is not in the layout moeckpt writes")
+    out = torch.empty((out_rows,) + shape[1:], dtype=torch_dtype)
+    for j in range(k1 - k0):
+        off = base + j * chunk
+        _check_crc(data, off, data_bytes, ref, where, f"inner chunk {k0 + j}")
+        coords = np.unravel_index(k0 + j, grid)
+        dst = (slice((int(coords[0]) - b0) * inner[0], (int(coords[0]) - b0 + 1) * inner[0]),) + tuple(
+            slice(int(c) * i, (int(c) + 1) * i) for c, i in zip(coords[1:], inner[1:])
+        )
+        src = torch.frombuffer(data, dtype=torch.uint8, offset=off, count=data_bytes).view(torch_dtype)
+        out[dst] = src.reshape(inner)
+    lo = r0 - b0 * inner[0]
+    return out[lo : lo + (r1 - r0)] if (lo, r1 - r0) != (0, out_rows) else out
+
+
+def _check_crc(buf: bytearray, off: int, nbytes: int, ref: PieceRef, where: str, what: str) -> None:
+    mv = memoryview(buf)
+    got, stored = crc32c(mv[off : off + nbytes]), bytes(mv[off + nbytes : off + nbytes + CRC_BYTES])
+    if got != stored:
+        raise ChecksumMismatchError(
+            f"{where}: checksum mismatch (crc32c) in {what} of tensor {ref.tensor!r} box {ref.box.to_json()} "
+            f"(stored {stored.hex()}, computed {got.hex()}); the object is corrupt"
+        )
