@@ -10,7 +10,8 @@ chunks, and DCP's planner reshards.
 It stands in for DCP's ``FileSystemWriter``/``FileSystemReader``: a save replaces only its own files (see
 :mod:`.dcp_commit`); every key DCP accepts is stored, under a safe name (:func:`.dcp_values.encode_key`); the
 planner's hooks run (a custom ``transform_object``'s bytes are what the load planner's ``load_bytes`` gets back);
-the metadata DCP reads back keeps its ``planner_data``, ``version`` and ``storage_meta``.
+the metadata DCP reads back keeps its ``planner_data`` and ``version`` (``storage_meta`` names the checkpoint and
+the load; the save's random ``save_id`` is not stored, so the index of a state is the same bytes every time).
 
 No pickle reaches the disk: a non-tensor value from DCP's default planner is stored from the original object as
 typed JSON, its bytes and tensors as tensors of the data files (:mod:`.dcp_values`). On load, DCP's planner only
@@ -258,10 +259,14 @@ class StorageWriter(_DcpWriter):
 
     def _dcp_config(self, metadata: Metadata) -> dict[str, Any]:
         """What DCP's metadata holds besides tensors and values: the planner's data (DefaultSavePlanner's flattening
-        mappings), the metadata version and this save's id."""
-        out: dict[str, Any] = {"version": DCP_VERSION, "save_id": self.save_id}
+        mappings) and the metadata version. Not the save's random id: the same state saved twice writes the same
+        index, byte for byte."""
+        out: dict[str, Any] = {"version": DCP_VERSION}
         if metadata.planner_data is not None:
-            planner_data, blobs = encode_value("planner_data", metadata.planner_data)
+            data = metadata.planner_data
+            if isinstance(data, dict) and all(isinstance(k, str) for k in data):
+                data = dict(sorted(data.items()))  # the ranks' plans merge in no fixed order
+            planner_data, blobs = encode_value("planner_data", data)
             if blobs:
                 raise StateDictError("the save planner's planner_data holds tensors or bytes, which cannot be saved")
             out["planner_data"] = planner_data
@@ -398,7 +403,7 @@ class StorageReader(_DcpReader):
         return Metadata(
             state_dict_metadata=md,
             planner_data=planner_data,
-            storage_meta=StorageMeta(checkpoint_id=self.path, save_id=saved.get("save_id") or "", load_id=self.load_id),
+            storage_meta=StorageMeta(checkpoint_id=self.path, load_id=self.load_id),
             version=saved.get("version"),
         )
 

@@ -188,7 +188,7 @@ def test_a_nested_dict_saved_unflattened_round_trips_as_with_dcps_own_storage(tm
     assert str(got["moeckpt"]) == str(got["dcp"])
 
 
-def test_read_metadata_keeps_the_planners_data_the_version_and_the_save_id(tmp_path):
+def test_read_metadata_keeps_the_planners_data_and_the_version(tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
@@ -200,7 +200,13 @@ def test_read_metadata_keeps_the_planners_data_the_version_and_the_save_id(tmp_p
     md = reader.read_metadata()
     assert md.version == "1.0.0"
     assert md.planner_data["model.0.weight"] == ("model", "0.weight")
-    assert md.storage_meta.save_id == writer.save_id and md.storage_meta.load_id == reader.load_id
+    assert md.storage_meta.checkpoint_id == path and md.storage_meta.load_id == reader.load_id
+    # no random id on disk: the same state saved again writes the same index
+    again = str(tmp_path / "again")
+    dcp.save({"model": model.state_dict(), "step": 5}, storage_writer=moeckpt.dcp.StorageWriter(again))
+    assert (
+        open(os.path.join(path, "moeckpt.json"), "rb").read() == open(os.path.join(again, "moeckpt.json"), "rb").read()
+    )
     # DCP's own tools that rebuild the nested state dict from planner_data
     got = _load_state_dict_from_keys("model", storage_reader=moeckpt.dcp.StorageReader(path))
     assert set(got["model"]) == set(model.state_dict())
