@@ -27,24 +27,46 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
-from moeckpt.formats.backend import Backend, get_backend
+from moeckpt.formats.backend import get_backend
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import begin_save, commit, staging_storage
 from moeckpt.formats.errors import MoeckptError
-from moeckpt.formats.index import FileEntry, Index
+from moeckpt.formats.index import FileEntry, Index, TensorEntry
 from moeckpt.formats.pieces import Piece
+from moeckpt.formats.storage import Storage
 
 from . import collectives
 from .runtime import cores_per_rank
 
-__all__ = ["MAX_WRITE_THREADS", "SaveFailedError", "SaveHooks", "save_collective", "write_threads"]
+__all__ = ["MAX_WRITE_THREADS", "SaveFailedError", "SaveHooks", "SaveWriter", "save_collective", "write_threads"]
 
 log = logging.getLogger(__name__)
 
 
 class SaveFailedError(MoeckptError, RuntimeError):
     """A distributed save failed on some rank; nothing was committed."""
+
+
+class SaveWriter(Protocol):
+    """What the protocol writes with: a backend's ``prepare``, ``write`` and ``finish`` (any
+    :class:`~moeckpt.formats.backend.Backend`, or a writer of the caller's that stores this rank's file otherwise,
+    such as the memory tier's ring)."""
+
+    def prepare(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> None: ...
+
+    def write(
+        self,
+        storage: Storage,
+        writer: int,
+        pieces: Sequence[Piece],
+        tensors: dict[str, TensorEntry],
+        *,
+        threads: int = 1,
+    ) -> list[FileEntry]: ...
+
+    def finish(self, storage: Storage, files: list[FileEntry], tensors: dict[str, TensorEntry]) -> list[FileEntry]: ...
 
 
 @dataclass(frozen=True)
@@ -75,7 +97,7 @@ def save_collective(
     group=None,
     overwrite: bool = False,
     replace_uncommitted: bool = False,
-    backend: Backend | None = None,
+    backend: SaveWriter | None = None,
     threads: int | None = None,
     coordinator: bool | None = None,
     hooks: SaveHooks = _NO_HOOKS,
@@ -97,7 +119,7 @@ def save_collective(
     rank = collectives.rank(group)
     if coordinator is None:
         coordinator = rank == 0
-    backend = backend if backend is not None else get_backend(index.backend)
+    writer: SaveWriter = backend if backend is not None else get_backend(index.backend)
     error = None
     if coordinator:
         try:
@@ -105,7 +127,7 @@ def save_collective(
                 hooks.before_begin()
             begin_save(location, overwrite=overwrite, replace_uncommitted=replace_uncommitted)
             if boxes is not None:
-                backend.prepare(staging_storage(location), index.tensors, boxes)
+                writer.prepare(staging_storage(location), index.tensors, boxes)
         except MoeckptError as e:
             error = {"type": type(e).__name__, "message": str(e)}
         except Exception as e:  # noqa: BLE001 - any failure must reach every rank, or they would write into nothing
@@ -114,7 +136,7 @@ def save_collective(
     if started:
         raise _typed(started[0], failure)
     try:
-        written = backend.write(
+        written = writer.write(
             staging_storage(location),
             rank,
             list(pieces),
@@ -137,7 +159,7 @@ def save_collective(
     final = index
     if coordinator:
         try:
-            files = backend.finish(staging_storage(location), [f for fs in by_rank for f in fs], index.tensors)
+            files = writer.finish(staging_storage(location), [f for fs in by_rank for f in fs], index.tensors)
             final = replace(index, files={f.path: f for f in files})
             commit(location, final)
             log.log(commit_log_level, "committed %s (step %d, %d files)", location, final.step, len(final.files))

@@ -150,6 +150,12 @@ class CheckpointManager:
             pin = torch.cuda.is_available() and torch.cuda.is_initialized()
             tier.open_ring(self.rank, layout, self.tensors, pin=pin)
 
+    def _ring_views(self, slot: int) -> dict[tuple[str, Box], torch.Tensor]:
+        ring = self._memory.ring if self._memory is not None else None
+        if ring is None:
+            raise MoeckptError("a memory ring slot without a memory ring")  # never: a slot comes from the ring
+        return ring.views(slot)
+
     def _ring_slot(self, step: int) -> int | None:
         ring = self._memory.ring if self._memory is not None else None
         return ring.acquire(step) if ring is not None else None
@@ -184,7 +190,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         slot = self._ring_slot(step) if to_memory else None
         # With a memory ring the snapshot lands in its slot, and the persistent write reads the same slot.
-        pieces = self._snapshot(local_state, self._buffers if slot is None else self._memory.ring.views(slot))
+        pieces = self._snapshot(local_state, self._buffers if slot is None else self._ring_views(slot))
         stats = SaveStats(
             step=step,
             blocked_s=0.0,
@@ -228,7 +234,7 @@ class CheckpointManager:
                 share / 1e6,
             )
         t0 = time.perf_counter()
-        pieces = self._snapshot(local_state, self._memory_buffers if slot is None else self._memory.ring.views(slot))
+        pieces = self._snapshot(local_state, self._memory_buffers if slot is None else self._ring_views(slot))
         stats = SaveStats(
             step=step,
             bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),

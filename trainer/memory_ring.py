@@ -47,7 +47,7 @@ import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.backends.safetensors import file_name
-from moeckpt.formats.backends.safetensors_header import header_bytes
+from moeckpt.formats.backends.safetensors_write import header_bytes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checksum import checksum
 from moeckpt.formats.errors import MoeckptError
@@ -288,13 +288,18 @@ class MemoryRing:
             free = [k for k, s in enumerate(self._slots) if not s.busy]
             if not free:
                 return None
-            k = min(free, key=lambda i: -1 if self._slots[i].step is None else self._slots[i].step)
+            k = min(free, key=self._age)
             slot = self._slots[k]
             slot.busy = True
             old, slot.step = slot.step, None
         if old is not None:
             self._unlink(old, slot)
         return k
+
+    def _age(self, k: int) -> int:
+        """Slot ``k``'s step, for choosing the oldest (a free slot, -1, first)."""
+        step = self._slots[k].step
+        return -1 if step is None else step
 
     def _unlink(self, step: int, slot: _Slot) -> None:
         link = os.path.join(self.node_dir, f"step-{step:08d}", self.name)

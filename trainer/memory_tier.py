@@ -381,7 +381,7 @@ class MemoryTier:
                     offset = 0
                     raw = incoming.numpy()
                     for f in theirs:
-                        staging.write_parts(f.path, [memoryview(raw[offset : offset + f.size])], fsync=False)
+                        staging.write_parts(f.path, [raw[offset : offset + f.size].data], fsync=False)
                         offset += f.size
                 except Exception as e:  # noqa: BLE001 - shared below
                     error = f"node {self.node}: replication at distance {d} failed: {e}"
