@@ -29,9 +29,15 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 
+from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.render import bounded_repr
 
-from .unpickler import UnsafePickleError
+
+class UnsafePickleError(MoeckptError, ValueError):
+    """A pickle in a DCP checkpoint names a class or call outside what DCP writes, or breaks a bound of what DCP
+    writes; nothing of it was run. Defined here, below the unpickler that raises it too, so neither imports the
+    other's module at run time."""
+
 
 #: deepest nesting of tuples (DCP's are a level or two: sizes, planner paths) and of MARKs (a few per record).
 MAX_DEPTH = 100

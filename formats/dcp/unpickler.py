@@ -25,12 +25,9 @@ from __future__ import annotations
 import pickle
 from typing import Any, Self
 
-from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.render import bounded_repr, bounded_text
 
-
-class UnsafePickleError(MoeckptError, ValueError):
-    """A pickle in a DCP checkpoint names a class or call outside what DCP writes; nothing of it was run."""
+from .bounds import UnsafePickleError, scan_bytes
 
 
 class _Record:
@@ -374,8 +371,6 @@ class _Restricted(pickle.Unpickler):
 def _load(data: bytes | bytearray, allowed: dict, where: str, persistent: bool, scanned: bool = False) -> object:
     # What the pickle may build is bounded first (memo indices, nesting, tuple expansion, integer widths), then the
     # restricted unpickler decides what it may name.
-    from .bounds import scan_bytes
-
     try:
         if not scanned:
             scan_bytes(data, where, persistent=persistent)
