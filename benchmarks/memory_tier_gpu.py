@@ -95,7 +95,7 @@ def one_run(args, work: str, memory: bool) -> dict:
     if args.cpu:
         cmd += ["--cpu"]
     print("$", " ".join(cmd[2:]), flush=True)
-    env = dict(os.environ, MOECKPT_AGENT_EVENTS=events)
+    env = dict(os.environ, MOECKPT_AGENT_EVENTS=events, MOECKPT_MEMORY_RING="1" if args.ring else "0")
     t0 = time.time()
     code = subprocess.run(cmd, env=env, check=False).returncode
     wall = time.time() - t0
@@ -247,6 +247,9 @@ def main() -> None:
         help="the steps the worker is killed at, comma-separated (each once, in one invocation)",
     )
     ap.add_argument("--nproc", type=int, default=1)
+    ap.add_argument(
+        "--ring", action=argparse.BooleanOptionalAction, default=True, help="the memory ring ($MOECKPT_MEMORY_RING)"
+    )
     ap.add_argument("--memory-every", type=int, default=1)
     ap.add_argument("--storage-run", action=argparse.BooleanOptionalAction, default=True, help="the run beside it")
     ap.add_argument("--save-every", type=int, default=30)

@@ -127,11 +127,12 @@ def test_a_restarted_process_maps_the_surviving_slots_and_knows_their_steps(tmp_
     assert sorted(os.listdir(tmp_path / "ring")) == [f"slot-{i}.safetensors" for i in range(3)]
 
 
-def test_the_trainers_memory_checkpoint_files_are_its_ring_slots_and_a_restart_remaps_them(tmp_path):
+def test_the_trainers_memory_checkpoint_files_are_its_ring_slots_and_a_restart_remaps_them(tmp_path, monkeypatch):
     from moeckpt.trainer import memory_tier
     from moeckpt.trainer.train import TrainConfig, Trainer
     from tests.train_workers import memory_run
 
+    monkeypatch.setenv(memory_tier.RING_ENV, "1")
     base = {"model": "zaya-tiny", "steps": 6, "seq_len": 32, "global_batch": 4, "warmup_steps": 2, "cpu": True}
     cfg = TrainConfig(run_dir=str(tmp_path / "run"), memory_tier=True, memory_dir=str(tmp_path / "shm"), **base)
     memory_run(0, cfg.to_json(), 3, (1,), (2, 3))

@@ -80,6 +80,8 @@ T = TypeVar("T")
 
 #: where memory checkpoints live unless ``--memory-dir`` names another node-local directory.
 DEFAULT_PARENT = "/dev/shm"
+#: ``0`` turns the memory ring off (:meth:`MemoryTier.open_ring`): the tier then writes copies, as before the ring.
+RING_ENV = "MOECKPT_MEMORY_RING"
 #: the run directory's record of its run id.
 MARKER = "memory-tier.json"
 #: the memory tier's default file format. Any backend that stores each writer's pieces in files of its own
@@ -245,8 +247,8 @@ class MemoryTier:
         """Open this rank's memory ring for its written ``layout`` (``(tensor, box)`` in snapshot order): the
         files the snapshots land in and the memory checkpoints are made of, ``keep + 1`` slots (the spare one
         for a persistent save reading a slot); mapped from a previous process's files where they survive. Only
-        for the ring's format; ``None`` (the tier writes copies) for another backend."""
-        if self.backend_name != RING_FORMAT:
+        for the ring's format and unless ``$MOECKPT_MEMORY_RING=0``; ``None`` otherwise (the tier writes copies)."""
+        if self.backend_name != RING_FORMAT or os.environ.get(RING_ENV) == "0":
             return None
         self.ring = MemoryRing(
             os.path.join(self.ring_dir, f"rank-{rank:05d}"),
