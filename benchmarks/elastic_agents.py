@@ -104,7 +104,11 @@ def main() -> None:
     else:
         nproc, name, node_env = 2, "elastic_agents", None
         train_args = cpu_drill_args(
-            run, steps=args.steps or CPU_DRILL_STEPS, model=args.model or "zaya-tiny", slow=args.slow
+            run,
+            steps=args.steps or CPU_DRILL_STEPS,
+            model=args.model or "zaya-tiny",
+            slow=args.slow,
+            kill_at=args.kill_at,
         )
     result = run_shrink_grow_drill(
         run, train_args, nproc=nproc, kill_at_step=args.kill_at, timeout_s=540, node_env=node_env, progress=print

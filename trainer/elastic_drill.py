@@ -58,11 +58,23 @@ CPU_DRILL_STEPS = 80
 CPU_DRILL_KILL_AT = 17
 
 
+#: the extra delay per step after node B is lost: the survivors' stretch must outlast node C's start (its
+#: interpreter, torch's import, the rendezvous) on a loaded machine, or the run ends before C can join.
+CPU_DRILL_SLOW_AFTER_KILL = 0.35
+
+
 def cpu_drill_args(
-    run_dir: str, *, steps: int = CPU_DRILL_STEPS, model: str = "zaya-tiny", slow: float = 0.15
+    run_dir: str,
+    *,
+    steps: int = CPU_DRILL_STEPS,
+    model: str = "zaya-tiny",
+    slow: float = 0.15,
+    kill_at: int = CPU_DRILL_KILL_AT,
+    slow_after_kill: float = CPU_DRILL_SLOW_AFTER_KILL,
 ) -> list[str]:
     """``moeckpt train`` arguments of the CPU drill: zaya-tiny, ep 2, a checkpoint every 5 steps, and a straggler
-    delay of ``slow`` seconds per step that keeps this tiny run going while nodes come and go."""
+    delay of ``slow`` seconds per step that keeps this tiny run going while nodes come and go, ``slow_after_kill``
+    more after step ``kill_at`` (while a new node starts)."""
     return [
         "--model",
         model,
@@ -83,6 +95,8 @@ def cpu_drill_args(
         "60",
         "--inject",
         f"slow:step=1,seconds={slow}",
+        "--inject",
+        f"slow:step={kill_at + 1},seconds={slow_after_kill}",
     ]
 
 
