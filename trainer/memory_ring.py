@@ -47,7 +47,7 @@ import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.backends.safetensors import file_name
-from moeckpt.formats.backends.safetensors_write import header_bytes
+from moeckpt.formats.backends.safetensors_header import header_bytes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checksum import checksum
 from moeckpt.formats.errors import MoeckptError

@@ -99,6 +99,8 @@ def run_model(config: TrainConfig) -> ModelSpec:
     """The run's model: ``config.model``, or the model of the ``init_from`` checkpoint when that is empty."""
     if config.model:
         return resolve_model(config.model)
+    if not config.init_from:
+        raise ResumeError("no model to train: pass --model PRESET|JSON, or --init-from a checkpoint to take it from")
     index = CheckpointReader(config.init_from).index
     if is_state_dict(index):
         raise ResumeError(
@@ -587,9 +589,12 @@ class Trainer:
         """One optimizer step; returns its metrics record."""
         t0 = time.perf_counter()
         faults = self.checkpoints.faults
-        faults.before_step(self.step + 1)
+        if faults is not None:
+            faults.before_step(self.step + 1)
         inputs, targets = self.loader.next()
-        loss = faults.loss(self.step + 1, self.loss(inputs, targets))
+        loss = self.loss(inputs, targets)
+        if faults is not None:
+            loss = faults.loss(self.step + 1, loss)
         loss.backward()
         lr = self.schedule.next()
         grad_norm = self.optimizer.step(lr)
