@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -274,15 +276,16 @@ def test_an_unreachable_s3_endpoint_is_one_line_in_seconds(tmp_path, monkeypatch
         assert time.monotonic() - t0 < 5
 
 
-def test_nothing_of_a_run_stays_in_the_temporary_directory(tmp_path, monkeypatch):
+def test_nothing_of_a_run_stays_in_the_temporary_directory(tmp_path, monkeypatch, request):
     """torchrun's log directory, the workers' status files and torch.multiprocessing's error pickles go where they
     are cleaned up (a private temporary directory here, so other jobs' files do not count)."""
     from moeckpt.trainer.local_world import run_local_world
 
     from .test_parallel import _fail_on_rank_one
 
-    private = tmp_path / "tmp"
-    private.mkdir()
+    # a short path: under xdist tmp_path is deep, and a forkserver's AF_UNIX socket path in it would be too long
+    private = Path(tempfile.mkdtemp(prefix="moeckpt-t-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(private, ignore_errors=True))
     monkeypatch.setattr(tempfile, "tempdir", str(private))
     with pytest.raises(Exception, match="rank one fails on purpose"):
         run_local_world(_fail_on_rank_one, 2, timeout_s=60)

@@ -87,6 +87,8 @@ class ArrayPlan:
         fill: Any = (
             False if self.dtype == "bool" else (0.0 if kind.is_floating_point and self.dtype not in _STORED_AS else 0)
         )
+        if kind.is_complex:
+            fill = [0.0, 0.0]  # zarr v3 writes a complex fill value as [real, imaginary]
         if self.inner is None:
             codecs: list[dict[str, Any]] = [BYTES_CODEC, CRC_CODEC]
         else:
