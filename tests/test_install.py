@@ -83,6 +83,21 @@ print("clean")
 """
 
 
+def test_the_wheel_lists_every_package_of_the_source_tree():
+    """The editable install of the test venv finds any folder; a wheel holds only the packages pyproject.toml
+    names, so a new subpackage left off the list imports here and fails on every plain install."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    on_disk = set()
+    for package, folder in setuptools["package-dir"].items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            on_disk.add(".".join((package, *rel)))
+    assert on_disk - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+    assert listed - on_disk == set(), "pyproject.toml lists packages with no folder"
+
+
 def test_the_cli_and_trainer_run_without_pytest_or_any_extra():
     p = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
