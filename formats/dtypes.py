@@ -29,6 +29,9 @@ _DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
     "complex128": (torch.complex128, "C128", 16),
 }
 
+#: the dtypes format version 3 added (``dcp.save`` of any state dict); every other dtype is in every version.
+_VERSION_3 = frozenset({"uint16", "uint32", "uint64", "complex64", "complex128"})
+
 _BY_TORCH = {v[0]: k for k, v in _DTYPES.items()}
 _BY_ST = {v[1]: k for k, v in _DTYPES.items()}
 
@@ -48,6 +51,11 @@ def check_dtype_name(name: object, where: str) -> str:
     if not isinstance(name, str) or name not in _DTYPES:
         raise CheckpointIndexError(f"{where}: unknown dtype {name!r}; known: {', '.join(DTYPE_NAMES)}")
     return name
+
+
+def since_version(name: str) -> int:
+    """The first format version whose indexes may hold dtype ``name``."""
+    return 3 if name in _VERSION_3 else 1
 
 
 def to_torch(name: str) -> torch.dtype:

@@ -24,10 +24,16 @@ from .roles import ROLES
 
 INDEX_NAME = "moeckpt.json"
 FORMAT_NAME = "moeckpt"
-#: the newest version this moeckpt reads; it writes 1 unless the index needs what 2 added (device meshes).
-FORMAT_VERSION = 2
+#: the newest version this moeckpt reads; it writes 1 unless the index needs what a later version added.
+FORMAT_VERSION = 3
 #: the version an index with device-mesh shardings (or stored-piece shardings) is written as.
 MESH_FORMAT_VERSION = 2
+#: the version an index is written as when its tensor names are escaped DCP keys (``model.config.dcp``, written
+#: by ``moeckpt.dcp.StorageWriter``) or a tensor has a dtype version 3 added: a version-2 reader would take the
+#: escaped names for keys, or fail on the dtype.
+DCP_FORMAT_VERSION = 3
+#: the member of ``model.config`` that says the tensor names are escaped DCP keys and holds DCP's own metadata.
+DCP_CONFIG_KEY = "dcp"
 #: the sharding of a tensor whose pieces, and the files holding them, only the data files' headers list (no rule
 #: computes them): what ``dcp.save`` through ``moeckpt.dcp.StorageWriter`` and ``import-dcp --mapping none`` write.
 STORED_SHARDING: dict[str, Any] = {"pieces": "stored"}
@@ -240,9 +246,22 @@ class Index:
                 raise CheckpointIndexError(f"index: tensor {entry.name!r} refers to mesh {ref!r} of its mesh table")
 
     @property
+    def dcp_names(self) -> bool:
+        """Whether the tensor names are escaped DCP keys (``model.config.dcp``, version 3): only then does a
+        ``%XX`` in a name stand for a character."""
+        config = self.model.get("config")
+        return isinstance(config, dict) and DCP_CONFIG_KEY in config and self.written_version >= DCP_FORMAT_VERSION
+
+    @property
     def written_version(self) -> int:
-        """The format version this index is written as: 1, unless it has device meshes or stored-piece shardings
-        (2: a version-1 reader could not locate those tensors' pieces)."""
+        """The format version this index is written as: 3 when its names are escaped DCP keys or a tensor has a
+        dtype of version 3; else 2 when it has device meshes or stored-piece shardings (a version-1 reader could
+        not locate those tensors' pieces); else 1."""
+        config = self.model.get("config")
+        if (isinstance(config, dict) and DCP_CONFIG_KEY in config) or any(
+            dtypes.since_version(e.dtype) >= DCP_FORMAT_VERSION for e in self.tensors.values()
+        ):
+            return DCP_FORMAT_VERSION
         if self.meshes or any(e.sharding == STORED_SHARDING for e in self.tensors.values()):
             return MESH_FORMAT_VERSION
         return 1
@@ -327,12 +346,23 @@ class Index:
         if not isinstance(meshes_doc, list):
             raise CheckpointIndexError(f"{where}: 'meshes' must be a list")
         meshes = tuple(MeshEntry.from_json(m, f"{where}: mesh {i}") for i, m in enumerate(meshes_doc))
+        if version < DCP_FORMAT_VERSION and DCP_CONFIG_KEY in model.get("config", {}):
+            raise CheckpointIndexError(
+                f"{where}: 'model.config.{DCP_CONFIG_KEY}' appears in format version {version}; it needs version "
+                f"{DCP_FORMAT_VERSION}"
+            )
         tensors = {}
         for name, value in tensors_doc.items():
             try:
                 tensors[name] = TensorEntry.from_json(name, value, meshes)
             except CheckpointIndexError as e:
                 raise CheckpointIndexError(f"{where}: {e}") from None
+            since = dtypes.since_version(tensors[name].dtype)
+            if since > version:
+                raise CheckpointIndexError(
+                    f"{where}: tensor {name!r} has dtype {tensors[name].dtype}, which needs format version {since}, "
+                    f"in a version-{version} index"
+                )
         files = {}
         for path, value in files_doc.items():
             check_relative_path(path, f"{where}: file entry")

@@ -62,7 +62,7 @@ from moeckpt.formats.backend import get_backend
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, staging_storage
 from moeckpt.formats.errors import MoeckptError, StateDictError
-from moeckpt.formats.index import FileEntry, Index, TensorEntry, check_tensor_name
+from moeckpt.formats.index import DCP_CONFIG_KEY, FileEntry, Index, TensorEntry, check_tensor_name
 from moeckpt.formats.pieces import Piece
 from moeckpt.formats.storage import is_url, strip_file_scheme
 from moeckpt.formats.storages import FsspecStorage, S3Storage, storage_class
@@ -81,8 +81,6 @@ log = logging.getLogger(__name__)
 
 #: the DCP metadata version a save records (FileSystemWriter's ``CURRENT_DCP_VERSION``).
 DCP_VERSION = "1.0.0"
-#: where in the index's ``model.config`` the writer keeps what DCP's metadata holds besides tensors and values.
-_CONFIG_KEY = "dcp"
 
 
 def _location(checkpoint_id) -> str:
@@ -245,7 +243,7 @@ class StorageWriter(_DcpWriter):
             backend=self.format,
             step=self.step,
             layout={},
-            model={**GENERIC_MODEL, "config": {_CONFIG_KEY: self._dcp_config(metadata)}},
+            model={**GENERIC_MODEL, "config": {DCP_CONFIG_KEY: self._dcp_config(metadata)}},
             tensors=tensors,
             files={e.path: e for e in entries},
             train_state=values,
@@ -351,6 +349,7 @@ class StorageReader(_DcpReader):
         self._reader: CheckpointReader | None = None
         self._names: dict[str, str] = {}  # DCP key -> stored tensor name
         self._blobs: set[str] = set()
+        self._typed = False  # values with '$type' objects and blobs (a version-3 index of dcp.save)
 
     def reset(self, checkpoint_id=None) -> None:
         if checkpoint_id is not None:
@@ -367,8 +366,14 @@ class StorageReader(_DcpReader):
             if self.path is None:
                 raise StateDictError("moeckpt.dcp.StorageReader: no path; pass one or dcp.load(checkpoint_id=...)")
             reader = CheckpointReader(self.path)
-            self._blobs = {n for v in reader.index.train_state.values() for n in blob_names(v)}
-            self._names = {decode_key(n): n for n in reader.index.tensors if n not in self._blobs}
+            # Only a version-3 index of dcp.save has escaped names and typed values (blobs): in any other a name
+            # is its key as it stands and a value is plain JSON, whatever '%' or '$type' it holds.
+            self._typed = reader.index.dcp_names
+            if self._typed:
+                self._blobs = {n for v in reader.index.train_state.values() for n in blob_names(v)}
+                self._names = {decode_key(n): n for n in reader.index.tensors if n not in self._blobs}
+            else:
+                self._blobs, self._names = set(), {n: n for n in reader.index.tensors}
             self._reader = reader
         return self._reader
 
@@ -391,9 +396,9 @@ class StorageReader(_DcpReader):
             if key not in md:
                 md[key] = BytesStorageMetadata()
         config = index.model.get("config") if isinstance(index.model, dict) else None
-        saved = config.get(_CONFIG_KEY) if isinstance(config, dict) else None
+        saved = config.get(DCP_CONFIG_KEY) if isinstance(config, dict) else None
         saved = saved if isinstance(saved, dict) else {}
-        where = f"{reader.location}: model.config.{_CONFIG_KEY}"
+        where = f"{reader.location}: model.config.{DCP_CONFIG_KEY}"
         planner_data = decode_value(saved.get("planner_data", {}), _no_blobs(where), where)
         if not isinstance(planner_data, dict):
             raise StateDictError(f"{where}: planner_data is {type(planner_data).__name__}, not a dict")
@@ -448,9 +453,12 @@ class StorageReader(_DcpReader):
         if key not in reader.index.train_state:
             raise StateDictError(f"{reader.location}: the checkpoint has no value {key!r}")
         where = f"{reader.location}: value {key!r}"
-        value = decode_value(reader.index.train_state[key], lambda name: _read_blob(reader, self._blobs, name), where)
         stored = reader.index.train_state[key]
-        if isinstance(stored, dict) and stored.get("$type") == "stream":
+        if not self._typed:
+            value = stored
+        else:
+            value = decode_value(stored, lambda name: _read_blob(reader, self._blobs, name), where)
+        if self._typed and isinstance(stored, dict) and stored.get("$type") == "stream":
             value.seek(0)
             return value
         buf = io.BytesIO()

@@ -25,7 +25,7 @@ import google_crc32c
 import numpy as np
 import xxhash
 
-KNOWN_VERSIONS = (1, 2)
+KNOWN_VERSIONS = (1, 2, 3)
 BACKENDS = ("safetensors", "zarr")
 ROLES = ("param", "master", "exp_avg", "exp_avg_sq", "momentum", "buffer")
 ZERO_ROLES = ("master", "exp_avg", "exp_avg_sq", "momentum")
@@ -47,7 +47,14 @@ DTYPES: dict[str, tuple[str, int, str, str, object]] = {
     "int8": ("i1", 1, "I8", "int8", 0),
     "uint8": ("u1", 1, "U8", "uint8", 0),
     "bool": ("|b1", 1, "BOOL", "bool", False),
+    "uint16": ("<u2", 2, "U16", "uint16", 0),
+    "uint32": ("<u4", 4, "U32", "uint32", 0),
+    "uint64": ("<u8", 8, "U64", "uint64", 0),
+    "complex64": ("<c8", 8, "C64", "complex64", [0.0, 0.0]),
+    "complex128": ("<c16", 16, "C128", "complex128", [0.0, 0.0]),
 }
+#: the dtypes version 3 added ("Versions"): an index of version 1 or 2 holding one breaks the spec.
+VERSION_3_DTYPES = ("uint16", "uint32", "uint64", "complex64", "complex128")
 
 
 class SpecError(Exception):
@@ -172,7 +179,7 @@ def parse_index(raw: bytes) -> dict:
     need(isinstance(doc, dict) and doc.get("format") == "moeckpt", 'index: no "format": "moeckpt"')
     version = doc.get("format_version")
     need(_is_int(version), f"index: format_version {version!r} is not an integer")
-    need(version in KNOWN_VERSIONS, f"index: format version {version} is not known (1 and 2 are)")
+    need(version in KNOWN_VERSIONS, f"index: format version {version} is not known (1, 2 and 3 are)")
     need(doc.get("backend") in BACKENDS, f"index: backend {doc.get('backend')!r}")
     need(_is_int(doc.get("step")) and doc["step"] >= 0, "index: step")
     layout = doc.get("layout")
@@ -191,6 +198,8 @@ def parse_index(raw: bytes) -> dict:
     meshes = doc.get("meshes", [])
     if version == 1:
         need("meshes" not in doc, "index: version 1 has no meshes")
+    if version < 3:
+        need("dcp" not in model.get("config", {}), "index: model.config.dcp needs version 3")
     need(isinstance(meshes, list), "index: meshes must be a list")
     for i, m in enumerate(meshes):
         need(isinstance(m, dict) and set(m) == {"shape", "ranks"}, f"mesh {i}: shape and ranks")
@@ -208,6 +217,7 @@ def parse_index(raw: bytes) -> dict:
         shape = e.get("shape")
         need(isinstance(shape, list) and all(_is_int(s) and s >= 0 for s in shape), f"{where}: shape {shape!r}")
         need(e.get("dtype") in DTYPES, f"{where}: dtype {e.get('dtype')!r}")
+        need(version >= 3 or e["dtype"] not in VERSION_3_DTYPES, f"{where}: dtype {e['dtype']} needs version 3")
         need(e.get("role") in ROLES, f"{where}: role {e.get('role')!r}")
         need(isinstance(e.get("param"), str) and e["param"], f"{where}: param")
         sharding = e.get("sharding", {})
@@ -242,9 +252,22 @@ def parse_index(raw: bytes) -> dict:
 
 def written_version(doc: dict) -> int:
     """The version the spec says a writer gives this index."""
+    if "dcp" in doc["model"].get("config", {}) or any(e.dtype in VERSION_3_DTYPES for e in doc["entries"].values()):
+        return 3
     if doc.get("meshes") or any(e.kind == "stored" for e in doc["entries"].values()):
         return 2
     return 1
+
+
+def dcp_keys(doc: dict) -> dict[str, str]:
+    """DCP key -> tensor name ("What dcp.save through moeckpt.dcp adds"): in a version-3 index with
+    ``model.config.dcp`` every ``%XX`` of a name is a character and the ``$<i>`` parts are blobs of values; in any
+    other a name is its own key."""
+    names = list(doc["entries"])
+    if doc["version"] < 3 or "dcp" not in doc["model"].get("config", {}):
+        return {n: n for n in names}
+    unescape = lambda n: re.sub(r"%([0-9A-F]{2})", lambda m: chr(int(m.group(1), 16)), n)  # noqa: E731
+    return {unescape(n): n for n in names if not any(part.startswith("$") for part in n.split("/"))}
 
 
 # -- layout rules ------------------------------------------------------------------------------------------------

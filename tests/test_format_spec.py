@@ -4,8 +4,9 @@ writes, verifies every checksum, finds the pieces and writers the spec defines, 
 Each of the points where the spec used to be silent is pinned here by a test named for its rule: the version rule,
 touching intervals, the order of pieces in a file, empty parts and the writer rotation, the zarr chunk rule for
 empty and uncut dimensions, the data-file versions, the roles of state-dict tensors, and ``format=``. The golden
-files ``tests/golden/zarr-v1``, ``zarr-v2``, ``v2-stored`` and ``zarr-v2-stored`` pin the bytes of what the older
-golden files did not cover (zarr, stored pieces). Regenerate them with ``python -m tests.test_format_spec`` only
+files ``tests/golden/zarr-v1``, ``zarr-v2``, ``v3-stored`` and ``zarr-v3-stored`` pin the bytes of what the older
+golden files did not cover (zarr, stored pieces); ``v2-stored`` and ``zarr-v2-stored`` are version 2 as dcp.save wrote it, kept
+to be read. Regenerate them with ``python -m tests.test_format_spec`` only
 for an intended, versioned format change.
 """
 
@@ -165,12 +166,85 @@ def test_state_dicts_saved_by_one_process_conform_and_read_alike(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "zarr"])
-def test_storage_writer_checkpoints_are_version_2_without_meshes(tmp_path, fmt):
+def test_storage_writer_checkpoints_are_version_3_without_meshes(tmp_path, fmt):
     _dcp_save(_state_dict(), str(tmp_path / "c"), fmt)
     index = json.load(open(tmp_path / "c" / "moeckpt.json"))
-    assert index["format_version"] == 2 and "meshes" not in index
+    assert index["format_version"] == 3 and "meshes" not in index and "dcp" in index["model"]["config"]
     assert {json.dumps(e["sharding"]) for e in index["tensors"].values()} == {'{"pieces": "stored"}'}
-    assert CheckpointReader(str(tmp_path / "c")).index.format_version == 2
+    assert CheckpointReader(str(tmp_path / "c")).index.format_version == 3
+
+
+def test_a_version_3_dtype_makes_any_index_version_3(tmp_path):
+    import moeckpt
+
+    moeckpt.save({"w": torch.ones(4, dtype=torch.int32).to(torch.uint16)}, str(tmp_path / "s"))
+    assert json.load(open(tmp_path / "s" / "moeckpt.json"))["format_version"] == 3
+    assert spec.Checkpoint(str(tmp_path / "s")).version == 3
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d["tensors"]["model.w"].update(dtype="uint32"),
+        lambda d: d["model"]["config"].update(dcp={"version": "1.0.0"}),
+    ],
+    ids=["version-3-dtype", "model-config-dcp"],
+)
+def test_both_readers_refuse_what_version_3_added_in_a_version_2_index(tmp_path, edit):
+    dst = shutil.copytree(os.path.join(GOLDEN, "v2-stored"), str(tmp_path / "c"))
+    doc = json.load(open(os.path.join(dst, "moeckpt.json")))
+    edit(doc)
+    with open(os.path.join(dst, "moeckpt.json"), "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(MoeckptError, match="version 3"):
+        CheckpointReader(dst)
+    with pytest.raises(SpecError, match="version 3"):
+        spec.Checkpoint(dst)
+
+
+def test_only_a_version_3_index_of_dcp_save_has_escaped_names(tmp_path):
+    """A name of ``moeckpt.save`` (or of a version-2 ``dcp.save``) is its key as it stands, '%' and all; only
+    ``model.config.dcp`` (version 3) says the names are escaped keys."""
+    import torch.distributed.checkpoint as dcp
+
+    import moeckpt
+    import moeckpt.dcp
+
+    state = {"a%41": torch.arange(3.0), "b:c": torch.ones(2)}
+    moeckpt.save(state, str(tmp_path / "save"))
+    _dcp_save(state, str(tmp_path / "dcp"), "safetensors")
+    assert sorted(json.load(open(tmp_path / "save" / "moeckpt.json"))["tensors"]) == ["a%41", "b:c"]
+    assert sorted(json.load(open(tmp_path / "dcp" / "moeckpt.json"))["tensors"]) == ["a%2541", "b%3Ac"]
+    for path in ("save", "dcp"):
+        back = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(back, storage_reader=moeckpt.dcp.StorageReader(str(tmp_path / path)))
+        assert all(torch.equal(back[k], state[k]) for k in state), path
+        assert spec.dcp_keys(spec.Checkpoint(str(tmp_path / path)).doc) == {
+            "a%41": "a%41" if path == "save" else "a%2541",
+            "b:c": "b:c" if path == "save" else "b%3Ac",
+        }
+
+
+@pytest.mark.parametrize("name", ["v2-stored", "zarr-v2-stored"])
+def test_a_version_2_checkpoint_of_dcp_save_loads_through_dcp_as_saved(name):
+    """The stored-piece goldens of version 2 (what dcp.save wrote before version 3) stay readable, values and all."""
+    import torch.distributed.checkpoint as dcp
+
+    import moeckpt.dcp
+
+    want = _stored_state()
+    back = {
+        "model": {"w": torch.zeros(2, 3), "b": torch.zeros(4, dtype=torch.bfloat16)},
+        "optim": {"state": {"w": {"step": torch.tensor(0.0)}}, "param_groups": [{"lr": 0.0, "params": []}]},
+        "empty": torch.ones(0, 3),
+        "step": 0,
+        "loss": 0.0,
+    }
+    dcp.load(back, storage_reader=moeckpt.dcp.StorageReader(os.path.join(GOLDEN, name)))
+    assert torch.equal(back["model"]["w"], want["model"]["w"]) and torch.equal(back["model"]["b"], want["model"]["b"])
+    assert torch.equal(back["optim"]["state"]["w"]["step"], want["optim"]["state"]["w"]["step"])
+    assert back["optim"]["param_groups"] == want["optim"]["param_groups"] and back["step"] == 5
+    assert math.isnan(back["loss"]) and back["empty"].shape == (0, 3)
 
 
 def test_moeckpt_save_is_version_2_with_meshes_and_layout_checkpoints_stay_version_1(tmp_path):
@@ -201,12 +275,12 @@ def _edited_index(tmp_path, edit) -> str:
 @pytest.mark.parametrize(
     "edit",
     [
-        lambda d: d.update(format_version=3),
+        lambda d: d.update(format_version=4),
         lambda d: d.update(format_version=0),
         lambda d: d.update(format_version="1"),
         lambda d: d.update(meshes=[{"shape": [1], "ranks": [0]}]),
     ],
-    ids=["version-3", "version-0", "version-as-string", "meshes-in-version-1"],
+    ids=["version-4", "version-0", "version-as-string", "meshes-in-version-1"],
 )
 def test_both_readers_refuse_unknown_versions_and_meshes_in_version_1(tmp_path, edit):
     path = _edited_index(tmp_path, edit)
@@ -217,7 +291,7 @@ def test_both_readers_refuse_unknown_versions_and_meshes_in_version_1(tmp_path, 
 
 
 def test_a_version_above_the_known_ones_says_upgrade(tmp_path):
-    path = _edited_index(tmp_path, lambda d: d.update(format_version=3))
+    path = _edited_index(tmp_path, lambda d: d.update(format_version=4))
     with pytest.raises(UnsupportedVersionError, match="upgrade moeckpt"):
         CheckpointReader(path)
 
@@ -643,15 +717,28 @@ def _stored_state() -> dict:
     }
 
 
-def _v2_stored(location: str) -> None:
-    _dcp_save(_stored_state(), location, "safetensors")
+def _v3_state() -> dict:
+    """The stored state with what version 3 added: keys that need escapes, its dtypes, a bytes value."""
+    return {
+        **_stored_state(),
+        "rng:state%": torch.tensor([1, 2, 65535], dtype=torch.int32).to(torch.uint16),
+        "spectrum": torch.tensor([1 + 2j, -0.5j], dtype=torch.complex64),
+        "blob": b"\x00moeckpt\xff",
+    }
 
 
-def _zarr_v2_stored(location: str) -> None:
-    _dcp_save(_stored_state(), location, "zarr")
+def _v3_stored(location: str) -> None:
+    _dcp_save(_v3_state(), location, "safetensors")
 
 
-GOLDENS = {"zarr-v1": _zarr_v1, "zarr-v2": _zarr_v2, "v2-stored": _v2_stored, "zarr-v2-stored": _zarr_v2_stored}
+def _zarr_v3_stored(location: str) -> None:
+    _dcp_save(_v3_state(), location, "zarr")
+
+
+#: the goldens today's writers write (regenerated and compared byte for byte). tests/golden/v2-stored and
+#: zarr-v2-stored are what dcp.save wrote as version 2, before version 3: no writer makes them any more, so they
+#: are read, not regenerated (test_a_version_2_checkpoint_of_dcp_save_loads_through_dcp_as_saved).
+GOLDENS = {"zarr-v1": _zarr_v1, "zarr-v2": _zarr_v2, "v3-stored": _v3_stored, "zarr-v3-stored": _zarr_v3_stored}
 
 
 def _files(root: str) -> dict[str, bytes]:
@@ -677,7 +764,7 @@ def _pieces_by_key(path: str) -> dict[str, tuple]:
 def test_golden_files_of_zarr_and_stored_pieces(tmp_path, name):
     GOLDENS[name](str(tmp_path / "c"))
     want, got = _files(os.path.join(GOLDEN, name)), _files(str(tmp_path / "c"))
-    if name == "v2-stored":
+    if name == "v3-stored":
         # DCP's order of write items is not part of the format: the pieces are compared by key, and the index
         # but for the files' header checksums
         assert _pieces_by_key(str(tmp_path / "c")) == _pieces_by_key(os.path.join(GOLDEN, name))
@@ -689,12 +776,12 @@ def test_golden_files_of_zarr_and_stored_pieces(tmp_path, name):
         assert got[path] == want[path], f"tests/golden/{name}/{path} differs: the on-disk format changed"
 
 
-@pytest.mark.parametrize("name", ["", "v2", *sorted(GOLDENS)])
+@pytest.mark.parametrize("name", ["", "v2", "v2-stored", "zarr-v2-stored", *sorted(GOLDENS)])
 def test_every_golden_checkpoint_conforms_to_the_spec(name):
     path = os.path.join(GOLDEN, name) if name else GOLDEN
-    hints = boxes_of(os.path.join(GOLDEN, "v2-stored")) if name == "zarr-v2-stored" else None
-    ckpt = conforms(path, hints)
-    assert ckpt.version == (1 if name in ("", "zarr-v1") else 2)
+    hints = {"zarr-v2-stored": "v2-stored", "zarr-v3-stored": "v3-stored"}.get(name)
+    ckpt = conforms(path, boxes_of(os.path.join(GOLDEN, hints)) if hints else None)
+    assert ckpt.version == (1 if name in ("", "zarr-v1") else 3 if name.endswith("v3-stored") else 2)
 
 
 # -- real ranks (slow) --------------------------------------------------------------------------------------------
@@ -731,7 +818,7 @@ def test_mesh_saves_of_real_ranks_conform_on_both_backends(tmp_path):
     hints = boxes_of(str(tmp_path / "m22" / "dcp-safetensors"))
     conforms(str(tmp_path / "m22" / "dcp-safetensors"))
     conforms(str(tmp_path / "m22" / "dcp-zarr"), hints)
-    assert json.load(open(tmp_path / "m22" / "dcp-zarr" / "moeckpt.json"))["format_version"] == 2
+    assert json.load(open(tmp_path / "m22" / "dcp-zarr" / "moeckpt.json"))["format_version"] == 3
 
 
 @pytest.mark.slow
