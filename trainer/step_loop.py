@@ -1,0 +1,272 @@
+"""The :class:`Trainer`: one rank's training state, built (:mod:`.build`) and resumed (:mod:`.resume_run`) when it
+is made, then trained by its step loop: one optimizer step, a save of the current step, and :meth:`Trainer.run`
+(steps, saves every ``save_every`` steps and at the end, the NaN rollback, a stop request, the hang watchdog).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.index import TensorEntry
+from moeckpt.formats.storage import is_url
+from moeckpt.reshard.local import join_local
+from moeckpt.reshard.tensors import logical_tensors
+
+from .build import (
+    build_checkpoints,
+    build_loader,
+    build_model,
+    build_run_optimizer,
+    build_schedule,
+    join_layout,
+    join_memory_tier,
+)
+from .config import TrainConfig
+from .metrics import MetricsLog
+from .phases import phase_durations
+from .preflight import DTYPES, check_run_dir, check_shape, open_dataset, run_model
+from .progress_lines import ProgressLines
+from .resume_run import ResumeSteps
+from .watchdog import Watchdog
+
+__all__ = ["Trainer"]
+
+log = logging.getLogger(__name__)
+
+
+class Trainer(ResumeSteps):
+    """One rank's training state: model shard, optimizer, data, schedule, checkpoints and metrics.
+
+    Made collectively by every rank: it is built in the run's layout (:meth:`_build`), then resumed from the
+    newest checkpoint when the run has one (:meth:`_resume`); :meth:`run` trains it.
+    """
+
+    def __init__(
+        self, config: TrainConfig, *, device: torch.device | None = None, marks: dict[str, float | None] | None = None
+    ) -> None:
+        self.config = config
+        #: wall-clock marks of this start (:mod:`.phases`), logged as a ``restart_phases`` event after the first step.
+        self.marks: dict[str, float | None] = dict(marks or {})
+        self._build(device or torch.device("cpu"))
+        self.marks["model_built"] = time.time()
+        self._resume()
+        self.marks["loaded"] = time.time()
+
+    def _build(self, device: torch.device) -> None:
+        """Every part of this rank's state, in the order the collective steps need (:mod:`.build`); the run's
+        checks come first, before anything is allocated."""
+        config = self.config
+        check_run_dir(config)
+        self.spec = run_model(config)
+        layout, self.groups = join_layout(config, self.spec, device)
+        self.rank = self.groups.coords.rank
+        self.device = device
+        dtype = DTYPES[config.dtype]
+
+        dataset = open_dataset(config, self.spec)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check_shape(config, self.spec, layout, dataset, ranks_here=local_ranks, device_type=device.type)
+
+        self.model = build_model(self.spec, self.groups, device, dtype)
+        self._params = self.spec.param_specs()
+        self.optimizer = build_run_optimizer(config, self.model, self._params, self.groups)
+        self.schedule = build_schedule(config)
+        self.loader = build_loader(config, dataset, self.groups)
+        self.tensors: dict[str, TensorEntry] = logical_tensors(
+            self._params, param_dtype=dtypes.from_torch(dtype), optimizer_roles=self.optimizer.roles
+        )
+        self.checkpoints = build_checkpoints(config, self.tensors, layout, self.spec, rank=self.rank)
+        self.metrics = MetricsLog(config.run_dir, enabled=self.rank == 0)
+        self.memory = (
+            join_memory_tier(config, self.rank, self.tensors, self.checkpoints.group) if config.memory_tier else None
+        )
+        self.checkpoints.memory = self.memory
+        if self.memory is not None and dist.is_initialized():
+            self.checkpoints.decide_group = dist.new_group(backend="gloo")
+        self.nan_rollbacks = 0
+        self.step = 0
+        self.resumed_from = None
+        #: the tier the resume read from: ``memory`` or ``storage`` (the run directory); ``None`` for a fresh run.
+        self.resume_tier = None
+
+    # ------------------------------------------------------------------------------------------- steps
+
+    def train_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "consumed_samples": self.loader.consumed_samples,
+            "data": self.loader.state_dict(),
+            "schedule": self.schedule.state_dict(),
+            "optimizer": {**self.optimizer.state_dict(), **self.optimizer.describe()},
+            "seed": self.config.seed,
+            "global_batch": self.config.global_batch,
+            "seq_len": self.config.seq_len,
+            "layout": self.groups.layout.to_json(),
+        }
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's local tensor of every logical tensor (parameters as they are, ZeRO parts joined)."""
+        out: dict[str, torch.Tensor] = {name: p.detach() for name, p in self.model.named_parameters()}
+        layout, rank = self.groups.layout, self.rank
+        by_name: dict[str, dict] = {}
+        for piece in self.optimizer.pieces():
+            by_name.setdefault(piece.name, {})[piece.box] = piece.tensor
+        for name, entry in self.tensors.items():
+            if entry.role != "param":
+                out[name] = join_local(entry, layout, rank, by_name.get(name, {}))
+        return out
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token cross-entropy of this rank's micro-batch (identical on the ranks of a TP group)."""
+        return self.model.loss(inputs.to(self.device), targets.to(self.device))
+
+    def mean_over_dp(self, value: torch.Tensor) -> float:
+        """The mean of a per-rank scalar over the data-parallel group (the global batch's mean)."""
+        value = value.detach().float().reshape(1).clone()
+        if self.groups.layout.dp > 1:
+            dist.all_reduce(value, group=self.groups.dp)
+            value /= self.groups.layout.dp
+        return float(value)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step; returns its metrics record."""
+        t0 = time.perf_counter()
+        faults = self.checkpoints.faults
+        if faults is not None:
+            faults.before_step(self.step + 1)
+        inputs, targets = self.loader.next()
+        loss = self.loss(inputs, targets)
+        if faults is not None:
+            loss = faults.loss(self.step + 1, loss)
+        loss.backward()
+        lr = self.schedule.next()
+        grad_norm = self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        mean_loss = self.mean_over_dp(loss)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step += 1
+        dt = time.perf_counter() - t0
+        tokens = self.config.global_batch * self.config.seq_len
+        return {
+            "step": self.step,
+            "loss": mean_loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "step_s": dt,
+            "tokens_per_s": tokens / dt,
+            "save_blocked_s": 0.0,
+            "world": self.groups.layout.world,
+            "time": time.time(),
+            "layout": self.groups.layout.to_json(),
+        }
+
+    def save(self, *, persist: bool = True, memory: bool | None = None) -> float:
+        """Start a checkpoint of the current step, into the run directory (``persist``) and/or the memory tier
+        (``memory``, default: with every persistent save when the tier is on); returns the seconds training was
+        blocked (one snapshot for both)."""
+        memory = self.memory is not None and (persist if memory is None else memory)
+        stats = self.checkpoints.save(
+            self.step, self.local_state(), self.train_state(), persist=persist, to_memory=memory
+        )
+        self.last_save = stats
+        return stats.blocked_s
+
+    def run(self, *, should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+        """Train up to ``stop_at`` (or ``steps``), saving every ``save_every`` steps and at the end.
+
+        ``should_stop`` is asked before the first step and after every step; ``True`` saves and returns early (a
+        SIGTERM handler's flag, say). It must answer the same on every rank at the same step (agree with an
+        all-reduce first), since saving is collective.
+        """
+        cfg = self.config
+        stop = cfg.steps if cfg.stop_at is None else cfg.stop_at
+        last_saved = self.step if self.resumed_from else None
+        records: list[dict[str, Any]] = []
+        self.stopped_early = False
+        watchdog = None
+        if cfg.hang_timeout_s:
+            watchdog = Watchdog(cfg.hang_timeout_s, report_path=self._hang_report_path()).start()
+        meter = ProgressLines(self, stop)
+        try:
+            if self.step < stop and should_stop is not None and should_stop():
+                self.stopped_early = True
+                stop = self.step  # asked to stop before the first step: nothing new to save
+            while self.step < stop:
+                record = self.train_step()
+                if watchdog is not None:
+                    watchdog.beat(f"step {self.step}")
+                if not math.isfinite(record["loss"]):
+                    self.roll_back(record["loss"])
+                    continue
+                persist = bool(cfg.save_every and self.step % cfg.save_every == 0) or self.step == stop
+                memory = self.memory is not None and (
+                    self.step % cfg.memory_every == 0 if cfg.memory_every else persist
+                )
+                if persist or memory:
+                    record["save_blocked_s"] = self.save(persist=persist, memory=memory)
+                    if self.last_save.skipped:
+                        record["memory_skipped"] = True
+                    if persist:
+                        last_saved = self.step
+                self.metrics.write(record)
+                if not records:
+                    self._log_phases(record["time"])
+                records.append(record)
+                meter.step(record)
+                if record["save_blocked_s"]:
+                    self.metrics.flush()
+                if should_stop is not None and self.step < stop and should_stop():
+                    self.stopped_early = True
+                    break
+            # A save at the end, unless a stop notice came before the first step: then nothing was trained and
+            # the run directory already holds the state (or, fresh, nothing worth a checkpoint of step 0).
+            if last_saved != self.step and not (self.stopped_early and not records):
+                self.save()
+            self.checkpoints.wait()
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+            self.metrics.flush()
+        return records
+
+    def _log_phases(self, first_step: float) -> None:
+        """After this start's first step (done at ``first_step``, before its save): when each phase of the start
+        ended (``restart_phases`` event)."""
+        self.marks["first_step"] = first_step
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        durations = phase_durations(self.marks)
+        self.metrics.write(
+            {
+                "event": "restart_phases",
+                "step": self.step,
+                "restart": restart,
+                "tier": self.resume_tier,
+                "world": self.groups.layout.world,
+                "marks": self.marks,
+                "seconds": durations,
+                "time": time.time(),
+            }
+        )
+        if self.rank == 0 and self.resume_tier is not None:
+            log.info("start to first step: %s", ", ".join(f"{k} {v:.2f} s" for k, v in durations.items()))
+
+    def _hang_report_path(self) -> str:
+        """Where the watchdog writes its stacks: the run directory, or a local file for a run on object storage."""
+        name = f"hang-rank{self.rank}.txt"
+        if not is_url(self.config.run_dir):
+            return os.path.join(self.config.run_dir, name)
+        return os.path.join(tempfile.gettempdir(), f"moeckpt-{os.getpid()}-{name}")
+
+    def close(self) -> None:
+        self.checkpoints.close()
