@@ -42,6 +42,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -54,7 +55,11 @@ from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import FileEntry, TensorEntry
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, Piece
 
-__all__ = ["FORMAT", "MemoryRing", "RingStats"]
+if TYPE_CHECKING:
+    from moeckpt.formats.backend import Backend
+    from moeckpt.formats.storage import Storage
+
+__all__ = ["FORMAT", "MemoryRing", "RingStats", "RingWriter"]
 
 log = logging.getLogger(__name__)
 
@@ -393,3 +398,23 @@ class MemoryRing:
 
 def _blocks(box: Box, entry: TensorEntry) -> int:
     return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // CHECKSUM_BLOCK_BYTES))
+
+
+class RingWriter:
+    """The backend a memory save with a ring slot writes through: this rank's file is the slot (hashed, its header
+    written in place, linked into the staging directory); the rest is the tier's backend."""
+
+    def __init__(self, ring: MemoryRing, slot: int, backend: Backend) -> None:
+        self.ring, self.slot, self.backend = ring, slot, backend
+
+    def prepare(self, storage: Storage, tensors, boxes) -> None:
+        self.backend.prepare(storage, tensors, boxes)
+
+    def write(self, storage: Storage, writer: int, pieces, tensors, *, threads: int = 1) -> list[FileEntry]:
+        del writer, tensors  # the ring's own: this rank's layout
+        entry = self.ring.finish(self.slot, pieces, threads=threads)
+        self.ring.link(self.slot, storage.path())
+        return [entry]
+
+    def finish(self, storage: Storage, files: list[FileEntry], tensors) -> list[FileEntry]:
+        return self.backend.finish(storage, files, tensors)

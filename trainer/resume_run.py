@@ -21,7 +21,7 @@ from moeckpt.reshard import collectives
 from moeckpt.reshard.state_dict_checkpoints import is_state_dict
 
 from .build import init_weights
-from .memory_tier import restore_newest
+from .memory_restore import restore_newest
 from .resume import DAMAGED_CHECKPOINT_ERRORS, Restored, ResumeError, restore, restore_from_state_dict
 
 if TYPE_CHECKING:
