@@ -15,8 +15,10 @@ from moeckpt.formats.errors import MoeckptError
 __all__ = ["MemoryBudgetError", "available_bytes", "check_fits", "training_bytes"]
 
 
-class MemoryBudgetError(MoeckptError, MemoryError):
-    """The run needs more memory than the host (or GPU) has."""
+class MemoryBudgetError(MoeckptError, MemoryError, ValueError):
+    """The run needs more memory than the host (or GPU) has, or the memory tier's directory cannot hold
+    ``--memory-keep`` memory checkpoints (:mod:`.memory_tier`). A ``MemoryError`` and, as the memory tier's budget
+    refusal always was, a ``ValueError``."""
 
 
 def available_bytes() -> int | None:

@@ -46,6 +46,7 @@ from moeckpt.reshard import collectives
 from moeckpt.reshard.save_protocol import SaveFailedError, SaveHooks, save_collective
 from moeckpt.reshard.save_protocol import write_threads as rank_write_threads
 
+from .memory import MemoryBudgetError
 from .memory_replicas import replicate
 from .memory_ring import FORMAT as RING_FORMAT
 from .memory_ring import MemoryRing, RingWriter
@@ -76,10 +77,6 @@ MARKER = "memory-tier.json"
 #: the memory tier's default file format. Any backend that stores each writer's pieces in files of its own
 #: (``stores_placements``, ``writer_of``) will do: a node's holdings are then a set of writers.
 BACKEND = "safetensors"
-
-
-class MemoryBudgetError(MoeckptError, ValueError):
-    """The memory directory's filesystem cannot hold ``--memory-keep`` memory checkpoints."""
 
 
 class MemorySaveError(SaveFailedError):
