@@ -114,12 +114,13 @@ def command(ckpt: str, as_json: bool) -> None:
     for role, r in info["roles"].items():
         click.echo(f"  {role:<11} {r['tensors']:>6} tensors  {_mb(r['bytes']):>14}")
     chunks = info["stored_objects"] - len(info["files"])
-    if info["backend"] == "zarr":
+    files_summary = reader.backend.files_summary
+    if files_summary is not None:  # the index lists metadata documents; the data are objects it does not list
         meta = sum(f["size"] for f in info["files"].values())
-        click.echo(
-            f"files       {len(info['files'])} zarr.json metadata documents ({_mb(meta)}) + {chunks} chunk "
-            f"objects ({_mb(info['stored_bytes'] - meta)}), one array per tensor; --json lists them"
+        line = files_summary.format(
+            files=len(info["files"]), meta=_mb(meta), chunks=chunks, data=_mb(info["stored_bytes"] - meta)
         )
+        click.echo(f"files       {line}; --json lists them")
         return
     extra = f" (+ {chunks} chunk objects, not in the index)" if chunks else ""
     click.echo(f"files       {len(info['files'])}{extra}")

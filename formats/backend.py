@@ -71,6 +71,11 @@ class Backend(Protocol):
     #: a reader then locates them from the index alone and reads only the files of the writers it needs
     #: (:meth:`list_pieces` honours ``writers``). False when pieces are stored otherwise (zarr: grid cells).
     stores_placements: bool
+    #: How ``moeckpt inspect`` sums up the files of a backend whose index lists metadata documents, not the data
+    #: (the data being objects the index does not list: zarr's chunks): a format string of ``files`` (how many the
+    #: index lists), ``meta`` (their size), ``chunks`` (the objects it does not list) and ``data`` (their size).
+    #: ``None`` when the index lists the data files themselves, which ``inspect`` names one by one.
+    files_summary: str | None
 
     def prepare(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> None:
         """Run once before any writer: ``boxes`` lists every non-empty piece of every tensor, over all writers."""

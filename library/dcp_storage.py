@@ -485,7 +485,7 @@ def _stored_boxes(reader: CheckpointReader) -> dict[str, list[Box]]:
     index = reader.index
     out: dict[str, list[Box]] = {name: [] for name in index.tensors}
     listed = {n for n, e in index.tensors.items() if is_stored(e)} or None
-    if index.backend != "safetensors" or listed:
+    if not reader.backend.stores_placements or listed:
         for ref in reader.pieces():
             out[ref.tensor].append(ref.box)
         return out

@@ -84,6 +84,8 @@ class BackendBase:
     streams_slabs = False
     fork_safe = False
     stores_placements = False
+    #: the index lists the data files (a backend whose index lists only metadata says how ``inspect`` sums it up).
+    files_summary: str | None = None
 
     def prepare(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> None:
         raise NotImplementedError

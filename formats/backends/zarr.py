@@ -175,6 +175,9 @@ class ZarrBackend(BackendBase):
     """
 
     name = NAME
+    files_summary = (
+        "{files} zarr.json metadata documents ({meta}) + {chunks} chunk objects ({data}), one array per tensor"
+    )
     #: a writer's pieces may be stored in several :meth:`write` calls: every grid cell is its own object, named by
     #: tensor and cell, so a batch never depends on the rest of the writer's pieces (the offline resharder streams).
     piecewise_writes = True
