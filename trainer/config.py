@@ -13,13 +13,25 @@ from __future__ import annotations
 import math
 import re
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any
 
 from moeckpt.formats.backend import backend_names
 
-__all__ = ["DTYPES", "MUON_SCHEMES", "OPTIMIZERS", "RESUME_READS", "SECTIONS", "TrainConfig", "check_value", "setting"]
+__all__ = [
+    "DATA_DTYPES",
+    "DTYPES",
+    "MUON_SCHEMES",
+    "OPTIMIZERS",
+    "RESUME_READS",
+    "SECTIONS",
+    "TrainConfig",
+    "check_settings",
+    "check_value",
+    "required_setting",
+    "setting",
+]
 
 #: the sections of the config, in the order ``moeckpt train --help`` lists them.
 SECTIONS = ("model", "data", "optimizer", "checkpointing", "faults", "elastic")
@@ -80,7 +92,8 @@ def setting(
     return field(default=default, metadata=meta)
 
 
-def _required(help: str, section: str, **kw: Any) -> Any:
+def required_setting(help: str, section: str, **kw: Any) -> Any:
+    """:func:`setting` of a field without a default (the caller must give it)."""
     f = setting(None, help, section, **kw)
     f.default = MISSING
     return f
@@ -130,6 +143,27 @@ def check_value(name: str, value: Any, meta: Mapping, kind: type) -> str | None:
     if hi is not None and value > hi:
         return f"must be {describe_range(meta, kind)}"
     return None
+
+
+def check_settings(config: Any, *, may_be_empty: Collection[str] = ()) -> None:
+    """Refuse, with a :class:`ValueError` naming the field, the first field of the config dataclass ``config``
+    (fields made with :func:`setting`) whose value its type and metadata do not accept; ``None`` passes where the
+    field is optional. ``may_be_empty``: string fields whose empty value the caller checks itself."""
+    hints = typing.get_type_hints(type(config))
+    for f in fields(config):
+        value = getattr(config, f.name)
+        kind, optional = field_kind(f, hints)
+        if value is None and optional:
+            continue
+        values = value if f.metadata.get("multiple") else (value,)
+        if f.metadata.get("multiple") and not isinstance(value, tuple):
+            raise ValueError(f"{f.name}={value!r} must be a list of strings")
+        if f.name in may_be_empty and value == "":
+            continue
+        for v in values:
+            why = check_value(f.name, v, f.metadata, kind)
+            if why is not None:
+                raise ValueError(f"{f.name}={v!r} {why}")
 
 
 def field_kind(f: Field, hints: dict[str, Any]) -> tuple[type, bool]:
@@ -228,7 +262,7 @@ class TrainConfig:
     )
 
     # -- checkpointing ----------------------------------------------------------------------------------------
-    run_dir: str = _required(
+    run_dir: str = required_setting(
         "run directory (local path or s3://...): checkpoints and metrics.jsonl",
         "checkpointing",
         metavar="URL",
@@ -352,21 +386,7 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
-        for f in fields(self):
-            value = getattr(self, f.name)
-            kind, optional = field_kind(f, hints)
-            if value is None and optional:
-                continue
-            values = value if f.metadata.get("multiple") else (value,)
-            if f.metadata.get("multiple") and not isinstance(value, tuple):
-                raise ValueError(f"{f.name}={value!r} must be a list of strings")
-            if f.name == "model" and value == "":
-                continue  # checked below, against init_from
-            for v in values:
-                why = check_value(f.name, v, f.metadata, kind)
-                if why is not None:
-                    raise ValueError(f"{f.name}={v!r} {why}")
+        check_settings(self, may_be_empty=("model",))  # an empty model is checked below, against init_from
         if not self.model and not self.init_from:
             raise ValueError("model is empty: name a preset or config.json, or give init_from to take its model")
         if not self.memory_tier:
