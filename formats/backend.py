@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from .compression import NONE, check_compress
 from .errors import CheckpointIndexError
 
 if TYPE_CHECKING:
@@ -76,6 +77,9 @@ class Backend(Protocol):
     #: index lists), ``meta`` (their size), ``chunks`` (the objects it does not list) and ``data`` (their size).
     #: ``None`` when the index lists the data files themselves, which ``inspect`` names one by one.
     files_summary: str | None
+    #: The compression settings (:mod:`~moeckpt.formats.compression`) the backend can write; optional: a backend
+    #: without it stores bytes raw (``("none",)``). :func:`get_backend` sets ``compress`` to the one asked for.
+    #: compressions: tuple[str, ...]
 
     def prepare(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> None:
         """Run once before any writer: ``boxes`` lists every non-empty piece of every tensor, over all writers."""
@@ -163,8 +167,9 @@ def backend_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys([*_BUILTIN, *_REGISTERED]))
 
 
-def get_backend(name: str) -> Backend:
-    """A new instance of the backend ``name``; :class:`CheckpointIndexError` naming the known ones otherwise."""
+def get_backend(name: str, *, compress: str = NONE) -> Backend:
+    """A new instance of the backend ``name``, writing with the compression setting ``compress``;
+    :class:`CheckpointIndexError` naming the known ones otherwise, or when it cannot write that compression."""
     factory = _REGISTERED.get(name)
     if factory is None and name in _BUILTIN:
         module, _, cls = _BUILTIN[name].partition(":")
@@ -174,4 +179,13 @@ def get_backend(name: str) -> Backend:
             raise CheckpointIndexError(f"the {name} backend is not available: {e}") from None
     if factory is None:
         raise CheckpointIndexError(f"unknown checkpoint format {name!r}; choose one of: {', '.join(backend_names())}")
-    return factory()
+    backend = factory()
+    if compress != NONE:
+        check_compress(compress)
+        if compress not in getattr(backend, "compressions", (NONE,)):
+            raise CheckpointIndexError(
+                f"the {name} format stores bytes raw: it cannot write compression {compress!r}; write with "
+                "--compress none, or in a format that compresses (--format zarr)"
+            )
+        backend.compress = compress  # type: ignore[attr-defined]
+    return backend

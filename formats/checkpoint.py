@@ -127,7 +127,7 @@ def save_pieces(
 
     ``index.files`` is ignored and replaced by what the backend wrote. Returns the committed index.
     """
-    backend = get_backend(index.backend)
+    backend = get_backend(index.backend, compress=index.compress)
     storage = begin_save(location, overwrite=overwrite)
     boxes: dict[str, list[Box]] = {}
     for pieces in pieces_by_writer.values():

@@ -19,19 +19,23 @@ from typing import Any
 from . import dtypes
 from .backend import backend_names
 from .checksum import is_checksum
+from .compression import NONE, check_compress
 from .errors import CheckpointIndexError, UnsafePathError, UnsupportedVersionError
 from .roles import ROLES
 
 INDEX_NAME = "moeckpt.json"
 FORMAT_NAME = "moeckpt"
 #: the newest version this moeckpt reads; it writes 1 unless the index needs what a later version added.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: the version an index with device-mesh shardings (or stored-piece shardings) is written as.
 MESH_FORMAT_VERSION = 2
 #: the version an index is written as when its tensor names are escaped DCP keys (``model.config.dcp``, written
 #: by ``moeckpt.dcp.StorageWriter``) or a tensor has a dtype version 3 added: a version-2 reader would take the
 #: escaped names for keys, or fail on the dtype.
 DCP_FORMAT_VERSION = 3
+#: the version an index is written as when its data files may be compressed (member ``compress``, not ``none``):
+#: a reader of version 3 would take a compressed zarr chunk for a raw one and refuse it as the wrong length.
+COMPRESS_FORMAT_VERSION = 4
 #: the member of ``model.config`` that says the tensor names are escaped DCP keys and holds DCP's own metadata.
 DCP_CONFIG_KEY = "dcp"
 #: the sharding of a tensor whose pieces, and the files holding them, only the data files' headers list (no rule
@@ -234,10 +238,14 @@ class Index:
     meshes: tuple[MeshEntry, ...] = ()
     #: the version the index was read as (or is written as: see :attr:`written_version`).
     format_version: int = 1
+    #: the compression setting the checkpoint was written with (:mod:`~moeckpt.formats.compression`, version 4);
+    #: what each array stores is in its own metadata, so a reader does not need this to decode.
+    compress: str = NONE
 
     def __post_init__(self) -> None:
         if self.backend not in backend_names():
             raise CheckpointIndexError(f"index: unknown backend {self.backend!r}; known: {', '.join(backend_names())}")
+        check_compress(self.compress, "index")
         for entry in self.tensors.values():
             ref = entry.sharding.get("mesh")
             if ref is not None and (
@@ -254,9 +262,12 @@ class Index:
 
     @property
     def written_version(self) -> int:
-        """The format version this index is written as: 3 when its names are escaped DCP keys or a tensor has a
-        dtype of version 3; else 2 when it has device meshes or stored-piece shardings (a version-1 reader could
-        not locate those tensors' pieces); else 1."""
+        """The format version this index is written as: 4 when it was written compressed (``compress`` is not
+        ``none``); else 3 when its names are escaped DCP keys or a tensor has a dtype of version 3; else 2 when it
+        has device meshes or stored-piece shardings (a version-1 reader could not locate those tensors' pieces);
+        else 1."""
+        if self.compress != NONE:
+            return COMPRESS_FORMAT_VERSION
         config = self.model.get("config")
         if (isinstance(config, dict) and DCP_CONFIG_KEY in config) or any(
             dtypes.since_version(e.dtype) >= DCP_FORMAT_VERSION for e in self.tensors.values()
@@ -276,6 +287,7 @@ class Index:
             "format": FORMAT_NAME,
             "format_version": self.written_version,
             "backend": self.backend,
+            **({"compress": self.compress} if self.compress != NONE else {}),
             "step": self.step,
             "layout": self.layout,
             "model": self.model,
@@ -379,6 +391,12 @@ class Index:
         backend = doc.get("backend")
         if backend not in backend_names():
             raise CheckpointIndexError(f"{where}: unknown backend {backend!r}; known: {', '.join(backend_names())}")
+        compress = doc.get("compress", NONE)
+        if "compress" in doc and version < COMPRESS_FORMAT_VERSION:
+            raise CheckpointIndexError(
+                f"{where}: 'compress' appears in format version {version}; it needs version {COMPRESS_FORMAT_VERSION}"
+            )
+        check_compress(compress, where)
         return cls(
             backend=backend,
             step=step,
@@ -389,4 +407,5 @@ class Index:
             train_state=train_state,
             meshes=meshes,
             format_version=version,
+            compress=compress,
         )

@@ -49,6 +49,9 @@ class PieceRef:
     #: zarr only: the shape the object ``file`` stores; a cell at the array's end is stored padded to the full
     #: chunk shape (zarr's rule for edge chunks), so it can be larger than ``box.shape``. ``None``: ``box.shape``.
     stored_shape: tuple[int, ...] | None = None
+    #: zarr only: the compression setting of the object's chunks (:mod:`~moeckpt.formats.compression`); with any
+    #: but ``"none"`` a read decodes whole (inner) chunks, whatever rows it wants.
+    compress: str = "none"
 
 
 def block_span(ref: PieceRef, lo: int, hi: int) -> tuple[int, int, int, int, int]:

@@ -9,6 +9,7 @@ import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.checkpoint import save_pieces
+from moeckpt.formats.compression import NONE
 from moeckpt.formats.index import Index, TensorEntry
 from moeckpt.formats.pieces import Piece
 
@@ -25,6 +26,7 @@ def save_full_tensors(
     values: Callable[[TensorEntry], torch.Tensor],
     model: dict[str, Any],
     backend: str = "safetensors",
+    compress: str = NONE,
     step: int = 0,
     train_state: dict[str, Any] | None = None,
     overwrite: bool = False,
@@ -32,7 +34,8 @@ def save_full_tensors(
     on_written: Callable[[int], None] | None = None,
 ) -> Index:
     """Split every tensor (``values(entry)`` returns it whole) into the layout's pieces and commit a checkpoint;
-    ``on_written`` gets the bytes of each writer's file once written (progress bars)."""
+    ``on_written`` gets the bytes of each writer's file once written (progress bars); ``compress``: the compression
+    setting (:mod:`moeckpt.formats.compression`) of a backend that takes one."""
     check_layout(tensors, layout)
     by_writer: dict[int, list[Piece]] = {r: [] for r in range(layout.world)}
     for entry in tensors.values():
@@ -45,6 +48,7 @@ def save_full_tensors(
             by_writer[p.writer].append(Piece(entry.name, p.box, full[p.box.slices()]))
     index = Index(
         backend=backend,
+        compress=compress,
         step=step,
         layout=layout.to_json(),
         model=model,

@@ -11,7 +11,7 @@ from moeckpt.formats.errors import (
     UnsafePathError,
     UnsupportedVersionError,
 )
-from moeckpt.formats.index import Index, MeshEntry, TensorEntry
+from moeckpt.formats.index import FORMAT_VERSION, Index, MeshEntry, TensorEntry
 
 
 def _index(**kw) -> Index:
@@ -66,7 +66,7 @@ def _doc(**changes) -> bytes:
     "changes, message",
     [
         ({"format_version": 1}, "need version 2"),
-        ({"format_version": 4}, "not supported"),
+        ({"format_version": FORMAT_VERSION + 1}, "not supported"),
         ({"meshes": [{"shape": [2, 2], "ranks": [0, 1, 2]}]}, "lists 3 ranks"),
         ({"meshes": [{"shape": [2, 2], "ranks": [0, 1, 1, 2]}]}, "distinct"),
         ({"meshes": [{"shape": [0], "ranks": []}]}, "positive integers"),

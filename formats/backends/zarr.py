@@ -20,7 +20,11 @@ A cell of more than :data:`INNER_CHUNK_BYTES` is stored with the zarr sharding c
 size (split along dim 0 first), each followed by its crc32c, behind a crc32c-protected index at the start of the
 object, so a reader fetches the index plus only the inner chunks of the rows it needs and verifies each. A smaller
 cell is one plain chunk: its bytes, then their crc32c. Both are standard zarr v3: ``zarr.open_array`` reads any
-tensor. bf16 and fp8 are stored as uint16/uint8 (zarr has no such dtypes), the real dtype in the array attribute
+tensor. With ``compress="blosc-zstd"`` (``--compress``) every (inner) chunk is compressed with zarr v3's standard
+``blosc`` codec (zstd, byte shuffle at the element size), its crc32c taken of the decoded bytes and of the
+compressed ones; the array document records the codecs, so zarr-python and tensorstore decode it unaided, and a
+reader learns each array's codecs from its own document. bf16 and fp8 are stored as uint16/uint8 (zarr has no
+such dtypes), the real dtype in the array attribute
 ``moeckpt.dtype``. The index lists the ``zarr.json`` documents (size and xxh3 checksum), so it grows with the
 number of tensors, never with the number of pieces.
 
@@ -31,6 +35,7 @@ documents and cells are :mod:`.zarr_array`'s, a cell's bytes (codecs, crc32c, re
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, TypeVar
@@ -40,6 +45,7 @@ import torch
 from .. import dtypes
 from ..box import Box, covers_exactly_once
 from ..checksum import checksum
+from ..compression import BLOSC_ZSTD, NONE
 from ..errors import CheckpointIndexError, DataFileError
 from ..index import INDEX_NAME, FileEntry, Index, TensorEntry, check_relative_path
 from ..pieces import CHECKSUM_BLOCK_BYTES, Piece, PieceRef
@@ -55,6 +61,9 @@ INNER_CHUNK_BYTES = CHECKSUM_BLOCK_BYTES
 #: concurrent object writes per writer (object stores need many requests in flight to reach their bandwidth).
 WRITE_THREADS_LOCAL = 4
 WRITE_THREADS_REMOTE = 16
+#: a compressing writer encodes and writes its cells in at least this many threads, at most one per core beyond
+#: that: blosc releases the interpreter lock, so the encoding of some cells overlaps the writes of others.
+COMPRESS_THREADS_MAX = 16
 _PLANS_KEPT = 4
 
 T = TypeVar("T")
@@ -109,8 +118,9 @@ def inner_chunk_shape(shard: Sequence[int], itemsize: int, limit: int | None = N
     return tuple(inner)
 
 
-def plan_array(entry: TensorEntry, boxes: Sequence[Box]) -> ArrayPlan:
-    """The storage plan of one tensor from every piece written of it (which must tile it exactly once)."""
+def plan_array(entry: TensorEntry, boxes: Sequence[Box], compress: str = NONE) -> ArrayPlan:
+    """The storage plan of one tensor from every piece written of it (which must tile it exactly once), its
+    chunks compressed as ``compress`` says."""
     problem = covers_exactly_once(entry.shape, boxes)
     if problem is not None:
         raise CheckpointIndexError(
@@ -118,7 +128,23 @@ def plan_array(entry: TensorEntry, boxes: Sequence[Box]) -> ArrayPlan:
         )
     shard = grid_shape(entry.shape, boxes)
     inner = inner_chunk_shape(shard, dtypes.itemsize(entry.dtype)) if entry.shape else None
-    return ArrayPlan(entry.name, entry.shape, entry.dtype, shard, inner)
+    return ArrayPlan(entry.name, entry.shape, entry.dtype, shard, inner, compress)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def write_threads(is_local: bool, compress: str) -> int:
+    """Threads that encode and write one writer's cells: raw, as many as the storage wants requests in flight;
+    compressed, at least that many and up to one per core (encoding is the work there)."""
+    threads = WRITE_THREADS_LOCAL if is_local else WRITE_THREADS_REMOTE
+    if compress != NONE:
+        threads = max(threads, min(COMPRESS_THREADS_MAX, _cores()))
+    return threads
 
 
 def check_tensor_names(names: Collection[str]) -> None:
@@ -188,9 +214,13 @@ class ZarrBackend(BackendBase):
     fork_safe = False
     #: cells of a grid, not placements: readers list them from the array documents.
     stores_placements = False
+    #: the compression settings it writes (:mod:`~moeckpt.formats.compression`); readers decode any of them.
+    compressions = (NONE, BLOSC_ZSTD)
 
-    def __init__(self) -> None:
+    def __init__(self, compress: str = NONE) -> None:
         self._plans: dict[str, dict[str, ArrayPlan]] = {}
+        #: how the arrays it plans are compressed (set by :func:`~moeckpt.formats.backend.get_backend`).
+        self.compress = compress
 
     # -- writing -----------------------------------------------------------------------------------------
     def plan(
@@ -198,7 +228,7 @@ class ZarrBackend(BackendBase):
     ) -> dict[str, ArrayPlan]:
         """Compute (without I/O) and remember the storage plan of every tensor; every rank gets the same."""
         check_tensor_names(tensors)
-        plans = {name: plan_array(entry, boxes.get(name, [])) for name, entry in tensors.items()}
+        plans = {name: plan_array(entry, boxes.get(name, []), self.compress) for name, entry in tensors.items()}
         self._remember(storage.location, plans)
         return plans
 
@@ -260,11 +290,21 @@ class ZarrBackend(BackendBase):
             for cell in plan.cells(p.box):
                 jobs.append((plan, cell, data[cell.relative_to(p.box).slices()]))
 
+        compress = BLOSC_ZSTD if any(plan.compress != NONE for plan, _, _ in jobs) else NONE
+        threads = write_threads(storage.is_local, compress)
+        # Fewer cells than threads (a few large shards): their inner chunks are encoded in parallel too.
+        encoder = ThreadPoolExecutor(threads) if compress != NONE and len(jobs) < threads else None
+
         def put(job: tuple[ArrayPlan, Box, torch.Tensor]) -> None:
             plan, cell, data = job
-            storage.write_parts(plan.key(cell), encode_cell(plan, data))
+            parts = encode_cell(plan, data, encoder.map) if encoder is not None else encode_cell(plan, data)
+            storage.write_parts(plan.key(cell), parts)
 
-        _run(put, jobs, WRITE_THREADS_LOCAL if storage.is_local else WRITE_THREADS_REMOTE)
+        try:
+            _run(put, jobs, threads)
+        finally:
+            if encoder is not None:
+                encoder.shutdown(wait=True, cancel_futures=True)
         return []
 
     def finish(self, storage: Storage, files: list[FileEntry], tensors: dict[str, TensorEntry]) -> list[FileEntry]:

@@ -4,25 +4,40 @@ with the sharding codec) and read back verified, whole or by rows of its dim 0.
 A cell of more than :data:`~.zarr.INNER_CHUNK_BYTES` is stored with the sharding codec, each inner chunk followed
 by its crc32c, behind a crc32c-protected index at the start of the object, so a reader fetches the index plus only
 the inner chunks of the rows it needs; an edge cell is stored padded to the chunk shape (the fill value).
+
+Compressed (``--compress blosc-zstd``), every (inner) chunk is its bytes and their crc32c, compressed together
+with blosc, followed by the crc32c of the compressed bytes: the outer crc32c is checked before decoding, the inner
+one after, so what a reader gets is verified, whatever the codec did. The shard index then gives each compressed
+inner chunk's offset and length (the chunks back to back, in order), and a read of some rows decodes the whole
+inner chunks that hold them.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable, Iterable, Iterator
 
 import google_crc32c
 import numpy as np
 import torch
+from numcodecs import blosc
 
 from .. import dtypes
+from ..compression import NONE
 from ..errors import ChecksumMismatchError, DataFileError
 from ..pieces import PieceRef, tensor_bytes
 from ..storage import Storage
-from .zarr_array import ArrayPlan
+from .zarr_array import BLOSC_BLOCKSIZE, BLOSC_CLEVEL, BLOSC_CNAME, ArrayPlan
 
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16  # (offset, nbytes) as two little-endian uint64
+#: the header every blosc (1.x) frame starts with: version, versionlz, flags, typesize, then the decoded size,
+#: the block size and the frame's own size as little-endian uint32.
+BLOSC_HEADER_BYTES = 16
+
+#: how a writer maps a function over the chunks of a cell (``map``, or a thread pool's: blosc releases the GIL).
+Mapper = Callable[[Callable[[memoryview], list[bytes]], Iterable[memoryview]], Iterator[list[bytes]]]
 
 
 def crc32c(data: bytes | bytearray | memoryview) -> bytes:
@@ -30,15 +45,27 @@ def crc32c(data: bytes | bytearray | memoryview) -> bytes:
     return struct.pack("<I", google_crc32c.value(np.frombuffer(data, dtype=np.uint8)))
 
 
-def encode_cell(plan: ArrayPlan, data: torch.Tensor) -> list[bytes | memoryview]:
+def compress_chunk(raw: memoryview, itemsize: int) -> list[bytes]:
+    """One compressed chunk as written: blosc of (``raw`` + its crc32c), then the crc32c of that frame."""
+    framed = bytearray(len(raw) + CRC_BYTES)
+    framed[: len(raw)] = raw
+    framed[len(raw) :] = crc32c(raw)
+    frame = blosc.compress(framed, BLOSC_CNAME.encode(), BLOSC_CLEVEL, blosc.SHUFFLE, BLOSC_BLOCKSIZE, itemsize)
+    return [frame, crc32c(frame)]
+
+
+def encode_cell(plan: ArrayPlan, data: torch.Tensor, mapper: Mapper = map) -> list[bytes | memoryview]:
     """The bytes of one cell's object, as parts to write back to back (views of ``data`` where possible).
 
     A cell at the array's end (smaller than the chunk) is padded with zeros (the fill value) to the chunk shape.
+    Compressed chunks are encoded through ``mapper`` (a thread pool's ``map`` encodes them in parallel).
     """
     if tuple(data.shape) != plan.shard:
         padded = torch.zeros(plan.shard, dtype=data.dtype)
         padded[tuple(slice(0, n) for n in data.shape)] = data
         data = padded
+    if plan.compress != NONE:
+        return _encode_compressed(plan, data, mapper)
     if plan.inner is None:
         raw = tensor_bytes(data.reshape(-1))  # reshape: tensor_bytes cannot view a 0-d tensor as bytes
         return [raw, crc32c(raw)]
@@ -54,6 +81,30 @@ def encode_cell(plan: ArrayPlan, data: torch.Tensor) -> list[bytes | memoryview]
     for coords in np.ndindex(*grid):  # C order, as the index lists them
         raw = tensor_bytes(data[tuple(slice(c * i, (c + 1) * i) for c, i in zip(coords, plan.inner))])
         parts += [raw, crc32c(raw)]
+    return parts
+
+
+def _inner_chunks(plan: ArrayPlan, data: torch.Tensor) -> list[torch.Tensor]:
+    """The inner chunks of a (padded) cell, in the C order the shard index lists them."""
+    assert plan.inner is not None
+    grid = tuple(s // i for s, i in zip(plan.shard, plan.inner))
+    return [data[tuple(slice(c * i, (c + 1) * i) for c, i in zip(coords, plan.inner))] for coords in np.ndindex(*grid)]
+
+
+def _encode_compressed(plan: ArrayPlan, data: torch.Tensor, mapper: Mapper) -> list[bytes | memoryview]:
+    item = dtypes.itemsize(plan.dtype)
+    if plan.inner is None:
+        return list(compress_chunk(tensor_bytes(data.reshape(-1)), item))
+    chunks = list(mapper(lambda raw: compress_chunk(raw, item), [tensor_bytes(c) for c in _inner_chunks(plan, data)]))
+    n = len(chunks)
+    sizes = np.array([len(frame) + CRC_BYTES for frame, _ in chunks], dtype=np.uint64)
+    index = np.empty((n, 2), dtype="<u8")
+    index[:, 1] = sizes
+    index[:, 0] = n * INDEX_ENTRY_BYTES + CRC_BYTES + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.uint64)
+    index_raw = index.tobytes()
+    parts: list[bytes | memoryview] = [index_raw, crc32c(index_raw)]
+    for frame, crc in chunks:
+        parts += [frame, crc]
     return parts
 
 
@@ -78,6 +129,8 @@ def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = N
 
 def _read_stored(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
     """Rows ``[r0, r1)`` of an object that stores an array of ``shape``, every chunk read verified."""
+    if ref.compress != NONE:
+        return _read_compressed(storage, ref, shape, r0, r1)
     where = storage.path(ref.file)
     torch_dtype = dtypes.to_torch(ref.dtype)
     item = dtypes.itemsize(ref.dtype)
@@ -144,7 +197,109 @@ def _read_stored(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: in
     return out[lo : lo + (r1 - r0)] if (lo, r1 - r0) != (0, out_rows) else out
 
 
-def _check_crc(buf: bytearray, off: int, nbytes: int, ref: PieceRef, where: str, what: str) -> None:
+def _decode_chunk(
+    buf: bytes | bytearray | memoryview, off: int, end: int, nbytes: int, ref: PieceRef, where: str, what: str
+) -> bytearray:
+    """The ``nbytes`` decoded bytes of the compressed chunk ``buf[off:end]`` (then their crc32c), both checksums
+    verified: the stored bytes' before decoding, the decoded bytes' after."""
+    mv = memoryview(buf)[off:end]
+    if len(mv) < BLOSC_HEADER_BYTES + CRC_BYTES:
+        raise DataFileError(f"{where}: {what} of tensor {ref.tensor!r} has {len(mv)} bytes: the object is truncated")
+    _check_crc(mv, 0, len(mv) - CRC_BYTES, ref, where, what)
+    frame = mv[: len(mv) - CRC_BYTES]
+    decoded, _, framed = struct.unpack_from("<III", frame, 4)
+    if decoded != nbytes + CRC_BYTES or framed != len(frame):
+        raise DataFileError(
+            f"{where}: {what} of tensor {ref.tensor!r} is a blosc frame of {framed} bytes decoding to {decoded}, "
+            f"expected {len(frame)} bytes decoding to {nbytes + CRC_BYTES}: the object is not what moeckpt writes"
+        )
+    out = bytearray(decoded)
+    try:
+        blosc.decompress(frame, out)
+    except (RuntimeError, ValueError) as e:
+        raise DataFileError(
+            f"{where}: {what} of tensor {ref.tensor!r} cannot be decoded ({e}); it is corrupt"
+        ) from None
+    _check_crc(out, 0, nbytes, ref, where, f"decoded {what}")
+    return out
+
+
+def _read_compressed(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: int, r1: int) -> torch.Tensor:
+    """Rows ``[r0, r1)`` of a compressed object (one chunk, or a shard): the whole inner chunks holding them are
+    fetched and decoded."""
+    where = storage.path(ref.file)
+    torch_dtype = dtypes.to_torch(ref.dtype)
+    item = dtypes.itemsize(ref.dtype)
+    if ref.chunks is None:
+        nbytes = math.prod(shape) * item
+        try:
+            (buf,) = storage.read_ranges([(ref.file, None, None)])
+        except FileNotFoundError:
+            raise missing_object(storage, ref.file, f"chunk of tensor {ref.tensor!r}") from None
+        raw = _decode_chunk(buf, 0, len(buf), nbytes, ref, where, "chunk")
+        full = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        full = full.view(torch_dtype).reshape(shape)
+        return full[r0:r1] if shape and (r0, r1) != (0, shape[0]) else full
+    inner = ref.chunks
+    grid = tuple(s // i for s, i in zip(shape, inner))
+    n, per_band = math.prod(grid), math.prod(grid[1:])
+    data_bytes = math.prod(inner) * item
+    head = n * INDEX_ENTRY_BYTES + CRC_BYTES
+    if r1 <= r0:
+        return torch.empty((0,) + shape[1:], dtype=torch_dtype)
+    b0, b1 = r0 // inner[0], -(-r1 // inner[0])
+    k0, k1 = b0 * per_band, b1 * per_band
+    whole = (k0, k1) == (0, n)
+    try:
+        # the whole shard: one request; some rows: the index, then the byte range of their chunks
+        (data,) = storage.read_ranges([(ref.file, None, None) if whole else (ref.file, 0, head)])
+    except FileNotFoundError:
+        raise missing_object(storage, ref.file, f"shard of tensor {ref.tensor!r}") from None
+    if len(data) < head:
+        raise DataFileError(f"{where}: shard of tensor {ref.tensor!r} ends early: the object is truncated")
+    _check_crc(data, 0, head - CRC_BYTES, ref, where, "shard index")
+    index = np.frombuffer(bytes(memoryview(data)[: head - CRC_BYTES]), dtype="<u8").reshape(n, 2).astype(np.int64)
+    offsets, sizes = index[:, 0], index[:, 1]
+    ends = head + np.cumsum(sizes)
+    if (
+        bool((index[:, 1] < BLOSC_HEADER_BYTES + 2 * CRC_BYTES).any())
+        or offsets[0] != head
+        or not np.array_equal(offsets[1:], ends[:-1])
+        or (whole and len(data) != int(ends[-1]))
+    ):
+        raise DataFileError(
+            f"{where}: shard index of tensor {ref.tensor!r} is not in the layout moeckpt writes (compressed inner "
+            "chunks back to back, in order, to the object's end)"
+        )
+    lo, hi = int(offsets[k0]), int(ends[k1 - 1])
+    if whole:
+        base = 0
+    else:
+        try:
+            (data,) = storage.read_ranges([(ref.file, lo, hi)])
+        except FileNotFoundError:
+            raise missing_object(storage, ref.file, f"shard of tensor {ref.tensor!r}") from None
+        if len(data) != hi - lo:
+            raise DataFileError(f"{where}: shard of tensor {ref.tensor!r} ends early: the object is truncated")
+        base = lo
+    out_rows = (b1 - b0) * inner[0]
+    out = torch.empty((out_rows,) + shape[1:], dtype=torch_dtype)
+    for k in range(k0, k1):
+        raw = _decode_chunk(
+            data, int(offsets[k]) - base, int(ends[k]) - base, data_bytes, ref, where, f"inner chunk {k}"
+        )
+        coords = np.unravel_index(k, grid)
+        dst = (slice((int(coords[0]) - b0) * inner[0], (int(coords[0]) - b0 + 1) * inner[0]),) + tuple(
+            slice(int(c) * i, (int(c) + 1) * i) for c, i in zip(coords[1:], inner[1:])
+        )
+        out[dst] = torch.frombuffer(raw, dtype=torch.uint8, count=data_bytes).view(torch_dtype).reshape(inner)
+    lo_row = r0 - b0 * inner[0]
+    return out[lo_row : lo_row + (r1 - r0)] if (lo_row, r1 - r0) != (0, out_rows) else out
+
+
+def _check_crc(
+    buf: bytes | bytearray | memoryview, off: int, nbytes: int, ref: PieceRef, where: str, what: str
+) -> None:
     mv = memoryview(buf)
     got, stored = crc32c(mv[off : off + nbytes]), bytes(mv[off + nbytes : off + nbytes + CRC_BYTES])
     if got != stored:
