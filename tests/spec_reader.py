@@ -1,7 +1,8 @@
 """A second implementation of the moeckpt format, written from docs/format.md alone.
 
-It imports nothing of moeckpt (nor safetensors, zarr or torch): json, struct, math, numpy, xxhash and google_crc32c.
-It reads checkpoints of versions 1 and 2 on both backends, verifies every checksum it can, and checks what the
+It imports nothing of moeckpt (nor safetensors, zarr or torch): json, struct, math, numpy, xxhash, google_crc32c and,
+for the compressed arrays of version 4, numcodecs' blosc decoder (a codec library, not zarr).
+It reads checkpoints of versions 1 to 4 on both backends, verifies every checksum it can, and checks what the
 spec asks of writers: the version rule, the pieces and writers a sharding defines, the order and bytes of a
 safetensors header, the chunk grid and the exact documents of a zarr array, the data-file versions. Wherever the
 spec and a checkpoint part, it raises :class:`SpecError` naming the rule. ``tests/test_format_spec.py`` runs it over
@@ -24,8 +25,9 @@ from itertools import product
 import google_crc32c
 import numpy as np
 import xxhash
+from numcodecs import blosc
 
-KNOWN_VERSIONS = (1, 2, 3)
+KNOWN_VERSIONS = (1, 2, 3, 4)
 BACKENDS = ("safetensors", "zarr")
 ROLES = ("param", "master", "exp_avg", "exp_avg_sq", "momentum", "buffer")
 ZERO_ROLES = ("master", "exp_avg", "exp_avg_sq", "momentum")
@@ -55,6 +57,10 @@ DTYPES: dict[str, tuple[str, int, str, str, object]] = {
 }
 #: the dtypes version 3 added ("Versions"): an index of version 1 or 2 holding one breaks the spec.
 VERSION_3_DTYPES = ("uint16", "uint32", "uint64", "complex64", "complex128")
+#: the values of the index member ``compress`` (version 4); absent means "none".
+COMPRESSIONS = ("none", "blosc-zstd")
+#: the blosc codec of a compressed zarr chunk ("Compressed arrays"), but for its typesize (the element size).
+BLOSC = {"cname": "zstd", "clevel": 1, "shuffle": "shuffle", "blocksize": 1048576}
 
 
 class SpecError(Exception):
@@ -179,7 +185,7 @@ def parse_index(raw: bytes) -> dict:
     need(isinstance(doc, dict) and doc.get("format") == "moeckpt", 'index: no "format": "moeckpt"')
     version = doc.get("format_version")
     need(_is_int(version), f"index: format_version {version!r} is not an integer")
-    need(version in KNOWN_VERSIONS, f"index: format version {version} is not known (1, 2 and 3 are)")
+    need(version in KNOWN_VERSIONS, f"index: format version {version} is not known (1, 2, 3 and 4 are)")
     need(doc.get("backend") in BACKENDS, f"index: backend {doc.get('backend')!r}")
     need(_is_int(doc.get("step")) and doc["step"] >= 0, "index: step")
     layout = doc.get("layout")
@@ -200,6 +206,11 @@ def parse_index(raw: bytes) -> dict:
         need("meshes" not in doc, "index: version 1 has no meshes")
     if version < 3:
         need("dcp" not in model.get("config", {}), "index: model.config.dcp needs version 3")
+    if version < 4:
+        need("compress" not in doc, "index: compress needs version 4")
+    compress = doc.get("compress", "none")
+    need(compress in COMPRESSIONS, f"index: compress {compress!r} is not one of {COMPRESSIONS}")
+    need(compress == "none" or doc["backend"] == "zarr", f"index: compress {compress!r} needs backend zarr")
     need(isinstance(meshes, list), "index: meshes must be a list")
     for i, m in enumerate(meshes):
         need(isinstance(m, dict) and set(m) == {"shape", "ranks"}, f"mesh {i}: shape and ranks")
@@ -247,11 +258,14 @@ def parse_index(raw: bytes) -> dict:
         need(isinstance(c, str) and re.fullmatch(r"xxh3_64:[0-9a-f]{16}", c), f"file {path!r}: checksum {c!r}")
     doc["entries"] = entries
     doc["version"] = version
+    doc["compressed"] = compress != "none"
     return doc
 
 
 def written_version(doc: dict) -> int:
     """The version the spec says a writer gives this index."""
+    if doc["compressed"]:
+        return 4
     if "dcp" in doc["model"].get("config", {}) or any(e.dtype in VERSION_3_DTYPES for e in doc["entries"].values()):
         return 3
     if doc.get("meshes") or any(e.kind == "stored" for e in doc["entries"].values()):
@@ -444,15 +458,27 @@ _BYTES = {"name": "bytes", "configuration": {"endian": "little"}}
 _CRC = {"name": "crc32c"}
 
 
-def array_document(entry: Entry, grid: tuple[int, ...], inner: tuple[int, ...] | None) -> bytes:
-    codecs: list = [_BYTES, _CRC]
+def chunk_codecs(entry: Entry, compressed: bool) -> list:
+    """The codecs of one (inner) chunk: bytes and crc32c; compressed, then blosc and crc32c again."""
+    if not compressed:
+        return [_BYTES, _CRC]
+    config = {k: BLOSC[k] for k in ("cname", "clevel", "shuffle")}
+    config.update(typesize=DTYPES[entry.dtype][1], blocksize=BLOSC["blocksize"])
+    return [_BYTES, _CRC, {"name": "blosc", "configuration": config}, _CRC]
+
+
+def array_document(
+    entry: Entry, grid: tuple[int, ...], inner: tuple[int, ...] | None, compressed: bool = False
+) -> bytes:
+    chunk = chunk_codecs(entry, compressed)
+    codecs: list = chunk
     if inner is not None:
         codecs = [
             {
                 "name": "sharding_indexed",
                 "configuration": {
                     "chunk_shape": list(inner),
-                    "codecs": [_BYTES, _CRC],
+                    "codecs": chunk,
                     "index_codecs": [_BYTES, _CRC],
                     "index_location": "start",
                 },
@@ -468,7 +494,7 @@ def array_document(entry: Entry, grid: tuple[int, ...], inner: tuple[int, ...] |
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": fill,
         "codecs": codecs,
-        "attributes": {"moeckpt": {"dtype": entry.dtype, "format_version": 1}},
+        "attributes": {"moeckpt": {"dtype": entry.dtype, "format_version": 2 if compressed else 1}},
     }
     return json.dumps(doc, indent=2).encode()
 
@@ -608,7 +634,9 @@ class Checkpoint:
                 need(all(g % i == 0 for g, i in zip(grid, inner)), f"{relpath}: inner chunks do not divide the cell")
             need(len(grid) == len(entry.shape) and all(g >= 1 for g in grid), f"{relpath}: chunk grid {grid}")
             # every writer's document is in one exact form: compare with the one the spec gives for this grid
-            need(self._read(relpath) == array_document(entry, grid, inner), f"{relpath}: not the spec's array document")
+            compressed = self.doc["compressed"]
+            want = array_document(entry, grid, inner, compressed)
+            need(self._read(relpath) == want, f"{relpath}: not the spec's array document")
             for cell in product(*(range(-(-n // g)) for n, g in zip(entry.shape, grid))):
                 offsets = tuple(c * g for c, g in zip(cell, grid))
                 shape = tuple(min(g, n - o) for o, g, n in zip(offsets, grid, entry.shape))
@@ -635,7 +663,9 @@ class Checkpoint:
         raw = self._read(p.file)
         grid = p.grid
         size = math.prod(grid) * item
-        if p.inner is None:
+        if self.doc["compressed"]:
+            cell = self._compressed_cell(p, raw, npdt, item)
+        elif p.inner is None:
             need(len(raw) == size + 4, f"{p.file}: {len(raw)} bytes, expected {size + 4}")
             need(crc32c(raw[:size]) == raw[size:], f"{p.file}: crc32c mismatch")
             cell = np.frombuffer(raw[:size], dtype=npdt).reshape(grid)
@@ -658,6 +688,31 @@ class Checkpoint:
                 cell[dst] = np.frombuffer(chunk, dtype=npdt).reshape(inner)
         crop = cell[tuple(slice(0, s) for s in p.shape)]
         return np.ascontiguousarray(crop).tobytes()
+
+    def _compressed_cell(self, p: Piece, raw: bytes, npdt: str, item: int) -> np.ndarray:
+        """A compressed cell ("Compressed arrays"): each (inner) chunk is a blosc frame of its bytes and their
+        crc32c, then the crc32c of the frame; a shard's index gives the chunks' offsets and lengths."""
+        if p.inner is None:
+            data = _decode_chunk(raw, math.prod(p.grid) * item, p.file, "chunk")
+            return np.frombuffer(data, dtype=npdt).reshape(p.grid)
+        inner = p.inner
+        per = tuple(g // i for g, i in zip(p.grid, inner))
+        m = math.prod(per)
+        head = 16 * m + 4
+        need(len(raw) >= head, f"{p.file}: {len(raw)} bytes, shorter than its shard index")
+        need(crc32c(raw[: 16 * m]) == raw[16 * m : head], f"{p.file}: shard index crc32c mismatch")
+        index = struct.unpack(f"<{2 * m}Q", raw[: 16 * m])
+        cell = np.empty(p.grid, dtype=npdt)
+        at = head
+        for k, coords in enumerate(np.ndindex(*per)):
+            offset, nbytes = index[2 * k : 2 * k + 2]
+            need(offset == at, f"{p.file}: shard index entry {k}: the chunks are not back to back in order")
+            chunk = _decode_chunk(raw[at : at + nbytes], math.prod(inner) * item, p.file, f"inner chunk {k}")
+            dst = tuple(slice(c * i, (c + 1) * i) for c, i in zip(coords, inner))
+            cell[dst] = np.frombuffer(chunk, dtype=npdt).reshape(inner)
+            at += nbytes
+        need(at == len(raw), f"{p.file}: {len(raw)} bytes, the shard index accounts for {at}")
+        return cell
 
     def tensor(self, name: str) -> np.ndarray:
         """The whole tensor as a numpy array of its stored dtype (bfloat16 as uint16, float8 as uint8)."""
@@ -731,7 +786,24 @@ class Checkpoint:
             got = tuple(doc["chunk_grid"]["configuration"]["chunk_shape"])
             need(got == grid, f"tensor {name!r}: chunk grid {got}, the rule gives {grid}")
             inner = inner_chunks(grid, DTYPES[entry.dtype][1]) if entry.shape else None
-            need(self._read(f"{name}/zarr.json") == array_document(entry, grid, inner), f"{name}: inner chunks")
+            want = array_document(entry, grid, inner, self.doc["compressed"])
+            need(self._read(f"{name}/zarr.json") == want, f"{name}: inner chunks")
+
+
+def _decode_chunk(stored: bytes, size: int, file: str, what: str) -> bytes:
+    """The ``size`` bytes of one compressed chunk: its frame's crc32c checked, the frame decoded, the decoded
+    bytes' crc32c checked."""
+    need(len(stored) > 4, f"{file}: {what} has {len(stored)} bytes")
+    frame = stored[:-4]
+    need(crc32c(frame) == stored[-4:], f"{file}: {what} crc32c mismatch (stored bytes)")
+    need(len(frame) >= 16 and struct.unpack_from("<I", frame, 12)[0] == len(frame), f"{file}: {what} frame size")
+    try:
+        data = blosc.decompress(frame)
+    except (RuntimeError, ValueError) as e:
+        raise SpecError(f"{file}: {what} is not a blosc frame ({e})") from None
+    need(len(data) == size + 4, f"{file}: {what} decodes to {len(data)} bytes, expected {size + 4}")
+    need(crc32c(data[:size]) == data[size:], f"{file}: {what} crc32c mismatch (decoded bytes)")
+    return data[:size]
 
 
 def _ordered_pairs(pairs):

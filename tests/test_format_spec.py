@@ -26,7 +26,7 @@ import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader, save_pieces, verify
 from moeckpt.formats.errors import MoeckptError, UnsupportedVersionError
-from moeckpt.formats.index import Index, MeshEntry, TensorEntry
+from moeckpt.formats.index import FORMAT_VERSION, Index, MeshEntry, TensorEntry
 from moeckpt.formats.pieces import Piece
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.save import save_full_tensors
@@ -275,12 +275,12 @@ def _edited_index(tmp_path, edit) -> str:
 @pytest.mark.parametrize(
     "edit",
     [
-        lambda d: d.update(format_version=4),
+        lambda d: d.update(format_version=FORMAT_VERSION + 1),
         lambda d: d.update(format_version=0),
         lambda d: d.update(format_version="1"),
         lambda d: d.update(meshes=[{"shape": [1], "ranks": [0]}]),
     ],
-    ids=["version-4", "version-0", "version-as-string", "meshes-in-version-1"],
+    ids=["version-above-known", "version-0", "version-as-string", "meshes-in-version-1"],
 )
 def test_both_readers_refuse_unknown_versions_and_meshes_in_version_1(tmp_path, edit):
     path = _edited_index(tmp_path, edit)
@@ -291,7 +291,7 @@ def test_both_readers_refuse_unknown_versions_and_meshes_in_version_1(tmp_path, 
 
 
 def test_a_version_above_the_known_ones_says_upgrade(tmp_path):
-    path = _edited_index(tmp_path, lambda d: d.update(format_version=4))
+    path = _edited_index(tmp_path, lambda d: d.update(format_version=FORMAT_VERSION + 1))
     with pytest.raises(UnsupportedVersionError, match="upgrade moeckpt"):
         CheckpointReader(path)
 
