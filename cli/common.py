@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import click
 
 from moeckpt.formats.backend import backend_names
+from moeckpt.formats.compression import COMPRESS_HELP, NONE, compress_names
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.reshard.options import OFFLINE_WORKERS, offline_workers
 
@@ -178,6 +179,25 @@ format_option = click.option(
     show_default=True,
     help="on-disk format of the checkpoint written",
 )
+
+
+def compress_option(f: Callable | None = None, *, default_source: bool = False) -> Callable:
+    """``--compress``: lossless compression of the checkpoint written, one of the settings of
+    :mod:`moeckpt.formats.compression`; ``none`` unless given, or with ``default_source`` ``None`` (the command
+    keeps its source's)."""
+    if default_source:
+        option = click.option(
+            "--compress",
+            type=click.Choice(compress_names()),
+            default=None,
+            help=f"{COMPRESS_HELP}  [default: the source's, where the format written takes it; else none]",
+        )
+    else:
+        option = click.option(
+            "--compress", type=click.Choice(compress_names()), default=NONE, show_default=True, help=COMPRESS_HELP
+        )
+    return option(f) if f is not None else option
+
 
 #: ``--workers``: parallel file writers.
 workers_option = click.option(

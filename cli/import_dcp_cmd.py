@@ -9,7 +9,7 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.interop import MAPPINGS, DcpImport
 from moeckpt.trainer.models import UnknownModelError, resolve_model
 
-from .common import announce_overwrite, format_option, layout_options, progress, workers_option
+from .common import announce_overwrite, compress_option, format_option, layout_options, progress, workers_option
 from .params import Text
 
 
@@ -18,6 +18,7 @@ from .params import Text
 @click.argument("dst", type=Text())
 @layout_options(default_source=True)
 @format_option
+@compress_option
 @click.option(
     "--model",
     "model_name",
@@ -37,7 +38,7 @@ from .params import Text
 )
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
 @workers_option
-def command(dcp_dir, dst, tp, ep, dp, fmt, model_name, mapping, overwrite, workers) -> None:
+def command(dcp_dir, dst, tp, ep, dp, fmt, compress, model_name, mapping, overwrite, workers) -> None:
     """Convert the DCP checkpoint in DCP_DIR (local path or URL: .metadata and __R_N.distcp files, any sharding)
     into a moeckpt checkpoint at DST in layout (tp, ep, dp), streaming each chunk once with bounded memory.
     With --mapping none and no layout given, the names and the DCP shardings are kept as they are (each chunk a
@@ -55,7 +56,7 @@ def command(dcp_dir, dst, tp, ep, dp, fmt, model_name, mapping, overwrite, worke
         model = resolve_model(model_name) if model_name is not None else None
     except UnknownModelError as e:
         raise click.BadParameter(str(e), param_hint="'--model'") from None
-    job = DcpImport(dcp_dir, layout=layout, mapping=mapping, backend=fmt, model=model)
+    job = DcpImport(dcp_dir, layout=layout, mapping=mapping, backend=fmt, model=model, compress=compress)
     for note in job.notes:
         click.echo(f"note: {note}", err=True)
     said = announce_overwrite(dst, overwrite)

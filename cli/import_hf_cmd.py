@@ -10,6 +10,7 @@ from moeckpt.trainer.hf_import import HfImport
 
 from .common import (
     announce_overwrite,
+    compress_option,
     format_option,
     layout_options,
     progress,
@@ -25,6 +26,7 @@ DTYPES = dtypes.short_names("bf16", "fp32")
 @click.argument("dst", type=Text())
 @layout_options
 @format_option
+@compress_option
 @click.option(
     "--dtype",
     type=click.Choice(sorted(DTYPES)),
@@ -34,11 +36,11 @@ DTYPES = dtypes.short_names("bf16", "fp32")
 )
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
 @workers_option
-def command(hf_dir, dst, tp, ep, dp, fmt, dtype, overwrite, workers) -> None:
+def command(hf_dir, dst, tp, ep, dp, fmt, compress, dtype, overwrite, workers) -> None:
     """Write the model in HF_DIR (local path or URL; per-expert or fused expert tensors) to DST in layout
     (tp, ep, dp), with fresh optimizer state, ready for `moeckpt train` to fine-tune."""
     layout = Layout(tp=tp, ep=ep, dp=dp)
-    job = HfImport(hf_dir, layout=layout, backend=fmt, dtype=DTYPES[dtype])
+    job = HfImport(hf_dir, layout=layout, backend=fmt, dtype=DTYPES[dtype], compress=compress)
     said = announce_overwrite(dst, overwrite)
     with progress(job.index.nbytes, "import-hf") as bar:
         index = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=bar.update)

@@ -8,6 +8,7 @@ import shutil
 import click
 
 from moeckpt.formats import dtypes
+from moeckpt.formats.backend import get_backend
 from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.save import save_full_tensors
@@ -18,6 +19,7 @@ from moeckpt.trainer.models import UnknownModelError, presets, resolve_model
 
 from .common import (
     announce_overwrite,
+    compress_option,
     format_option,
     layout_options,
     progress,
@@ -55,6 +57,7 @@ def _numel(shape) -> int:
 )
 @layout_options
 @format_option
+@compress_option
 @click.option("--with-optimizer", is_flag=True, help="also write AdamW state (and fp32 master weights for bf16)")
 @click.option(
     "--seed", type=count(0, 2**63 - 1), default=0, show_default=True, help="values depend only on (seed, tensor name)"
@@ -66,7 +69,7 @@ def _numel(shape) -> int:
     help="replace whatever OUT holds (a checkpoint, a run directory, any files); it says what it removes first",
 )
 @workers_option
-def command(out, model_name, tp, ep, dp, fmt, with_optimizer, seed, dtype, overwrite, workers) -> None:
+def command(out, model_name, tp, ep, dp, fmt, compress, with_optimizer, seed, dtype, overwrite, workers) -> None:
     """Write a random checkpoint of MODEL to OUT in layout (tp, ep, dp).
 
     The same seed gives the same logical checkpoint in every layout, so `moeckpt diff` of two inits that differ
@@ -78,6 +81,7 @@ def command(out, model_name, tp, ep, dp, fmt, with_optimizer, seed, dtype, overw
         raise click.BadParameter(str(e), param_hint="'--model'") from None
     spec.check_layout(tp, ep)
     layout = Layout(tp=tp, ep=ep, dp=dp)
+    get_backend(fmt, compress=compress)  # a format that cannot compress is refused before any work
     params = spec.param_specs()
     init_of = {p.name: p.init for p in params}
     tensors = logical_tensors(params, param_dtype=DTYPES[dtype], with_optimizer=with_optimizer)
@@ -107,6 +111,7 @@ def command(out, model_name, tp, ep, dp, fmt, with_optimizer, seed, dtype, overw
             values=value,
             model=spec.to_json(),
             backend=fmt,
+            compress=compress,
             train_state={"step": 0, "seed": seed},
             overwrite=overwrite,
             workers=workers,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from moeckpt.formats.backend import get_backend
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
@@ -12,7 +13,7 @@ from moeckpt.reshard.state_dict_checkpoints import is_state_dict
 from moeckpt.reshard.tensors import check_layout
 from moeckpt.trainer.models import ModelSpec
 
-from .common import FormatChoice, announce_overwrite, layout_options, progress
+from .common import FormatChoice, announce_overwrite, compress_option, layout_options, progress
 from .params import Text, count
 
 
@@ -27,6 +28,7 @@ from .params import Text, count
     default=None,
     help="on-disk format of the checkpoint written  [default: the source's]",
 )
+@compress_option(default_source=True)
 @click.option(
     "--workers",
     type=count(1, 256),
@@ -35,7 +37,7 @@ from .params import Text, count
     help="target files written in parallel (by processes from local safetensors to local safetensors, else threads)",
 )
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
-def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
+def command(src, dst, tp, ep, dp, fmt, compress, workers, overwrite) -> None:
     """Write checkpoint SRC (or a run directory's newest step) to DST in layout (tp, ep, dp); a degree not given
     keeps the source's, so `--format zarr` alone converts the format at the same layout.
 
@@ -50,6 +52,8 @@ def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
     if not is_state_dict(index):  # a state dict (moeckpt.save, import-dcp --mapping none) has no model
         ModelSpec.from_json(index.model).check_layout(tp, ep)
     check_layout(index.tensors, layout)
+    if compress is not None:
+        get_backend(fmt or index.backend, compress=compress)  # refused before anything is written
     said = announce_overwrite(dst, overwrite)
     with progress(index.nbytes, f"reshard -> {layout}") as bar:
         result = reshard(
@@ -57,6 +61,7 @@ def command(src, dst, tp, ep, dp, fmt, workers, overwrite) -> None:
             dst,
             layout,
             backend=fmt,
+            compress=compress,
             overwrite=overwrite,
             on_bytes=bar.update,
             options=ReshardOptions(workers=workers),

@@ -182,10 +182,28 @@ def get_backend(name: str, *, compress: str = NONE) -> Backend:
     backend = factory()
     if compress != NONE:
         check_compress(compress)
-        if compress not in getattr(backend, "compressions", (NONE,)):
+        if compress not in compressions_of(backend):
+            able = [n for n in backend_names() if n != name and compress in _compressions_or_none(n)]
             raise CheckpointIndexError(
-                f"the {name} format stores bytes raw: it cannot write compression {compress!r}; write with "
-                "--compress none, or in a format that compresses (--format zarr)"
+                f"the {name} format stores bytes raw: it cannot write compression {compress!r}; write it with "
+                f"compression none, or in a format that compresses ({', '.join(able) or 'none is available'})"
             )
         backend.compress = compress  # type: ignore[attr-defined]
     return backend
+
+
+def compressions_of(backend: Backend) -> tuple[str, ...]:
+    """The compression settings ``backend`` writes (``("none",)`` for one that does not say)."""
+    return tuple(getattr(backend, "compressions", (NONE,)))
+
+
+def backend_compressions(name: str) -> tuple[str, ...]:
+    """The compression settings the backend ``name`` writes."""
+    return compressions_of(get_backend(name))
+
+
+def _compressions_or_none(name: str) -> tuple[str, ...]:
+    try:
+        return backend_compressions(name)
+    except CheckpointIndexError:  # a backend that cannot be loaded here compresses nothing here
+        return (NONE,)

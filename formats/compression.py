@@ -13,8 +13,8 @@ from .errors import CheckpointIndexError
 
 #: the bytes as they are (the default; the checkpoint's bytes are those of every earlier moeckpt).
 NONE = "none"
-#: blosc (zarr v3's ``blosc`` codec) with zstd at level 1, byte shuffle at the element size, 1 MiB blocks:
-#: measured best of the standard codecs on a trained checkpoint (docs/zarr.md, docs/benchmarks/compress.md).
+#: blosc (zarr v3's ``blosc`` codec) with zstd at level 1, byte shuffle at the element size, 1 MiB blocks
+#: (docs/zarr.md; the measurement on a trained checkpoint and its entropy bound are issue 32's items 4 and 5).
 BLOSC_ZSTD = "blosc-zstd"
 
 #: every setting, with the line ``--help`` shows for it.
@@ -22,6 +22,9 @@ COMPRESSIONS: dict[str, str] = {
     NONE: "store the bytes raw",
     BLOSC_ZSTD: "lossless blosc + zstd with byte shuffle (zarr only; any zarr v3 reader decodes it)",
 }
+
+#: the one line of help every ``--compress`` shows (the CLI's commands and ``moeckpt train``'s config).
+COMPRESS_HELP = "lossless compression of the data written (blosc-zstd: zarr only; see docs/zarr.md)"
 
 
 def compress_names() -> tuple[str, ...]:

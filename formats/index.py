@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import dtypes
-from .backend import backend_names
+from .backend import backend_compressions, backend_names
 from .checksum import is_checksum
 from .compression import NONE, check_compress
 from .errors import CheckpointIndexError, UnsafePathError, UnsupportedVersionError
@@ -246,6 +246,10 @@ class Index:
         if self.backend not in backend_names():
             raise CheckpointIndexError(f"index: unknown backend {self.backend!r}; known: {', '.join(backend_names())}")
         check_compress(self.compress, "index")
+        if self.compress != NONE and self.compress not in backend_compressions(self.backend):
+            raise CheckpointIndexError(
+                f"index: compress {self.compress!r} with backend {self.backend!r}, which stores bytes raw"
+            )
         for entry in self.tensors.values():
             ref = entry.sharding.get("mesh")
             if ref is not None and (

@@ -13,7 +13,9 @@ import logging
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
+from moeckpt.formats.backend import get_backend
 from moeckpt.formats.checkpoint import committed_steps, quarantine, step_dir_name
+from moeckpt.formats.compression import NONE
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError, MoeckptError
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
 from moeckpt.formats.storage import join
@@ -41,12 +43,16 @@ class Checkpointer:
         async_save: bool = True,
         process_group=None,
         format: str = "safetensors",
+        compress: str = NONE,
     ) -> None:
+        get_backend(format, compress=compress)  # a format that cannot compress is refused here, not at a save
         self.run_dir = run_dir
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
         self.async_save = async_save
         self.process_group = process_group
         self.format = format
+        #: the compression setting of every checkpoint (``"blosc-zstd"``: ``format="zarr"`` only).
+        self.compress = compress
         self._inflight: AsyncSave | None = None
         self._inflight_step: int | None = None
 
@@ -67,11 +73,25 @@ class Checkpointer:
         path = self.step_path(step)
         if self.async_save:
             handle = async_save(
-                state_dict, path, process_group=self.process_group, format=self.format, overwrite=True, step=step
+                state_dict,
+                path,
+                process_group=self.process_group,
+                format=self.format,
+                compress=self.compress,
+                overwrite=True,
+                step=step,
             )
             self._inflight, self._inflight_step = handle, step
             return handle.stats
-        stats = save(state_dict, path, process_group=self.process_group, format=self.format, overwrite=True, step=step)
+        stats = save(
+            state_dict,
+            path,
+            process_group=self.process_group,
+            format=self.format,
+            compress=self.compress,
+            overwrite=True,
+            step=step,
+        )
         self._retain()
         return stats
 

@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from moeckpt.formats import dtypes
+from moeckpt.formats.backend import get_backend
 from moeckpt.formats.box import Box
+from moeckpt.formats.compression import NONE
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.pieces import Piece
 from moeckpt.reshard import collectives
@@ -128,15 +130,18 @@ def save(
     overwrite: bool = False,
     step: int = 0,
     model: dict[str, Any] | None = None,
+    compress: str = NONE,
 ) -> SaveStats:
     """Save every rank's ``state_dict`` as one checkpoint at ``path``; collective over ``process_group``.
 
     Returns after the checkpoint is committed (atomically: nothing is visible at ``path`` before). ``step`` and
-    ``model`` (``{"arch": ..., "config": {...}}`` of a bundled architecture) go into the index.
+    ``model`` (``{"arch": ..., "config": {...}}`` of a bundled architecture) go into the index. ``compress``:
+    lossless compression of the data (``"blosc-zstd"``, ``format="zarr"`` only; ``"none"`` stores it raw).
     """
     t0 = time.perf_counter()
+    get_backend(format, compress=compress)  # refused on every rank before anything collective
     group = coordination_group(process_group)
-    plan = plan_state_save(state_dict, group=group, backend=format, step=step, model=model)
+    plan = plan_state_save(state_dict, group=group, backend=format, step=step, model=model, compress=compress)
     pieces = _pieces_now(rank_pieces(plan))
     save_collective(path, plan.index, pieces, plan.boxes, group=group, overwrite=overwrite)
     stats = SaveStats(bytes_written=_nbytes(pieces))
@@ -182,16 +187,18 @@ def async_save(
     overwrite: bool = False,
     step: int = 0,
     model: dict[str, Any] | None = None,
+    compress: str = NONE,
 ) -> AsyncSave:
     """Like :func:`save`, but return once the state is copied into reused host buffers; the rest happens in a
     background thread. A previous ``async_save`` over the same group is waited for first (one in flight)."""
+    get_backend(format, compress=compress)
     key = process_group
     previous = _INFLIGHT.pop(key, None)
     if previous is not None:
         previous.wait()
     t0 = time.perf_counter()
     group = coordination_group(process_group, "async")
-    plan: SavePlan = plan_state_save(state_dict, group=group, backend=format, step=step, model=model)
+    plan: SavePlan = plan_state_save(state_dict, group=group, backend=format, step=step, model=model, compress=compress)
     snapshot = _SNAPSHOTS.setdefault(key, Snapshot())
     pieces = snapshot.take(rank_pieces(plan))
     stats = SaveStats(bytes_written=_nbytes(pieces))

@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 from moeckpt.formats.box import Box
+from moeckpt.formats.compression import NONE
 from moeckpt.formats.errors import MoeckptError, StateDictError
 from moeckpt.formats.index import Index, MeshEntry, TensorEntry
 from moeckpt.reshard import collectives
@@ -87,8 +88,10 @@ def plan_state_save(
     backend: str = "safetensors",
     step: int = 0,
     model: dict[str, Any] | None = None,
+    compress: str = NONE,
 ) -> SavePlan:
-    """Collective over ``group``: the index of the group's checkpoint and this rank's leaves."""
+    """Collective over ``group``: the index of the group's checkpoint (written with the compression setting
+    ``compress``) and this rank's leaves."""
     me = collectives.rank(group)
     error: MoeckptError | None = None
     leaves: list[Leaf] = []
@@ -133,7 +136,7 @@ def plan_state_save(
         _PLANS[key] = cached
     tensor_index, boxes, selection = cached
     values = _merge_values([v for _, _, v in gathered], tensor_index.tensors)
-    index = replace(tensor_index, step=step, train_state=values)
+    index = replace(tensor_index, step=step, train_state=values, compress=compress)
     return SavePlan(index, boxes, mine, me, selection)
 
 

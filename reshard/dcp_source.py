@@ -201,6 +201,7 @@ def write_from_dcp(
         dst,
         target,
         backend=index.backend,
+        compress=index.compress,
         overwrite=overwrite,
         on_bytes=on_bytes,
         options=offline_options(workers),

@@ -20,9 +20,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from moeckpt.formats import dtypes
-from moeckpt.formats.backend import Backend, PieceReader, get_backend
+from moeckpt.formats.backend import Backend, PieceReader, backend_compressions, get_backend
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit, discard
+from moeckpt.formats.compression import NONE
 from moeckpt.formats.errors import CheckpointIndexError, DestinationNotEmptyError
 from moeckpt.formats.index import FileEntry, Index
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
@@ -62,6 +63,7 @@ def reshard(
     target: Layout,
     *,
     backend: str | None = None,
+    compress: str | None = None,
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
     options: ReshardOptions | None = None,
@@ -69,7 +71,8 @@ def reshard(
     """Write the checkpoint at ``src`` (or a run's newest step) to ``dst`` in layout ``target``.
 
     The new checkpoint has the same step, train state and model, the new layout, new files and checksums, in
-    format ``backend`` (default: the source's). ``on_bytes`` is called with the bytes of each slab written.
+    format ``backend`` (default: the source's) with compression setting ``compress`` (default: the source's where
+    that format can write it, else ``none``). ``on_bytes`` is called with the bytes of each slab written.
     """
     started = time.perf_counter()
     with paused_gc():  # the index's and headers' parse make many objects too: see paused_gc
@@ -86,6 +89,7 @@ def reshard(
                 dst,
                 target,
                 backend=backend or index.backend,
+                compress=compress if compress is not None else _kept_compress(index, backend or index.backend),
                 overwrite=overwrite,
                 on_bytes=on_bytes,
                 options=options or ReshardOptions(),
@@ -105,6 +109,11 @@ def reshard(
         result.seconds,
     )
     return result
+
+
+def _kept_compress(index: Index, backend: str) -> str:
+    """The source's compression setting where ``backend`` writes it, else ``none`` (zarr to safetensors)."""
+    return index.compress if index.compress in backend_compressions(backend) else NONE
 
 
 def _refuse_overlap(src: str, dst: str) -> None:
@@ -165,7 +174,8 @@ def write_rows(
     tensor is asked for rows ``[0, 1)`` and returned as is), in the entry's shape and dtype. Rows are asked for in
     chunks of about ``options.chunk_bytes`` through the same bounded cache as :func:`reshard`, so memory is set by
     a few chunks, never by the model: this is how a Hugging Face model becomes a checkpoint in any layout. The
-    format is ``index.backend``; ``index.files`` is ignored. ``source_name`` names the source in error messages.
+    format is ``index.backend`` (compressed as ``index.compress``); ``index.files`` is ignored. ``source_name``
+    names the source in error messages.
     """
     refs = []  # one whole-tensor piece per logical tensor, whose rows read_rows produces
     for name, entry in index.tensors.items():
@@ -179,6 +189,7 @@ def write_rows(
         dst,
         target,
         backend=index.backend,
+        compress=index.compress,
         overwrite=overwrite,
         on_bytes=on_bytes,
         options=options or ReshardOptions(),
@@ -201,6 +212,7 @@ def convert(
     target: Layout,
     *,
     backend: str,
+    compress: str = NONE,
     overwrite: bool,
     on_bytes: Callable[[int], None] | None,
     options: ReshardOptions,
@@ -209,7 +221,7 @@ def convert(
     """Plan ``index``'s tensors, stored as ``source.refs``, into ``target`` and write them to ``dst``; commit.
 
     ``targets`` gives the pieces and writers of tensors no sharding rule places (see ``plan_reshard``)."""
-    out_backend = get_backend(backend)  # fails early on an unknown format
+    out_backend = get_backend(backend, compress=compress)  # fails early on an unknown format or compression
     sources: dict[str, list[SourcePiece]] = {name: [] for name in index.tensors}
     for ref in source.refs:
         sources[ref.tensor].append(SourcePiece(ref.tensor, ref.box, -1))
@@ -232,7 +244,13 @@ def convert(
         )
 
     # A state dict keeps its (empty) layout: its meshes or listed pieces say where everything is.
-    new_index = replace(index, backend=backend, layout={} if is_state_dict(index) else target.to_json(), files={})
+    new_index = replace(
+        index,
+        backend=backend,
+        compress=compress,
+        layout={} if is_state_dict(index) else target.to_json(),
+        files={},
+    )
     storage = begin_save(dst, overwrite=overwrite)
     writers = _Writers(index, plan, storage, out_backend, target, options, by_key)
     forked = (

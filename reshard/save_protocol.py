@@ -119,7 +119,7 @@ def save_collective(
     rank = collectives.rank(group)
     if coordinator is None:
         coordinator = rank == 0
-    writer: SaveWriter = backend if backend is not None else get_backend(index.backend)
+    writer: SaveWriter = backend if backend is not None else get_backend(index.backend, compress=index.compress)
     error = None
     if coordinator:
         try:

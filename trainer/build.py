@@ -101,6 +101,7 @@ def build_checkpoints(
         layout=layout,
         model=spec.to_json(),
         backend=config.format,
+        compress=config.compress,
         retention=RetentionPolicy(keep_last=config.keep_last),
         async_save=config.async_save,
         faults=_faults(config, rank),

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from moeckpt.formats.backend import get_backend
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import committed_steps, step_dir_name
+from moeckpt.formats.compression import NONE
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index, TensorEntry
 from moeckpt.formats.pieces import Piece
@@ -89,6 +90,7 @@ class CheckpointManager:
         layout: Layout,
         model: dict[str, Any],
         backend: str = "safetensors",
+        compress: str = NONE,
         retention: RetentionPolicy | None = None,
         async_save: bool = True,
         faults: FaultInjector | None = None,
@@ -98,7 +100,9 @@ class CheckpointManager:
         self.layout = layout
         self.model = model
         self.backend_name = backend
-        self.backend = get_backend(backend)
+        #: the compression setting of every checkpoint it saves (the memory tier's copies are raw).
+        self.compress = compress
+        self.backend = get_backend(backend, compress=compress)
         self.retention = retention or RetentionPolicy()
         self.async_save = async_save
         #: injected faults (tests, demo): a kill after this rank's file is written, a corrupted file after commit.
@@ -405,6 +409,7 @@ class CheckpointManager:
         location = join(self.run_dir, step_dir_name(step))
         index = Index(
             backend=self.backend_name,
+            compress=self.compress,
             step=step,
             layout=self.layout.to_json(),
             model=self.model,

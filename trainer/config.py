@@ -17,7 +17,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Any
 
-from moeckpt.formats.backend import backend_names
+from moeckpt.formats.backend import backend_compressions, backend_names
+from moeckpt.formats.compression import COMPRESS_HELP, NONE, compress_names
 
 __all__ = [
     "DATA_DTYPES",
@@ -270,6 +271,7 @@ class TrainConfig:
     )
     save_every: int = setting(0, "checkpoint every K steps (0: only at the end)", "checkpointing", min=0, max=_BIG)
     format: str = setting("safetensors", "checkpoint format", "checkpointing", choices=backend_names)
+    compress: str = setting(NONE, COMPRESS_HELP, "checkpointing", choices=compress_names)
     async_save: bool = setting(
         True,
         "persist checkpoints in a background thread (training blocks only for the host copy) or in the training thread",
@@ -393,6 +395,11 @@ class TrainConfig:
             for name in ("memory_every", "memory_dir"):
                 if getattr(self, name) not in (0, None):
                     raise ValueError(f"{name}={getattr(self, name)!r} needs memory_tier (--memory-tier)")
+        if self.compress != NONE and self.compress not in backend_compressions(self.format):
+            raise ValueError(
+                f"compress={self.compress!r}: the {self.format} format stores bytes raw; train with --format zarr "
+                "or --compress none"
+            )
         if self.stop_at is not None and self.stop_at > self.steps:
             raise ValueError(f"stop_at={self.stop_at!r} must lie in [0, steps={self.steps}]")
         from .faults import parse_fault

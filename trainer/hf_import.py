@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 
 from moeckpt.formats import dtypes
+from moeckpt.formats.backend import get_backend
+from moeckpt.formats.compression import NONE
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import Index
 from moeckpt.formats.roles import MASTER, MOMENT_ROLES
@@ -227,7 +229,16 @@ def read_params(hf_dir: HfDirectory, spec: ModelSpec) -> Callable[[str, int, int
 class HfImport:
     """A checked Hugging Face directory and the checkpoint it becomes: ``index`` is what :meth:`write` commits."""
 
-    def __init__(self, hf_location: str, *, layout: Layout, backend: str = "safetensors", dtype: str = "float32"):
+    def __init__(
+        self,
+        hf_location: str,
+        *,
+        layout: Layout,
+        backend: str = "safetensors",
+        dtype: str = "float32",
+        compress: str = NONE,
+    ):
+        get_backend(backend, compress=compress)  # a format that cannot compress is refused before any read
         self.hf_dir = HfDirectory(hf_location)
         self.spec = spec_of(self.hf_dir)
         self.spec.check_layout(layout.tp, layout.ep)
@@ -243,6 +254,7 @@ class HfImport:
         )
         self.index = Index(
             backend=backend,
+            compress=compress,
             step=0,
             layout=Layout().to_json(),
             model=self.spec.to_json(),
@@ -293,9 +305,11 @@ def import_hf(
     overwrite: bool = False,
     workers: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    compress: str = NONE,
 ) -> Index:
     """Write the Hugging Face model at ``hf_location`` as a checkpoint at ``dst`` in ``layout``, with fresh
     optimizer state; ``dtype`` is the parameter dtype (``float32`` or ``bfloat16``, whose fp32 master copy is the
-    HF values in fp32). Tensors are streamed in row chunks: memory does not grow with the model."""
-    job = HfImport(hf_location, layout=layout, backend=backend, dtype=dtype)
+    HF values in fp32), ``compress`` the compression setting. Tensors are streamed in row chunks: memory does not
+    grow with the model."""
+    job = HfImport(hf_location, layout=layout, backend=backend, dtype=dtype, compress=compress)
     return job.write(dst, overwrite=overwrite, workers=workers, on_bytes=on_bytes)

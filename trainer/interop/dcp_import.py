@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from moeckpt.formats.backend import get_backend
 from moeckpt.formats.box import Box
+from moeckpt.formats.compression import NONE
 from moeckpt.formats.dcp import DcpCheckpoint
 from moeckpt.formats.index import STORED_SHARDING, Index
 from moeckpt.reshard.dcp_source import kept_chunks, write_from_dcp
@@ -65,14 +67,23 @@ class DcpImport:
         backend: str = "safetensors",
         model: ModelSpec | None = None,
         workers: int = 8,
+        compress: str = NONE,
     ):
         """``layout`` ``None`` keeps a generic (``--mapping none``) checkpoint's DCP chunks as they are (each in the
         file of the rank that wrote it); a layout of ``dp`` writers splits every tensor along dim 0 over them."""
+        get_backend(backend, compress=compress)  # a format that cannot compress is refused before any read
         with paused_gc():  # the metadata's unpickling and the mapping make many objects: see paused_gc
-            self._open(location, layout, mapping, backend, model, workers)
+            self._open(location, layout, mapping, backend, model, workers, compress)
 
     def _open(
-        self, location: str, layout: Layout | None, mapping: str, backend: str, model: ModelSpec | None, workers: int
+        self,
+        location: str,
+        layout: Layout | None,
+        mapping: str,
+        backend: str,
+        model: ModelSpec | None,
+        workers: int,
+        compress: str,
     ) -> None:
         self.dcp = DcpCheckpoint(location, workers=workers)
         self.mapped = apply_mapping(self.dcp, mapping, model)
@@ -87,6 +98,7 @@ class DcpImport:
         step = train_state["step"] if type(train_state["step"]) is int and train_state["step"] >= 0 else 0
         index = Index(
             backend=backend,
+            compress=compress,
             step=step,
             layout=Layout().to_json(),
             model=self.mapped.model,
@@ -153,8 +165,9 @@ def import_dcp(
     overwrite: bool = False,
     workers: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    compress: str = NONE,
 ) -> Index:
     """Convert the DCP checkpoint at ``location`` into a moeckpt checkpoint at ``dst`` (see :class:`DcpImport`)."""
-    job = DcpImport(location, layout=layout, mapping=mapping, backend=backend, model=model)
+    job = DcpImport(location, layout=layout, mapping=mapping, backend=backend, model=model, compress=compress)
     index, _ = job.write(dst, overwrite=overwrite, workers=workers, on_bytes=on_bytes)
     return index
