@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import moeckpt
+from moeckpt.library.dcp_values import decode_value
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -92,7 +93,10 @@ def test_the_manager_saves_committed_moeckpt_checkpoints(run_a, moeckpt_cli):
     assert values["train_state.step"] == 2 and values["lr_scheduler.last_epoch"] == 2
     assert values["dataloader.world_size"] == 2
     assert json.loads(values["dataloader.dp_rank_1"])["dataset_state"] == {"sample_idx": 4}
-    assert values["optimizer.param_groups.tok_embeddings.weight.betas"] == [0.9, 0.95]
+    # a tuple: stored typed in the version-3 index (docs/format.md), so that DCP's load gives a tuple back
+    betas = values["optimizer.param_groups.tok_embeddings.weight.betas"]
+    assert betas == {"$type": "tuple", "items": [0.9, 0.95]}
+    assert decode_value(betas, reader.read_tensor, "betas") == (0.9, 0.95)
 
 
 @pytest.mark.slow
