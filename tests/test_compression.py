@@ -391,7 +391,7 @@ def test_zarr_python_refuses_a_flipped_byte_in_a_compressed_chunk(tmp_path):
 
 
 def test_tensorstore_reads_every_compressed_array_equal(pair, tmp_path):
-    ts = pytest.importorskip("tensorstore")
+    ts = pytest.importorskip("tensorstore", reason="tensorstore (tests/requirements-clients.txt) is not installed")
     packed, _ = pair
     _save_state(tmp_path / "s", compress="blosc-zstd")
     for path in (packed, tmp_path / "s"):
