@@ -8,6 +8,7 @@ from collections import Counter
 import click
 
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.compression import NONE
 from moeckpt.formats.index import STORED_SHARDING
 
 from .params import Text
@@ -35,6 +36,7 @@ def summary(reader: CheckpointReader) -> dict:
         "location": reader.location,
         "format_version": idx.format_version,
         "backend": idx.backend,
+        "compress": idx.compress,
         "step": idx.step,
         "layout": idx.layout,
         "meshes": [m.to_json() for m in idx.meshes],
@@ -104,7 +106,8 @@ def command(ckpt: str, as_json: bool) -> None:
         return
     layout = _layout_line(info)
     click.echo(f"checkpoint  {info['location']}")
-    click.echo(f"format      moeckpt v{info['format_version']} ({info['backend']})")
+    compressed = f", compressed {info['compress']}" if info["compress"] != NONE else ""
+    click.echo(f"format      moeckpt v{info['format_version']} ({info['backend']}{compressed})")
     click.echo(f"model       {info['model'].get('arch')}")
     click.echo(f"step        {info['step']}")
     click.echo(f"layout      {layout}")

@@ -106,6 +106,19 @@ def test_init_compressed_reads_back_bit_equal_and_only_it_is_version_4(pair, moe
     assert CheckpointReader(str(packed)).index.compress == "blosc-zstd"
 
 
+def test_inspect_names_the_compression_and_counts_the_stored_bytes(tmp_path, moeckpt_cli):
+    _save_state(tmp_path / "packed", compress="blosc-zstd")
+    _save_state(tmp_path / "raw")
+    info = {k: json.loads(moeckpt_cli("inspect", tmp_path / k, "--json")[1]) for k in ("packed", "raw")}
+    assert info["packed"]["compress"] == "blosc-zstd" and info["raw"]["compress"] == "none"
+    assert info["packed"]["logical_bytes"] == info["raw"]["logical_bytes"]
+    assert info["packed"]["stored_bytes"] < 0.2 * info["raw"]["stored_bytes"]
+    code, out, _ = moeckpt_cli("inspect", tmp_path / "packed")
+    assert code == 0 and "moeckpt v4 (zarr, compressed blosc-zstd)" in out
+    code, out, _ = moeckpt_cli("inspect", tmp_path / "raw")
+    assert code == 0 and "moeckpt v2 (zarr)" in out
+
+
 def test_the_spec_reader_reads_compressed_checkpoints_as_moeckpt_does(pair, tmp_path):
     packed, raw = pair
     assert _conforms(packed).version == 4
