@@ -445,9 +445,24 @@ def test_both_readers_refuse_a_bad_compress_member(tmp_path, edit, match):
         spec.Checkpoint(str(tmp_path / "s"))
 
 
-def test_the_spec_reader_refuses_a_compressed_index_over_raw_arrays(tmp_path):
-    """The index's compress member decides every array's document: raw arrays under blosc-zstd break the spec."""
-    _save_state(tmp_path / "s")
-    _edit(tmp_path / "s", lambda d: d.update(format_version=4, compress="blosc-zstd"))
+def _drop_compress(doc: dict) -> None:
+    del doc["compress"]
+    doc["format_version"] = 2
+
+
+@pytest.mark.parametrize(
+    "compress,edit",
+    [
+        ("none", lambda d: d.update(format_version=4, compress="blosc-zstd")),
+        ("blosc-zstd", _drop_compress),
+    ],
+    ids=["compressed-index-over-raw-arrays", "raw-index-over-compressed-arrays"],
+)
+def test_both_readers_refuse_arrays_whose_codecs_the_index_does_not_say(tmp_path, compress, edit):
+    """The index's compress member decides every array's document: the two disagreeing break the spec."""
+    _save_state(tmp_path / "s", compress=compress)
+    _edit(tmp_path / "s", edit)
+    with pytest.raises(MoeckptError, match="compression"):
+        CheckpointReader(str(tmp_path / "s")).read_tensor("w")
     with pytest.raises(SpecError, match="array document"):
         spec.Checkpoint(str(tmp_path / "s")).pieces()

@@ -362,6 +362,13 @@ class ZarrBackend(BackendBase):
             if entry is None:
                 continue  # a group document
             plan = ArrayPlan.from_metadata(bytes(raw), entry, where)
+            if plan.compress != index.compress:
+                # the index's compress decides every array's codecs (docs/format.md): a compressed array under a
+                # raw index (or the reverse) is not what any moeckpt wrote, and an older reader would misread it
+                raise DataFileError(
+                    f"{where}: array of tensor {name!r} is stored with compression {plan.compress!r}, the index "
+                    f"says {index.compress!r}"
+                )
             refs.extend(cell_refs(plan))
         return refs
 
