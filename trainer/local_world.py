@@ -151,8 +151,16 @@ def run_local_world(fn: Callable, world: int, *args: Any, timeout_s: float = 120
             first = _first_failure(error_dir, world)
             if first is None:
                 raise
+            # A rank killed by a signal (an abort, a segfault) leaves no record, and its peers' records are then
+            # often its echo ("connection reset by peer"): name it beside the first record.
+            silent = ""
+            if isinstance(e, mp.ProcessExitedException) and not os.path.exists(
+                os.path.join(error_dir, f"rank{e.error_index}.json")
+            ):
+                how = e.signal_name or f"exit code {e.exit_code}"
+                silent = f"; rank {e.error_index} exited with {how} and left no record: it may be the cause"
             raise LaunchError(
-                f"rank {first['rank']} of {world} running {fn.__name__} failed first: {first['error']}\n"
+                f"rank {first['rank']} of {world} running {fn.__name__} failed first: {first['error']}{silent}\n"
                 f"{first['traceback']}"
             ) from e
         finally:
