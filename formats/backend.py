@@ -139,6 +139,12 @@ class Backend(Protocol):
         """``{path: size}`` of every object the checkpoint occupies, its index ``moeckpt.json`` left out."""
         ...
 
+    def top_level_names(self, writers: int, tensors: Collection[str]) -> set[str] | None:
+        """The top-level entries (files, folders) a save of ``tensors`` by ``writers`` writers puts in the
+        checkpoint, its index left out; ``None`` when the backend cannot say before it writes. A save with
+        ``overwrite`` replaces exactly these and the index, never anything else a folder holds."""
+        ...
+
     def writer_of(self, path: str) -> int | None:
         """The writer whose own file ``path`` (relative to the checkpoint) is, where each writer's pieces are
         files of its own (``stores_placements``); ``None`` for any other path, or a backend that stores otherwise.

@@ -75,16 +75,10 @@ class Destination:
 
 
 def top_level_names(backend: str, writers: int, tensors: Collection[str]) -> set[str] | None:
-    """The top-level entries a save writes with ``backend`` (None for a backend whose file names are not known)."""
-    if backend == "safetensors":
-        from moeckpt.formats.backends.safetensors_header import file_name
-
-        return {file_name(w) for w in range(writers)}
-    if backend == "zarr":
-        from moeckpt.formats.backends.zarr_array import META_NAME
-
-        return {META_NAME} | {name.split("/", 1)[0] for name in tensors}
-    return None
+    """The top-level entries a save writes with ``backend``, as the backend says (:meth:`Backend.top_level_names`;
+    None for a backend whose file names are not known before it writes, or one without the method)."""
+    names = getattr(get_backend(backend), "top_level_names", None)
+    return names(writers, tensors) if names is not None else None
 
 
 def prepare_destination(location: str, *, overwrite: bool, new_top: set[str] | None) -> Destination:

@@ -90,6 +90,9 @@ class BackendBase:
     def prepare(self, storage: Storage, tensors: dict[str, TensorEntry], boxes: dict[str, list[Box]]) -> None:
         raise NotImplementedError
 
+    def top_level_names(self, writers: int, tensors: Collection[str]) -> set[str] | None:
+        return None  # not known before the save writes: a save beside foreign entries is then refused on S3
+
     def write(
         self,
         storage: Storage,

@@ -259,6 +259,10 @@ class SafetensorsBackend(BackendBase):
     def open_reader(self, storage: Storage) -> SafetensorsReader:
         return SafetensorsReader(storage)
 
+    def top_level_names(self, writers: int, tensors: Collection[str]) -> set[str] | None:
+        """One file per writer, named by :func:`file_name`."""
+        return {file_name(w) for w in range(writers)}
+
     def writer_of(self, path: str) -> int | None:
         """``rank-NNNNN.safetensors`` is writer ``NNNNN``'s file (exactly :func:`file_name`'s spelling)."""
         stem = path.removeprefix("rank-").removesuffix(".safetensors")

@@ -375,6 +375,10 @@ class ZarrBackend(BackendBase):
     def read_piece(self, storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return read_piece(storage, ref, rows)
 
+    def top_level_names(self, writers: int, tensors: Collection[str]) -> set[str] | None:
+        """The group's ``zarr.json`` and each tensor's first path component (its array, or the group holding it)."""
+        return {META_NAME} | {name.split("/", 1)[0] for name in tensors}
+
     def stored_objects(self, storage: Storage, index: Index) -> dict[str, int]:
         """The documents the index lists, plus the chunk (shard) objects of its arrays, from one listing of the
         storage (the index does not list them: it grows with tensors, not pieces)."""
