@@ -1,4 +1,4 @@
-"""Click options generated from a config dataclass (``TrainConfig``): one option per field, same name, default,
+"""Click options generated from a config dataclass (``TrainConfig``, ``EvalConfig``): one option per field, same name, default,
 help, type and range, listed by section in ``--help``. An option cannot drift from its field because it is made
 from it."""
 
@@ -34,6 +34,8 @@ class SectionedCommand(click.Command):
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         groups: dict[str | None, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
+            if not isinstance(param, click.Option):  # arguments are in the usage line (click 8.2 lists them too)
+                continue
             record = param.get_help_record(ctx)
             if record is not None:
                 groups.setdefault(getattr(param, "section", None), []).append(record)
@@ -90,12 +92,13 @@ def _option(f: Field, hints: dict[str, Any]) -> Callable:
     return click.option(spelling, f.name, **kw)
 
 
-def config_options(cls: type) -> Callable:
-    """Decorate a click command with one option per field of the dataclass ``cls``, in field order."""
+def config_options(cls: type, *, skip: tuple[str, ...] = ()) -> Callable:
+    """Decorate a click command with one option per field of the dataclass ``cls``, in field order, but for the
+    fields named in ``skip`` (which the command takes otherwise, e.g. as an argument)."""
     hints = typing.get_type_hints(cls)
 
     def decorate(fn: Callable) -> Callable:
-        for f in reversed(fields(cls)):
+        for f in reversed([f for f in fields(cls) if f.name not in skip]):
             fn = _option(f, hints)(fn)
         return fn
 

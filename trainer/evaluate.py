@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,66 +20,15 @@ from moeckpt.formats.index import TensorEntry
 from moeckpt.reshard.local import split_local
 
 from .adamw import StatePiece
-from .config import DATA_DTYPES, check_settings, required_setting, setting
-from .data import BatchLoader, DataError, TokenDataset, default_text_path
+from .data import BatchLoader, DataError, TokenDataset
 from .distributed import build_parallel_model
+from .eval_config import EvalConfig
 from .memory import check_fits, training_bytes
 from .models import ModelSpec
 from .parallel import build_groups, choose_layout, default_device, init_from_env
 from .resume import ResumeError, exchanges, load_pieces
 
 __all__ = ["EvalConfig", "check_launch", "evaluate"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class EvalConfig:
-    """What to evaluate and on which samples; the ``moeckpt eval`` options map one-to-one onto these fields, each
-    made with :func:`~moeckpt.trainer.config.setting` (help, range, choices) and checked as ``TrainConfig``'s are
-    (a :class:`ValueError` naming the field)."""
-
-    checkpoint: str = required_setting(
-        "a checkpoint directory, or a run directory (its newest committed step); local path or URL", "checkpointing"
-    )
-    data: str | None = setting(
-        None,
-        "token file (.bin uint16 or .txt bytes); default: the shipped demo text (as moeckpt train)",
-        "data",
-        metavar="PATH",
-        nonempty=True,
-    )
-    data_dtype: str = setting("auto", "token dtype of --data (auto: from the extension)", "data", choices=DATA_DTYPES)
-    tp: int = setting(1, "tensor-parallel degree of the evaluation (any; resharded at load)", "model", min=1, max=4096)
-    ep: int = setting(1, "expert-parallel degree of the evaluation (divides world / tp)", "model", min=1, max=4096)
-    seq_len: int | None = setting(
-        None, "tokens per sample; default: the checkpoint's training seq_len (else 64)", "data", min=1, max=2**20
-    )
-    batch_size: int | None = setting(
-        None,
-        "samples per batch over all ranks; default: the checkpoint's global batch (else 8)",
-        "data",
-        min=1,
-        max=2**24,
-    )
-    batches: int = setting(4, "number of batches; the loss is the mean over all their tokens", "data", min=1, max=10**9)
-    start_sample: int = setting(0, "first global sample to read", "data", min=0, max=2**62)
-    shuffle: bool = setting(
-        False, "read samples in the shuffled order of seed (as the trainer does) instead of file order", "data"
-    )
-    seed: int | None = setting(
-        None,
-        "seed of the shuffled order; default: the checkpoint's training seed (else 0)",
-        "data",
-        min=0,
-        max=2**63 - 1,
-    )
-    cpu: bool = setting(False, "force the CPU even when a GPU is visible", "model")
-
-    def __post_init__(self) -> None:
-        check_settings(self)
-
-    @property
-    def data_path(self) -> str:
-        return self.data or default_text_path()
 
 
 def check_samples(config: EvalConfig, dataset: TokenDataset, batch: int) -> int | None:
