@@ -20,6 +20,7 @@ _counter = itertools.count()
 SERIAL_FILES = {"test_demo.py", "test_elastic_agents.py", "test_signals.py", "test_memory_tier.py"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marker into the group (else ignored)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SERIAL_FILES:
