@@ -20,11 +20,18 @@ _counter = itertools.count()
 SERIAL_FILES = {"test_demo.py", "test_elastic_agents.py", "test_signals.py", "test_memory_tier.py"}
 
 
+#: test files whose module fixture is a training run of tens of seconds (torchtitan's): their tests run on one
+#: worker, so that the run is made once, not once per worker (a group per file: the files still run side by side).
+SHARED_RUN_FILES = {"test_torchtitan_checkpointer.py", "test_dcp_import.py"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marker into the group (else ignored)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in SERIAL_FILES:
             item.add_marker(pytest.mark.xdist_group("drills"))
+        elif item.path.name in SHARED_RUN_FILES:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 #: storages of the shared suite; S3 is added by the S3 fixture module when moto is installed.
