@@ -86,7 +86,8 @@ def encode_cell(plan: ArrayPlan, data: torch.Tensor, mapper: Mapper = map) -> li
 
 def _inner_chunks(plan: ArrayPlan, data: torch.Tensor) -> list[torch.Tensor]:
     """The inner chunks of a (padded) cell, in the C order the shard index lists them."""
-    assert plan.inner is not None
+    if plan.inner is None:  # only sharded cells have inner chunks; python -O would strip an assert
+        raise DataFileError(f"{plan.tensor}: an unsharded cell has no inner chunks to compress")
     grid = tuple(s // i for s, i in zip(plan.shard, plan.inner))
     return [data[tuple(slice(c * i, (c + 1) * i) for c, i in zip(coords, plan.inner))] for coords in np.ndindex(*grid)]
 
