@@ -9,6 +9,7 @@ index; ``moeckpt gc`` removes such leftovers.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -155,7 +156,7 @@ def save_pieces(
     return final_index
 
 
-def resolve(location: str) -> Storage:
+def resolve(location: str | os.PathLike[str]) -> Storage:
     """The committed checkpoint at ``location``: the checkpoint itself, or the newest committed step of a run."""
     storage = open_storage(location)
     if is_committed(storage):
@@ -188,7 +189,7 @@ def committed_steps(run_dir: str) -> list[tuple[int, Storage]]:
 class CheckpointReader:
     """Read access to one committed checkpoint: its index, its pieces, and whole tensors."""
 
-    def __init__(self, location: str):
+    def __init__(self, location: str | os.PathLike[str]):
         self.storage = resolve(location)
         try:
             raw = self.storage.read_bytes(INDEX_NAME)

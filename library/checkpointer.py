@@ -10,6 +10,7 @@ on every rank alike. The bundled trainer's run directories follow the same rules
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -36,7 +37,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        run_dir: str,
+        run_dir: str | os.PathLike[str],
         *,
         keep_last: int = 3,
         keep_every: int = 0,
@@ -46,7 +47,7 @@ class Checkpointer:
         compress: str = NONE,
     ) -> None:
         get_backend(format, compress=compress)  # a format that cannot compress is refused here, not at a save
-        self.run_dir = run_dir
+        self.run_dir = os.fspath(run_dir)
         self.retention = RetentionPolicy(keep_last=keep_last, keep_every=keep_every)
         self.async_save = async_save
         self.process_group = process_group

@@ -15,6 +15,7 @@ caller's thread.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, MutableMapping
@@ -123,7 +124,7 @@ def _pieces_now(views: list[tuple[str, Box, torch.Tensor]]) -> list[Piece]:
 
 def save(
     state_dict: Mapping[str, Any],
-    path: str,
+    path: str | os.PathLike[str],
     *,
     process_group=None,
     format: str = "safetensors",
@@ -139,6 +140,7 @@ def save(
     lossless compression of the data (``"blosc-zstd"``, ``format="zarr"`` only; ``"none"`` stores it raw).
     """
     t0 = time.perf_counter()
+    path = os.fspath(path)
     get_backend(format, compress=compress)  # refused on every rank before anything collective
     group = coordination_group(process_group)
     plan = plan_state_save(state_dict, group=group, backend=format, step=step, model=model, compress=compress)
@@ -180,7 +182,7 @@ _SNAPSHOTS: dict[Any, Snapshot] = {}
 
 def async_save(
     state_dict: Mapping[str, Any],
-    path: str,
+    path: str | os.PathLike[str],
     *,
     process_group=None,
     format: str = "safetensors",
@@ -191,6 +193,7 @@ def async_save(
 ) -> AsyncSave:
     """Like :func:`save`, but return once the state is copied into reused host buffers; the rest happens in a
     background thread. A previous ``async_save`` over the same group is waited for first (one in flight)."""
+    path = os.fspath(path)
     get_backend(format, compress=compress)
     key = process_group
     previous = _INFLIGHT.pop(key, None)
@@ -221,11 +224,15 @@ def async_save(
 
 
 def load(
-    state_dict: MutableMapping[str, Any], path: str, *, process_group=None, stats: LoadStats | None = None
+    state_dict: MutableMapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    process_group=None,
+    stats: LoadStats | None = None,
 ) -> dict[str, Any]:
     """Fill ``state_dict``'s tensors in place from the checkpoint at ``path`` (any mesh or layout wrote it), put
     its JSON values back into ``state_dict``, and return the checkpoint's JSON values; collective."""
-    return load_state_dict(state_dict, path, group=coordination_group(process_group), stats=stats)
+    return load_state_dict(state_dict, os.fspath(path), group=coordination_group(process_group), stats=stats)
 
 
 def _nbytes(pieces: list[Piece]) -> int:

@@ -53,6 +53,22 @@ def test_a_state_dict_round_trips_in_place(tmp_path):
     assert index["format_version"] == 2 and "model.layers.0.w" in index["tensors"]
 
 
+def test_paths_may_be_pathlib_paths(tmp_path):
+    """``pathlib.Path`` works wherever a path string does, as in ``torch.distributed.checkpoint``."""
+    sd = {"w": torch.arange(6.0).reshape(2, 3), "step": 1}
+    moeckpt.save(sd, tmp_path / "sync")
+    moeckpt.async_save(sd, tmp_path / "async", format="zarr").wait()
+    for where in ("sync", "async"):
+        out = {"w": torch.zeros(2, 3), "step": 0}
+        moeckpt.load(out, tmp_path / where)
+        assert torch.equal(out["w"], sd["w"]) and out["step"] == 1
+        assert moeckpt.verify(tmp_path / where) == []
+        assert moeckpt.CheckpointReader(tmp_path / where).index.tensors.keys() == {"w"}
+    ckpt = moeckpt.Checkpointer(tmp_path / "run", async_save=False)
+    ckpt.save(3, sd)
+    assert ckpt.run_dir == str(tmp_path / "run") and os.path.isdir(ckpt.step_path(3))
+
+
 class NotJson:
     pass
 

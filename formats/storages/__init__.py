@@ -4,6 +4,7 @@ abstract Storage knows none of them (no import runs from it to here)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..storage import Storage, is_url, strip_file_scheme
@@ -53,7 +54,9 @@ def storage_class(location: str) -> type[Storage]:
     return FsspecStorage
 
 
-def open_storage(location: str, *, fs: Any = None, retry: Any = None) -> Storage:
-    """The storage at ``location`` (a local path, ``file://``, or any fsspec URL); ``fs`` reuses an fsspec
-    filesystem, ``retry`` (a :class:`~moeckpt.formats.storages.retry.RetryPolicy`) overrides the default."""
+def open_storage(location: str | os.PathLike[str], *, fs: Any = None, retry: Any = None) -> Storage:
+    """The storage at ``location`` (a local path or ``pathlib.Path``, ``file://``, or any fsspec URL); ``fs``
+    reuses an fsspec filesystem, ``retry`` (a :class:`~moeckpt.formats.storages.retry.RetryPolicy`) overrides
+    the default."""
+    location = os.fspath(location)
     return storage_class(location)(location, fs=fs, retry=retry)
