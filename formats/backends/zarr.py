@@ -61,8 +61,9 @@ INNER_CHUNK_BYTES = CHECKSUM_BLOCK_BYTES
 #: concurrent object writes per writer (object stores need many requests in flight to reach their bandwidth).
 WRITE_THREADS_LOCAL = 4
 WRITE_THREADS_REMOTE = 16
-#: a compressing writer encodes and writes its cells in at least this many threads, at most one per core beyond
-#: that: blosc releases the interpreter lock, so the encoding of some cells overlaps the writes of others.
+#: a compressing writer stores its cells in up to one thread per core (at most this many): a cell of one chunk is
+#: encoded in its writer's thread, the inner chunks of a shard on the codec pool (:mod:`.chunk_codec`), both off
+#: the interpreter lock, so the encoding of some cells overlaps the writes of others.
 COMPRESS_THREADS_MAX = 16
 _PLANS_KEPT = 4
 
@@ -291,20 +292,12 @@ class ZarrBackend(BackendBase):
                 jobs.append((plan, cell, data[cell.relative_to(p.box).slices()]))
 
         compress = BLOSC_ZSTD if any(plan.compress != NONE for plan, _, _ in jobs) else NONE
-        threads = write_threads(storage.is_local, compress)
-        # Fewer cells than threads (a few large shards): their inner chunks are encoded in parallel too.
-        encoder = ThreadPoolExecutor(threads) if compress != NONE and len(jobs) < threads else None
 
         def put(job: tuple[ArrayPlan, Box, torch.Tensor]) -> None:
             plan, cell, data = job
-            parts = encode_cell(plan, data, encoder.map) if encoder is not None else encode_cell(plan, data)
-            storage.write_parts(plan.key(cell), parts)
+            storage.write_parts(plan.key(cell), encode_cell(plan, data))
 
-        try:
-            _run(put, jobs, threads)
-        finally:
-            if encoder is not None:
-                encoder.shutdown(wait=True, cancel_futures=True)
+        _run(put, jobs, write_threads(storage.is_local, compress))
         return []
 
     def finish(self, storage: Storage, files: list[FileEntry], tensors: dict[str, TensorEntry]) -> list[FileEntry]:

@@ -14,11 +14,10 @@ inner chunks that hold them.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
-from collections.abc import Callable, Iterable, Iterator
 
-import google_crc32c
 import numpy as np
 import torch
 from numcodecs import blosc
@@ -28,6 +27,7 @@ from ..compression import NONE
 from ..errors import ChecksumMismatchError, DataFileError
 from ..pieces import PieceRef, tensor_bytes
 from ..storage import Storage
+from .chunk_codec import blosc_compress, blosc_decompress_into, codec_map, crc32c
 from .zarr_array import BLOSC_BLOCKSIZE, BLOSC_CLEVEL, BLOSC_CNAME, ArrayPlan
 
 CRC_BYTES = 4
@@ -36,36 +36,30 @@ INDEX_ENTRY_BYTES = 16  # (offset, nbytes) as two little-endian uint64
 #: the block size and the frame's own size as little-endian uint32.
 BLOSC_HEADER_BYTES = 16
 
-#: how a writer maps a function over the chunks of a cell (``map``, or a thread pool's: blosc releases the GIL).
-Mapper = Callable[[Callable[[memoryview], list[bytes]], Iterable[memoryview]], Iterator[list[bytes]]]
 
-
-def crc32c(data: bytes | bytearray | memoryview) -> bytes:
-    """The 4-byte little-endian crc32c the zarr ``crc32c`` codec appends."""
-    return struct.pack("<I", google_crc32c.value(np.frombuffer(data, dtype=np.uint8)))
-
-
-def compress_chunk(raw: memoryview, itemsize: int) -> list[bytes]:
+def compress_chunk(raw: memoryview, itemsize: int) -> list[bytes | memoryview]:
     """One compressed chunk as written: blosc of (``raw`` + its crc32c), then the crc32c of that frame."""
-    framed = bytearray(len(raw) + CRC_BYTES)
-    framed[: len(raw)] = raw
-    framed[len(raw) :] = crc32c(raw)
-    frame = blosc.compress(framed, BLOSC_CNAME.encode(), BLOSC_CLEVEL, blosc.SHUFFLE, BLOSC_BLOCKSIZE, itemsize)
+    framed = np.empty(len(raw) + CRC_BYTES, dtype=np.uint8)
+    if len(raw):
+        src = np.frombuffer(raw, dtype=np.uint8)
+        ctypes.memmove(framed.ctypes.data, src.ctypes.data, len(raw))  # a foreign call: off the interpreter lock
+    framed[len(raw) :] = np.frombuffer(crc32c(raw), dtype=np.uint8)
+    frame = blosc_compress(framed, BLOSC_CNAME, BLOSC_CLEVEL, blosc.SHUFFLE, BLOSC_BLOCKSIZE, itemsize)
     return [frame, crc32c(frame)]
 
 
-def encode_cell(plan: ArrayPlan, data: torch.Tensor, mapper: Mapper = map) -> list[bytes | memoryview]:
+def encode_cell(plan: ArrayPlan, data: torch.Tensor) -> list[bytes | memoryview]:
     """The bytes of one cell's object, as parts to write back to back (views of ``data`` where possible).
 
     A cell at the array's end (smaller than the chunk) is padded with zeros (the fill value) to the chunk shape.
-    Compressed chunks are encoded through ``mapper`` (a thread pool's ``map`` encodes them in parallel).
+    Compressed inner chunks are encoded side by side on the codec pool (:func:`~.chunk_codec.codec_map`).
     """
     if tuple(data.shape) != plan.shard:
         padded = torch.zeros(plan.shard, dtype=data.dtype)
         padded[tuple(slice(0, n) for n in data.shape)] = data
         data = padded
     if plan.compress != NONE:
-        return _encode_compressed(plan, data, mapper)
+        return _encode_compressed(plan, data)
     if plan.inner is None:
         raw = tensor_bytes(data.reshape(-1))  # reshape: tensor_bytes cannot view a 0-d tensor as bytes
         return [raw, crc32c(raw)]
@@ -92,11 +86,11 @@ def _inner_chunks(plan: ArrayPlan, data: torch.Tensor) -> list[torch.Tensor]:
     return [data[tuple(slice(c * i, (c + 1) * i) for c, i in zip(coords, plan.inner))] for coords in np.ndindex(*grid)]
 
 
-def _encode_compressed(plan: ArrayPlan, data: torch.Tensor, mapper: Mapper) -> list[bytes | memoryview]:
+def _encode_compressed(plan: ArrayPlan, data: torch.Tensor) -> list[bytes | memoryview]:
     item = dtypes.itemsize(plan.dtype)
     if plan.inner is None:
         return list(compress_chunk(tensor_bytes(data.reshape(-1)), item))
-    chunks = list(mapper(lambda raw: compress_chunk(raw, item), [tensor_bytes(c) for c in _inner_chunks(plan, data)]))
+    chunks = list(codec_map(lambda c: compress_chunk(tensor_bytes(c), item), _inner_chunks(plan, data)))
     n = len(chunks)
     sizes = np.array([len(frame) + CRC_BYTES for frame, _ in chunks], dtype=np.uint64)
     index = np.empty((n, 2), dtype="<u8")
@@ -185,22 +179,43 @@ def _read_stored(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: in
     if not (np.array_equal(index[k0:k1, 0], want) and bool((index[k0:k1, 1] == chunk).all())):
         raise DataFileError(f"{where}: shard index of tensor {ref.tensor!r} is not in the layout moeckpt writes")
     out = torch.empty((out_rows,) + shape[1:], dtype=torch_dtype)
-    for j in range(k1 - k0):
+    place = _Placer(out, inner, grid, b0, item)
+
+    def verify_and_place(j: int) -> None:
         off = base + j * chunk
         _check_crc(data, off, data_bytes, ref, where, f"inner chunk {k0 + j}")
-        coords = np.unravel_index(k0 + j, grid)
-        dst = (slice((int(coords[0]) - b0) * inner[0], (int(coords[0]) - b0 + 1) * inner[0]),) + tuple(
-            slice(int(c) * i, (int(c) + 1) * i) for c, i in zip(coords[1:], inner[1:])
-        )
-        src = torch.frombuffer(data, dtype=torch.uint8, offset=off, count=data_bytes).view(torch_dtype)
-        out[dst] = src.reshape(inner)
+        place(k0 + j, np.frombuffer(data, dtype=np.uint8, count=data_bytes, offset=off))
+
+    for _ in codec_map(verify_and_place, range(k1 - k0)):
+        pass
     lo = r0 - b0 * inner[0]
     return out[lo : lo + (r1 - r0)] if (lo, r1 - r0) != (0, out_rows) else out
 
 
+class _Placer:
+    """Copies decoded inner chunks into their place in a band of rows of a cell, off the interpreter lock (numpy
+    releases it for a plain copy; torch's own copies would each start an intra-op thread team, and many callers'
+    teams oversubscribe the cores)."""
+
+    def __init__(self, out: torch.Tensor, inner: tuple[int, ...], grid: tuple[int, ...], b0: int, item: int):
+        # the band's bytes as uint8, its last dim widened by the element size (views of any dtype, bf16 included)
+        self.bytes = out.view(torch.uint8).numpy()
+        self.inner, self.grid, self.b0, self.item = inner, grid, b0, item
+        self.shape = inner[:-1] + (inner[-1] * item,)
+
+    def __call__(self, k: int, raw: np.ndarray) -> None:
+        coords = np.unravel_index(k, self.grid)
+        inner = self.inner
+        dst = [slice((int(coords[0]) - self.b0) * inner[0], (int(coords[0]) - self.b0 + 1) * inner[0])]
+        dst += [slice(int(c) * i, (int(c) + 1) * i) for c, i in zip(coords[1:], inner[1:])]
+        last = dst[-1]
+        dst[-1] = slice(last.start * self.item, last.stop * self.item)
+        self.bytes[tuple(dst)] = raw.reshape(self.shape)
+
+
 def _decode_chunk(
     buf: bytes | bytearray | memoryview, off: int, end: int, nbytes: int, ref: PieceRef, where: str, what: str
-) -> bytearray:
+) -> np.ndarray:
     """The ``nbytes`` decoded bytes of the compressed chunk ``buf[off:end]`` (then their crc32c), both checksums
     verified: the stored bytes' before decoding, the decoded bytes' after."""
     mv = memoryview(buf)[off:end]
@@ -214,14 +229,14 @@ def _decode_chunk(
             f"{where}: {what} of tensor {ref.tensor!r} is a blosc frame of {framed} bytes decoding to {decoded}, "
             f"expected {len(frame)} bytes decoding to {nbytes + CRC_BYTES}: the object is not what moeckpt writes"
         )
-    out = bytearray(decoded)
+    out = np.empty(decoded, dtype=np.uint8)
     try:
-        blosc.decompress(frame, out)
+        blosc_decompress_into(frame, out)
     except (RuntimeError, ValueError) as e:
         raise DataFileError(
             f"{where}: {what} of tensor {ref.tensor!r} cannot be decoded ({e}); it is corrupt"
         ) from None
-    _check_crc(out, 0, nbytes, ref, where, f"decoded {what}")
+    _check_crc(out.data, 0, nbytes, ref, where, f"decoded {what}")
     return out
 
 
@@ -238,7 +253,7 @@ def _read_compressed(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0
         except FileNotFoundError:
             raise missing_object(storage, ref.file, f"chunk of tensor {ref.tensor!r}") from None
         raw = _decode_chunk(buf, 0, len(buf), nbytes, ref, where, "chunk")
-        full = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        full = torch.from_numpy(raw[:nbytes]) if nbytes else torch.empty(0, dtype=torch.uint8)
         full = full.view(torch_dtype).reshape(shape)
         return full[r0:r1] if shape and (r0, r1) != (0, shape[0]) else full
     inner = ref.chunks
@@ -285,15 +300,16 @@ def _read_compressed(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0
         base = lo
     out_rows = (b1 - b0) * inner[0]
     out = torch.empty((out_rows,) + shape[1:], dtype=torch_dtype)
-    for k in range(k0, k1):
+    place = _Placer(out, inner, grid, b0, item)
+
+    def decode_and_place(k: int) -> None:
         raw = _decode_chunk(
             data, int(offsets[k]) - base, int(ends[k]) - base, data_bytes, ref, where, f"inner chunk {k}"
         )
-        coords = np.unravel_index(k, grid)
-        dst = (slice((int(coords[0]) - b0) * inner[0], (int(coords[0]) - b0 + 1) * inner[0]),) + tuple(
-            slice(int(c) * i, (int(c) + 1) * i) for c, i in zip(coords[1:], inner[1:])
-        )
-        out[dst] = torch.frombuffer(raw, dtype=torch.uint8, count=data_bytes).view(torch_dtype).reshape(inner)
+        place(k, raw[:data_bytes])
+
+    for _ in codec_map(decode_and_place, range(k0, k1)):
+        pass
     lo_row = r0 - b0 * inner[0]
     return out[lo_row : lo_row + (r1 - r0)] if (lo_row, r1 - r0) != (0, out_rows) else out
 
