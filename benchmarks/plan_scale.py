@@ -267,14 +267,17 @@ def plot(runs: dict, members: list, path: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for j, (name, colour) in enumerate([("before", "tab:gray"), ("today", "tab:blue")]):
         for i, (key, _) in enumerate(measures):
-            cpu = [r["cpu_s"] for r in runs[name][key]]
+            cpu = [r["cpu_s"] for r in runs.get(name, {}).get(key, [])]
+            if not cpu:  # a planner not run (--ref-reps 0, say) has no bar
+                continue
             x = i + (j - 0.5) * 0.35
             ax.bar(x, sorted(cpu)[len(cpu) // 2], 0.33, color=colour, label=name if i == 0 else None)
             ax.scatter([x] * len(cpu), cpu, color="black", s=10, zorder=3)
     cpu = [r["cpu_s"] for r in members]
-    x = len(measures)
-    ax.bar(x, sorted(cpu)[len(cpu) // 2], 0.33, color="tab:green", label="one member, from the summaries")
-    ax.scatter([x] * len(cpu), cpu, color="black", s=10, zorder=3)
+    if cpu:  # no members timed (--ranks with none, or --rank-reps 0): no bar
+        x = len(measures)
+        ax.bar(x, sorted(cpu)[len(cpu) // 2], 0.33, color="tab:green", label="one member, from the summaries")
+        ax.scatter([x] * len(cpu), cpu, color="black", s=10, zorder=3)
     ax.axhline(5, color="tab:red", linestyle="--", linewidth=1, label="target 5 s")
     ax.set_xticks(range(len(measures) + 1), [m[1] for m in measures] + ["collective load plan,\none member (new)"])
     ax.set_ylabel("CPU seconds (median bar, every repetition a dot)")
