@@ -1,0 +1,1 @@
+"""Tests of the command line (moeckpt.cli): its reference doc, its options and its answers to bad input."""

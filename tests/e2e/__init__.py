@@ -1,0 +1,1 @@
+"""End-to-end tests: the demo, the elastic and signal drills that run whole jobs, and what a fresh install needs."""
