@@ -3,7 +3,7 @@
 A set-up command is a line of a fenced code block that makes a virtual environment (``python3 -m venv``).
 README.md must hold exactly two: the main job (it ends by running ``moeckpt demo``) and the tests (it ends by
 running pytest). ``python3 .ci/readme_commands.py main`` (or ``test``) prints one; ``--check`` only checks.
-tests/test_readme_commands.py holds README.md to the same rule.
+tests/e2e/test_install.py holds README.md to the same rule.
 """
 
 from __future__ import annotations

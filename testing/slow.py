@@ -4,7 +4,7 @@ Importing this module registers the ``slow://`` scheme (:func:`~moeckpt.formats.
 ``slow:///abs/path`` is the local directory ``/abs/path``, and every file written there (``write_parts``,
 ``open_write``) first sleeps :func:`write_delay` seconds (``$MOECKPT_SLOW_WRITE_S``, default 1), as a busy disk
 or a far bucket would. Reads are not slowed. Tests use it to show that the memory tier does not wait behind a
-persistent save (``tests/test_memory_tier.py``).
+persistent save (``tests/trainer/test_memory_tier.py``).
 """
 
 from __future__ import annotations

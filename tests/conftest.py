@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,22 +16,36 @@ from .s3_fixtures import moto_endpoint, s3_url  # noqa: F401  (fixtures: S3 via 
 
 _counter = itertools.count()
 
+#: the tests folder: the groups below name files by their path in it (``e2e/test_demo.py``).
+TESTS = Path(__file__).resolve().parent
+
 #: test files whose tests run on one xdist worker, in order: they share the session's demo run (``demo_run``),
 #: or time failures (killed nodes, signals, heartbeats) that a second drill beside them on 2 cores would skew.
-SERIAL_FILES = {"test_demo.py", "test_elastic_agents.py", "test_signals.py", "test_memory_tier.py"}
+SERIAL_FILES = {"e2e/test_demo.py", "e2e/test_elastic_agents.py", "e2e/test_signals.py", "trainer/test_memory_tier.py"}
 
 
 #: test files whose module fixture is a training run of tens of seconds (torchtitan's): their tests run on one
 #: worker, so that the run is made once, not once per worker (a group per file: the files still run side by side).
-SHARED_RUN_FILES = {"test_torchtitan_checkpointer.py", "test_dcp_import.py"}
+SHARED_RUN_FILES = {"library/test_torchtitan_checkpointer.py", "trainer/test_dcp_import.py"}
+
+# A file moved or renamed would silently leave its group (its drills side by side, its run made twice): say so.
+_missing = sorted(p for p in SERIAL_FILES | SHARED_RUN_FILES if not (TESTS / p).is_file())
+if _missing:
+    raise RuntimeError(f"tests/conftest.py groups files that are not there: {', '.join(_missing)}")
+
+
+def _in_tests(path: Path) -> str:
+    """``path`` relative to the tests folder (``e2e/test_demo.py``); its full path if outside it."""
+    return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else path.as_posix()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marker into the group (else ignored)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name in SERIAL_FILES:
+        where = _in_tests(item.path.resolve())
+        if where in SERIAL_FILES:
             item.add_marker(pytest.mark.xdist_group("drills"))
-        elif item.path.name in SHARED_RUN_FILES:
+        elif where in SHARED_RUN_FILES:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 

@@ -251,12 +251,12 @@ def dcp_load_on_mesh(rank: int, path: str, mesh_shape, specs: dict, out_dir: str
 
 
 def save_golden_state(rank: int, path: str) -> None:
-    """The state of tests/test_golden_v2.py as four ranks of a 2 x 2 mesh hold it, saved with moeckpt.save."""
+    """The state of tests/formats/test_golden_v2.py as four ranks of a 2 x 2 mesh hold it, saved with moeckpt.save."""
     from torch.distributed.tensor import distribute_tensor
 
     import moeckpt
 
-    from .test_golden_v2 import _full
+    from .formats.test_golden_v2 import _full
 
     mesh = _mesh((2, 2))
     full = _full()

@@ -5,7 +5,7 @@ for the compressed arrays of version 4, numcodecs' blosc decoder (a codec librar
 It reads checkpoints of versions 1 to 4 on both backends, verifies every checksum it can, and checks what the
 spec asks of writers: the version rule, the pieces and writers a sharding defines, the order and bytes of a
 safetensors header, the chunk grid and the exact documents of a zarr array, the data-file versions. Wherever the
-spec and a checkpoint part, it raises :class:`SpecError` naming the rule. ``tests/test_format_spec.py`` runs it over
+spec and a checkpoint part, it raises :class:`SpecError` naming the rule. ``tests/formats/test_format_spec.py`` runs it over
 checkpoints of every moeckpt writer and compares its values with moeckpt's reader, bit for bit.
 
 Kept deliberately plain (a page of the spec per function, no caching): it is a reference, not a fast path.

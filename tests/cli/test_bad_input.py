@@ -19,7 +19,7 @@ from moeckpt.formats.index import INDEX_NAME, Index
 from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 
-from .helpers import save_toy
+from ..helpers import save_toy
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import click
 
 from moeckpt.cli.main import all_commands, cli
 
-DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "cli.md")
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "cli.md")
 
 
 def _sections() -> dict[str, str]:

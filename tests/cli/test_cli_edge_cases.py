@@ -108,7 +108,7 @@ def _zarr_doc_snippet() -> str:
     import re
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "zarr.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "zarr.md").read_text(encoding="utf-8")
     section = doc.split("## Reading one tensor with plain zarr", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 1, "docs/zarr.md: expected one python block under 'Reading one tensor with plain zarr'"
@@ -144,7 +144,7 @@ def test_zarr_doc_snippet_reads_a_real_tensor(tmp_path, moeckpt_cli):
 def _zarr_doc_tree() -> str:
     from pathlib import Path
 
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "zarr.md").read_text(encoding="utf-8")
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "zarr.md").read_text(encoding="utf-8")
     return doc.split("## Layout", 1)[1].split("\n## ", 1)[0]
 
 
@@ -155,7 +155,7 @@ def _stored_on_storage(location: str) -> tuple[int, int]:
     """Bytes and count of every object of a checkpoint, its index moeckpt.json left out, measured independently."""
     from moeckpt.formats.storages import open_storage
 
-    from .helpers import list_objects
+    from ..helpers import list_objects
 
     s = open_storage(location)
     paths = [p for p in list_objects(location) if p != "moeckpt.json"]
@@ -167,7 +167,7 @@ def test_inspect_stored_bytes_count_every_object(storage_url, backend, moeckpt_c
 
     from moeckpt.reshard.layout import Layout
 
-    from .helpers import save_toy
+    from ..helpers import save_toy
 
     save_toy(storage_url, Layout(tp=2, dp=2), backend=backend)
     code, out, err = moeckpt_cli("inspect", storage_url, "--json")

@@ -1,4 +1,6 @@
-"""What a new user met (issue 18): each numbered defect and each piece of friction, as it must behave now."""
+"""What the commands tell their user: a refusal is one line naming the option or the path to change, progress and
+saves are reported, an overwrite says what it removed, and an interrupted or failed command leaves nothing behind
+(each numbered defect and each piece of friction a new user met in issue 18, as it must behave now)."""
 
 from __future__ import annotations
 
@@ -281,7 +283,7 @@ def test_nothing_of_a_run_stays_in_the_temporary_directory(tmp_path, monkeypatch
     are cleaned up (a private temporary directory here, so other jobs' files do not count)."""
     from moeckpt.trainer.local_world import run_local_world
 
-    from .test_parallel import _fail_on_rank_one
+    from ..trainer.test_parallel import _fail_on_rank_one
 
     # a short path: under xdist tmp_path is deep, and a forkserver's AF_UNIX socket path in it would be too long
     private = Path(tempfile.mkdtemp(prefix="moeckpt-t-", dir="/tmp"))
@@ -316,7 +318,7 @@ def test_nothing_of_a_run_stays_in_the_temporary_directory(tmp_path, monkeypatch
 def test_the_first_readme_command_installs_the_loss_plot():
     import tomllib
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     readme = open(os.path.join(root, "README.md")).read()
     extra = readme.split("-e '.[", 1)[1].split("]'", 1)[0]
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:

@@ -9,7 +9,7 @@ from moeckpt.formats.retention import RetentionError, RetentionPolicy
 from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 
-from .helpers import save_toy
+from ..helpers import save_toy
 
 
 @pytest.fixture(params=["local", "memory"])

@@ -132,7 +132,7 @@ def test_hostile_values_are_one_line_and_exit_2(command, param, index, inputs, t
     out.mkdir()
     monkeypatch.chdir(tmp_path)  # a value such as "abc" must not find a file of that name by chance
     # an argument names a file or place: "-1" or "nan" may be one (a name that does not exist is refused with the
-    # command's own one line, tests/test_bad_input.py); a blank one never is
+    # command's own one line, tests/cli/test_bad_input.py); a blank one never is
     values = BLANK if (command, param) in NAMES or index is not None else HOSTILE
     accepted = ACCEPTED.get((command, param), set())
     tried = 0

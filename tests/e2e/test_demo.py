@@ -1,5 +1,5 @@
 """The README's main job, `moeckpt demo`, runs end to end and reports every step ok (the run is shared with
-tests/test_elastic_agents.py through the session's ``demo_run`` fixture: the drill runs once in the suite)."""
+tests/e2e/test_elastic_agents.py through the session's ``demo_run`` fixture: the drill runs once in the suite)."""
 
 from __future__ import annotations
 

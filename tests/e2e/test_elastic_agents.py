@@ -74,7 +74,7 @@ def test_a_lost_node_shrinks_the_world_and_a_new_node_grows_it_back(demo_run, mo
     # The loss curve continues: the steps lost with node B are trained again by 2 workers from the same weights on
     # the same samples, and give the losses the 4 workers had computed.
     # With the memory tier that is at most one step (none when the kill came after the step's memory commit;
-    # tests/test_memory_tier.py compares a memory resume's losses with an unfailed run's).
+    # tests/trainer/test_memory_tier.py compares a memory resume's losses with an unfailed run's).
     first = {r["step"]: r["loss"] for r in steps if r["world"] == 4 and r["step"] <= worlds[1][0]}
     again = {r["step"]: r["loss"] for r in steps if r["world"] == 2 and r["step"] in first}
     assert sorted(again) == [s for s in sorted(first) if s > shrink["step"]], (first, again, worlds)

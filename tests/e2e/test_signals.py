@@ -13,7 +13,7 @@ import pytest
 from moeckpt.formats.checkpoint import committed_steps
 from moeckpt.trainer.metrics import read_metrics
 
-from .proc_helpers import launch
+from ..proc_helpers import launch
 
 pytestmark = [
     pytest.mark.slow,

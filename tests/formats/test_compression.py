@@ -19,8 +19,8 @@ from moeckpt.formats.checkpoint import CheckpointReader, verify
 from moeckpt.formats.errors import CheckpointIndexError, MoeckptError
 from moeckpt.formats.index import FORMAT_VERSION
 
-from . import spec_reader as spec
-from .spec_reader import SpecError
+from .. import spec_reader as spec
+from ..spec_reader import SpecError
 
 INIT = ["--model", "zaya-tiny", "--with-optimizer", "--dtype", "bf16", "--seed", "7"]
 

@@ -6,7 +6,7 @@ touching intervals, the order of pieces in a file, empty parts and the writer ro
 empty and uncut dimensions, the data-file versions, the roles of state-dict tensors, and ``format=``. The golden
 files ``tests/golden/zarr-v1``, ``zarr-v2``, ``v3-stored`` and ``zarr-v3-stored`` pin the bytes of what the older
 golden files did not cover (zarr, stored pieces); ``v2-stored`` and ``zarr-v2-stored`` are version 2 as dcp.save wrote it, kept
-to be read. Regenerate them with ``python -m tests.test_format_spec`` only
+to be read. Regenerate them with ``python -m tests.formats.test_format_spec`` only
 for an intended, versioned format change.
 """
 
@@ -31,10 +31,10 @@ from moeckpt.formats.pieces import Piece
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.save import save_full_tensors
 
-from . import spec_reader as spec
-from .spec_reader import SpecError
+from .. import spec_reader as spec
+from ..spec_reader import SpecError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 
 
@@ -806,7 +806,7 @@ MESH_1X2 = {
 def test_mesh_saves_of_real_ranks_conform_on_both_backends(tmp_path):
     from moeckpt.trainer.local_world import run_local_world
 
-    from .format_spec_workers import save_each_way
+    from ..format_spec_workers import save_each_way
 
     run_local_world(save_each_way, 4, str(tmp_path / "m22"), (2, 2), MESH_2X2, True)
     run_local_world(save_each_way, 2, str(tmp_path / "m12"), (1, 2), MESH_1X2, False)
@@ -825,7 +825,7 @@ def test_mesh_saves_of_real_ranks_conform_on_both_backends(tmp_path):
 def test_the_checkpoint_of_an_fsdp2_tp_training_run_conforms(tmp_path):
     from moeckpt.trainer.local_world import run_local_world
 
-    from .library_workers import fsdp_train
+    from ..library_workers import fsdp_train
 
     run_local_world(fsdp_train, 4, 2, 2, str(tmp_path), str(tmp_path / "c"), "save")
     ckpt = conforms(str(tmp_path / "c"))
@@ -837,13 +837,13 @@ def test_the_checkpoint_of_an_fsdp2_tp_training_run_conforms(tmp_path):
 def test_four_real_ranks_write_the_zarr_v2_golden_bytes(tmp_path):
     from moeckpt.trainer.local_world import run_local_world
 
-    from .format_spec_workers import save_golden_v2_state
+    from ..format_spec_workers import save_golden_v2_state
 
     run_local_world(save_golden_v2_state, 4, str(tmp_path / "c"), "zarr")
     assert _files(str(tmp_path / "c")) == _files(os.path.join(GOLDEN, "zarr-v2"))
 
 
-if __name__ == "__main__":  # regenerate: python -m tests.test_format_spec (only for an intended format change)
+if __name__ == "__main__":  # regenerate: python -m tests.formats.test_format_spec (only for an intended format change)
     import tempfile
 
     for name, write in GOLDENS.items():

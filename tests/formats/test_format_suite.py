@@ -7,7 +7,7 @@ import torch
 
 from moeckpt.testing import BackendTests
 
-from .helpers import toy_tensors
+from ..helpers import toy_tensors
 
 
 class TestFormatSuite(BackendTests):

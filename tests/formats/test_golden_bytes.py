@@ -1,7 +1,7 @@
 """Golden bytes: the on-disk format of docs/format.md, pinned byte for byte.
 
 If this fails, the format changed: bump FORMAT_VERSION, update docs/format.md, and regenerate with
-``python -m tests.test_golden_bytes`` only if the change is intended.
+``python -m tests.formats.test_golden_bytes`` only if the change is intended.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.rules import ShardingRule, TpSplit
 from moeckpt.reshard.save import save_full_tensors
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
 FILES = ["moeckpt.json", "rank-00000.safetensors", "rank-00001.safetensors"]
 
 

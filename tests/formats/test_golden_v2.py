@@ -2,7 +2,7 @@
 
 The state: what four ranks of an FSDP2 + TP run on a 2 x 2 mesh would save (a strided-sharded weight, a bias
 sharded on one mesh dimension, a scalar tensor and a value every rank holds). If this fails, the format changed:
-update docs/format.md and regenerate with ``python -m tests.test_golden_v2`` only if the change is intended.
+update docs/format.md and regenerate with ``python -m tests.formats.test_golden_v2`` only if the change is intended.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from moeckpt.formats.pieces import Piece
 from moeckpt.library.state_save import _merge
 from moeckpt.reshard.mesh import entry_pieces
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v2")
+GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "v2")
 FILES = [
     "moeckpt.json",
     "rank-00000.safetensors",
@@ -28,7 +28,7 @@ FILES = [
     "rank-00002.safetensors",
     "rank-00003.safetensors",
 ]
-DOCS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "format.md")
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs", "format.md")
 
 
 def _full() -> dict[str, torch.Tensor]:
@@ -74,7 +74,7 @@ def test_bytes_match_golden(tmp_path):
 def test_four_real_ranks_saving_that_state_write_the_golden_bytes(tmp_path):
     from moeckpt.trainer.local_world import run_local_world
 
-    from .library_workers import save_golden_state
+    from ..library_workers import save_golden_state
 
     run_local_world(save_golden_state, 4, str(tmp_path / "c"))
     for name in FILES:
@@ -102,7 +102,7 @@ def test_the_specs_snippet_reassembles_every_tensor_with_json_and_safetensors_on
         assert torch.equal(scope["full"], value), name
 
 
-if __name__ == "__main__":  # regenerate: python -m tests.test_golden_v2
+if __name__ == "__main__":  # regenerate: python -m tests.formats.test_golden_v2
     import shutil
     import tempfile
 

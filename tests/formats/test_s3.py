@@ -20,8 +20,8 @@ from moeckpt.formats.storages.retry import RetryPolicy
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements
 
-from .helpers import list_objects, save_toy, tensors_equal, toy_tensors, toy_values
-from .s3_fixtures import FaultyProxy, make_bucket
+from ..helpers import list_objects, save_toy, tensors_equal, toy_tensors, toy_values
+from ..s3_fixtures import FaultyProxy, make_bucket
 
 FAST_RETRY = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.05)
 

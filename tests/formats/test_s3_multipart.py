@@ -17,8 +17,8 @@ import pytest
 from moeckpt.formats.checkpoint import CheckpointReader, verify
 from moeckpt.formats.retention import RetentionPolicy, apply_gc, plan_gc
 
-from .helpers import init_qwen_105mb, list_objects
-from .s3_fixtures import BUCKET
+from ..helpers import init_qwen_105mb, list_objects
+from ..s3_fixtures import BUCKET
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from moeckpt.formats.storages import open_storage
 from moeckpt.formats.storages import s3 as storage_mod
 from moeckpt.formats.storages.retry import RetryPolicy
 
-from .s3_fixtures import BUCKET
+from ..s3_fixtures import BUCKET
 
 MiB = 2**20
 #: S3's smallest part (moto enforces it too): the tests shrink S3_PART_BYTES to this to go multipart with little data.

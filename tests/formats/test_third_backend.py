@@ -17,8 +17,8 @@ from moeckpt.formats.checkpoint import CheckpointReader, verify
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
 
-from .helpers import flip_byte, tensors_equal
-from .raw_backend import RawBackend
+from ..helpers import flip_byte, tensors_equal
+from ..raw_backend import RawBackend
 
 MODEL = ("--model", "zaya-tiny", "--with-optimizer", "--dtype", "bf16", "--seed", "4")
 

@@ -24,7 +24,7 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements
 from moeckpt.reshard.save import save_full_tensors
 
-from .helpers import list_objects, save_toy, tensors_equal, toy_tensors, toy_values
+from ..helpers import list_objects, save_toy, tensors_equal, toy_tensors, toy_values
 
 
 def random_value(entry: TensorEntry, seed: int = 0) -> torch.Tensor:

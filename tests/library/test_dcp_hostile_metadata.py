@@ -34,8 +34,8 @@ from moeckpt.formats.box import Box, covers_exactly_once
 from moeckpt.formats.dcp import DcpFormatError, UnsafePickleError, open_dcp, parse_metadata
 from moeckpt.formats.dcp import metadata as dcp_metadata
 
-from .bounded_cli import BoundedCli, Ran
-from .dcp_metadata_builder import TINY_MOE, moe_metadata
+from ..bounded_cli import BoundedCli, Ran
+from ..dcp_metadata_builder import TINY_MOE, moe_metadata
 
 # -- building hostile files ------------------------------------------------------------------------------------
 

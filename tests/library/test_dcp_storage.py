@@ -13,7 +13,7 @@ import moeckpt
 import moeckpt.dcp
 from moeckpt.trainer.local_world import run_local_world
 
-from . import library_workers as w
+from .. import library_workers as w
 
 
 def test_dcp_save_writes_a_committed_moeckpt_checkpoint_and_dcp_load_reads_it(tmp_path):

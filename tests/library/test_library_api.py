@@ -11,7 +11,7 @@ import torch
 import moeckpt
 from moeckpt.trainer.local_world import run_local_world
 
-from . import library_workers as w
+from .. import library_workers as w
 
 
 def _read(out_dir, world):
@@ -142,7 +142,7 @@ def test_save_refuses_a_non_empty_destination_unless_overwrite(tmp_path):
 
 
 def test_checkpointer_keeps_the_newest_and_skips_a_damaged_one(tmp_path):
-    from .helpers import flip_byte
+    from ..helpers import flip_byte
 
     run = str(tmp_path / "run")
     with moeckpt.Checkpointer(run, keep_last=2) as ckpt:
@@ -242,7 +242,7 @@ def test_load_reads_whole_boxes_in_place_and_still_verifies_every_block(tmp_path
     from moeckpt.formats.checkpoint import CheckpointReader
     from moeckpt.formats.errors import ChecksumMismatchError
 
-    from .helpers import flip_byte
+    from ..helpers import flip_byte
 
     path = str(tmp_path / "ck")
     w = torch.randn(512, 256)

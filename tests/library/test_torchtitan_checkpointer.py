@@ -20,7 +20,7 @@ import torch
 import moeckpt
 from moeckpt.library.dcp_values import decode_value
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the workers live
 
 
 def _torchrun(nproc: int, *args: str) -> None:
@@ -165,7 +165,7 @@ def test_docs_show_the_tested_manager():
 
 def test_the_newest_step_is_the_newest_committed_moeckpt_checkpoint(tmp_path):
     pytest.importorskip("torchtitan.components.checkpointer", reason="torchtitan is not installed")
-    from .titan_manager import MoeckptCheckpointManager
+    from ..titan_manager import MoeckptCheckpointManager
 
     manager = MoeckptCheckpointManager.Config(enable=True, keep_latest_k=0).build(
         dataloader=None,
@@ -191,7 +191,7 @@ def test_the_newest_step_is_the_newest_committed_moeckpt_checkpoint(tmp_path):
 
 def test_the_dataloader_state_is_json_and_does_not_reshard():
     pytest.importorskip("torchtitan.components.checkpointer", reason="torchtitan is not installed")
-    from .titan_workers import JsonStateDataloader, TokenStream
+    from ..titan_workers import JsonStateDataloader, TokenStream
 
     loader = JsonStateDataloader(TokenStream(1, 2), dp_rank=1, dp_world_size=2, batch_size=2)
     batches = iter(loader)

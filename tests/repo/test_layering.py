@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: folder -> the import name it installs as (pyproject.toml's package-dir)
 FOLDERS = {
     "toplevel": "moeckpt",

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "plan_scale.py")
+_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "plan_scale.py")
 
 
 def _plan_scale():

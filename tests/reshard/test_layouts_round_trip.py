@@ -15,7 +15,7 @@ from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.init_values import initial_value
 from moeckpt.trainer.models import resolve_model
 
-from .helpers import tensors_equal
+from ..helpers import tensors_equal
 
 LAYOUTS = [
     Layout(tp=tp, ep=ep, dp=dp) for tp, ep, dp in itertools.product((1, 2), (1, 2, 4), (1, 2, 4)) if dp % ep == 0

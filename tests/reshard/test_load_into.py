@@ -17,7 +17,7 @@ from moeckpt.reshard.rules import ShardingRule, TpSplit
 from moeckpt.reshard.save import save_full_tensors
 from moeckpt.reshard.tensors import ParamSpec, logical_tensors
 
-from .helpers import flip_byte
+from ..helpers import flip_byte
 
 #: 3,000 rows of 4,096 bytes (fp32 x 1,024): 11.7 MB, three checksum blocks and a part, rows dividing blocks.
 ROWS, COLS = 3000, 1024
@@ -81,7 +81,7 @@ def test_device_and_out_give_the_same_tensors_and_fill_the_callers_tensors(tmp_p
     the caller's tensors where they fit; a destination of another dtype is left alone and a new tensor returned."""
     from moeckpt.trainer.models import presets
 
-    from .reshard_models import save_model
+    from ..reshard_models import save_model
 
     save_model(str(tmp_path / "a"), presets()["zaya-tiny"], Layout(tp=1, ep=1, dp=2))
     target = Layout(tp=2, ep=2, dp=2)

@@ -10,7 +10,7 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.local import join_local, local_shape, split_local
 from moeckpt.reshard.placement import rank_boxes
 
-from .helpers import tensors_equal, toy_tensors, toy_values
+from ..helpers import tensors_equal, toy_tensors, toy_values
 
 
 @pytest.mark.parametrize("tp,ep,dp", [(1, 1, 1), (2, 1, 2), (2, 2, 2), (1, 4, 4), (2, 2, 4)])

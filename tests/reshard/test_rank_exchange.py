@@ -21,7 +21,7 @@ from moeckpt.reshard.rank_exchange import decide, rank_exchange, summarize
 from moeckpt.reshard.source_lookup import SourcePositions
 from moeckpt.trainer.models import presets
 
-from .reshard_models import layouts, models
+from ..reshard_models import layouts, models
 from .test_reshard_planner import _index
 
 
@@ -190,7 +190,7 @@ def _collective(rank: int, location: str, layout: dict, peers: list, readable, o
 def test_a_collective_load_of_permuted_peers_reads_each_byte_about_once(tmp_path, readable):
     from moeckpt.trainer.local_world import run_local_world
 
-    from .reshard_models import save_model
+    from ..reshard_models import save_model
 
     spec = presets()["zaya-tiny"]
     tensors, _ = save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))
@@ -228,7 +228,7 @@ def test_a_rank_whose_planning_fails_fails_every_rank_alike(tmp_path):
     exchange; every rank raises that error, the same class and message."""
     from moeckpt.trainer.local_world import run_local_world
 
-    from .reshard_models import save_model
+    from ..reshard_models import save_model
 
     save_model(str(tmp_path / "a"), presets()["zaya-tiny"], Layout(tp=2, ep=2, dp=2))
     run_local_world(_fail_planning, 4, str(tmp_path / "a"), str(tmp_path), timeout_s=60)

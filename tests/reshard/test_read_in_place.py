@@ -25,7 +25,7 @@ from moeckpt.reshard.chunks import ChunkReader
 from moeckpt.reshard.plan import ReadItem, TargetPiece
 from moeckpt.reshard.slabs import row_spans
 
-from .helpers import flip_byte
+from ..helpers import flip_byte
 
 FILE = "pieces.bin"
 

@@ -16,7 +16,7 @@ from moeckpt.reshard.plan import RankPlan, ReadItem, TargetPiece
 from moeckpt.reshard.sharing import sharing_groups
 from moeckpt.trainer.models import presets
 
-from .reshard_models import save_model
+from ..reshard_models import save_model
 
 #: tp 1 <-> 2 (dim-1 splits), ep 1 <-> 4 (expert regroupings), dp 2 <-> 3 (uneven ZeRO parts), and a mix.
 PAIRS = [

@@ -21,7 +21,7 @@ from moeckpt.reshard.options import LoadOptions, ReshardOptions
 from moeckpt.reshard.placement import model_parallel_boxes, rule_of
 from moeckpt.trainer.models import presets
 
-from .reshard_models import layouts, models, save_model
+from ..reshard_models import layouts, models, save_model
 
 _n = itertools.count()
 
@@ -184,7 +184,7 @@ def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path, e
     without the exchange, the ranks that read clean bytes raise it too."""
     from moeckpt.trainer.local_world import run_local_world
 
-    from .helpers import flip_byte
+    from ..helpers import flip_byte
 
     spec = presets()["zaya-tiny"]
     save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2))

@@ -16,8 +16,8 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import ReshardOptions
 from moeckpt.trainer.models import presets
 
-from .helpers import init_qwen_105mb
-from .reshard_models import layouts, models, save_model
+from ..helpers import init_qwen_105mb
+from ..reshard_models import layouts, models, save_model
 
 _n = itertools.count()
 

@@ -19,8 +19,8 @@ from moeckpt.reshard.rules import ShardingRule, TpSplit
 from moeckpt.reshard.tensors import logical_tensors
 from moeckpt.trainer.models import presets
 
-from . import planner_reference as reference
-from .reshard_models import layouts, models
+from .. import planner_reference as reference
+from ..reshard_models import layouts, models
 
 
 def _index(spec, layout: Layout, *, dtype: str = "bfloat16") -> Index:

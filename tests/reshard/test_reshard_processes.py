@@ -18,8 +18,8 @@ from moeckpt.reshard.options import ReshardOptions
 from moeckpt.reshard.processes import WorkerProcessError, balanced_groups, run_forked
 from moeckpt.trainer.models import presets
 
-from .helpers import flip_byte, init_qwen_105mb
-from .reshard_models import save_model
+from ..helpers import flip_byte, init_qwen_105mb
+from ..reshard_models import save_model
 
 pytestmark = [
     pytest.mark.slow,

@@ -14,7 +14,7 @@ from moeckpt.reshard.local import join_local
 from moeckpt.reshard.placement import rank_boxes
 from moeckpt.trainer.local_world import run_local_world
 
-from .helpers import tensors_equal, toy_tensors, toy_values
+from ..helpers import tensors_equal, toy_tensors, toy_values
 
 LAYOUT = Layout(tp=2, ep=2, dp=2)
 

@@ -22,7 +22,7 @@ import torch
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.dcp import open_dcp
 
-from .dcp_workers import TINY, hf_config_json, torchtitan_config, torchtitan_logits
+from ..dcp_workers import TINY, hf_config_json, torchtitan_config, torchtitan_logits
 from .test_dcp_import import _transformers_logits, torchrun
 
 pytestmark = pytest.mark.slow

@@ -21,9 +21,9 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.interop import MappingError, import_dcp
 from moeckpt.trainer.local_world import free_port
 
-from .dcp_workers import TINY, hf_config_json
+from ..dcp_workers import TINY, hf_config_json
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where the workers live
 
 
 def _save(path, sd) -> str:
@@ -103,7 +103,7 @@ def test_mapping_none_without_a_layout_keeps_the_dcp_shardings(tmp_path, moeckpt
     import moeckpt
     from moeckpt.trainer.local_world import run_local_world
 
-    from .dcp_workers import save_sharded_generic
+    from ..dcp_workers import save_sharded_generic
 
     src = str(tmp_path / "dcp")
     run_local_world(save_sharded_generic, 2, src)

@@ -12,7 +12,7 @@ from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig, train
 
-from .train_workers import eval_run
+from ..train_workers import eval_run
 
 BATCH = 4
 

@@ -22,7 +22,7 @@ from moeckpt.trainer.muon import MuonConfig, ZeroMuon, newton_schulz
 from moeckpt.trainer.muon_plan import families, rank_plan, receives, sends
 from moeckpt.trainer.parallel import ParallelGroups
 
-from .muon_workers import (
+from ..muon_workers import (
     LAYOUTS,
     LRS,
     SPECS,

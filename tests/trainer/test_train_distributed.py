@@ -6,7 +6,7 @@ import pytest
 
 from moeckpt.trainer.local_world import run_local_world
 
-from .train_workers import expert_dispatch_check
+from ..train_workers import expert_dispatch_check
 
 pytestmark = pytest.mark.slow  # multi-process
 

@@ -18,7 +18,7 @@ from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.optimizer_choice import OptimizerMismatchError
 from moeckpt.trainer.train import TrainConfig, Trainer, train
 
-from .muon_workers import train_runs, weights_survive_resume
+from ..muon_workers import train_runs, weights_survive_resume
 
 STEPS = 8
 BASE = {

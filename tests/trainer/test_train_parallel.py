@@ -16,7 +16,7 @@ from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.train import TrainConfig, train
 
-from .train_workers import train_runs
+from ..train_workers import train_runs
 
 pytestmark = pytest.mark.slow  # multi-process
 
