@@ -30,9 +30,8 @@ MAX_CELLS_PER_ARRAY = 10_000_000
 _STORED_AS = {"bfloat16": "uint16", "float8_e4m3fn": "uint8", "float8_e5m2": "uint8"}
 BYTES_CODEC = {"name": "bytes", "configuration": {"endian": "little"}}
 CRC_CODEC = {"name": "crc32c"}
-#: the blosc settings of ``--compress blosc-zstd`` (docs/zarr.md). The commit that chose them reports zstd level 1
-#: with 1 MiB blocks compressing more than levels 2-5 at the default block size, and faster; no measurement of a
-#: trained checkpoint is recorded in the repository yet (issue 32 items 4 and 5).
+#: the blosc settings of ``--compress blosc-zstd`` (docs/zarr.md). On a trained checkpoint no other setting measured
+#: (zstd level 3, bit shuffle, lz4) stored any role smaller, and level 3 encodes slower (docs/benchmarks/compress.md).
 BLOSC_CNAME = "zstd"
 BLOSC_CLEVEL = 1
 BLOSC_BLOCKSIZE = 1 << 20
