@@ -32,6 +32,8 @@ from collections.abc import Callable
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.render import bounded_repr
 
+from . import opcodes
+
 
 class UnsafePickleError(MoeckptError, ValueError):
     """A pickle in a DCP checkpoint names a class or call outside what DCP writes, or breaks a bound of what DCP
@@ -51,6 +53,20 @@ MAX_INT_DIGITS = 40
 #: items on the stack at once (a pickler batches containers by a thousand items).
 MAX_STACK = 1_000_000
 
+# the scan's loop compares with module globals: the opcode table's names, bound here once
+_ADD, _ARG, _COUNTED, _KIND, _LEAF, _MARK_ADD_SET, _MARK_NEW, _PUT, _REFUSED, _TUPLE_N = (
+    opcodes.ADD,
+    opcodes.ARG,
+    opcodes.COUNTED,
+    opcodes.KIND,
+    opcodes.LEAF,
+    opcodes.MARK_ADD_SET,
+    opcodes.MARK_NEW,
+    opcodes.PUT,
+    opcodes.REFUSED,
+    opcodes.TUPLE_N,
+)
+
 #: ``read(n)`` returns up to ``n`` more bytes of the pickle, ``b""`` at its end.
 Read = Callable[[int], bytes]
 
@@ -59,66 +75,6 @@ _U32 = struct.Struct("<I").unpack_from
 _I32 = struct.Struct("<i").unpack_from
 _U64 = struct.Struct("<Q").unpack_from
 
-# Opcode classes, in the order the loop tests them (the most frequent in a DCP metadata first).
-(
-    _MEMOIZE,
-    _GET,
-    _LEAF,
-    _COUNTED,
-    _MARK,
-    _CALL,
-    _BUILD,
-    _TUPLE_N,
-    _MARK_ADD,
-    _MARK_ADD_SET,
-    _MARK_NEW,
-    _ADD,
-    _PUT,
-    _OTHER,
-) = range(14)
-
-_KIND = [_OTHER] * 256
-#: argument bytes of each opcode of a fixed-size argument (and of the length prefix of a counted one).
-_ARG = [0] * 256
-for _codes, _kind, _n in (
-    (b"\x94", _MEMOIZE, 0),
-    (b"h", _GET, 1),
-    (b"j", _GET, 4),
-    (b"N\x88\x89})]\x8f", _LEAF, 0),
-    (b"K", _LEAF, 1),
-    (b"M", _LEAF, 2),
-    (b"J", _LEAF, 4),
-    (b"G", _LEAF, 8),
-    (b"\x8cUC", _COUNTED, 1),
-    (b"XTB", _COUNTED, 4),
-    (b"\x8d\x8e\x96", _COUNTED, 8),
-    (b"(", _MARK, 0),
-    (b"R\x81", _CALL, 0),
-    (b"b", _BUILD, 0),
-    (b"\x85\x86\x87", _TUPLE_N, 0),
-    (b"eu", _MARK_ADD, 0),
-    (b"\x90", _MARK_ADD_SET, 0),
-    (b"tld\x91", _MARK_NEW, 0),
-    (b"as", _ADD, 0),
-    (b"q", _PUT, 1),
-    (b"r", _PUT, 4),
-):
-    for _c in _codes:
-        _KIND[_c] = _kind
-        _ARG[_c] = _n
-
-#: what DCP never writes and a bounded reader does not need: class instantiation of protocols 0 and 1 (``INST``,
-#: ``OBJ``), the extension registry (``EXT1/2/4``), out-of-band buffers (protocol 5).
-_REFUSED = {
-    ord("i"): "INST",
-    ord("o"): "OBJ",
-    0x82: "EXT1",
-    0x83: "EXT2",
-    0x84: "EXT4",
-    0x97: "NEXT_BUFFER",
-    0x98: "READONLY_BUFFER",
-}
-
 #: the stack is checked against MAX_STACK at least once every this many bytes (it grows by one value a byte at most).
 _CHECK_EVERY = 1 << 16
 #: most bytes asked of ``read`` at once (a string's length is the file's to claim: it is read in steps).
@@ -126,12 +82,6 @@ _READ_AT_MOST = 64 << 20
 
 #: a value that is not a tuple: expanded size 1, nesting 0 (values are coded ``size << 8 | depth``, depth < 256).
 _LEAF_CODE = 1 << 8
-
-
-_ARG[ord("\x80")] = 1  # PROTO
-_ARG[ord("\x95")] = 8  # FRAME
-_ARG[ord("\x8a")] = 1  # LONG1: the length of its bytes
-_ARG[ord("\x8b")] = 4  # LONG4
 
 
 def scan(
