@@ -181,18 +181,22 @@ def blosc_decompress_into(frame: Buffer, out: np.ndarray) -> None:
 # -- the codec pool --------------------------------------------------------------------------------------------
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def codec_threads() -> int:
     """The pool's size: this process's share of the cores it may run on (``LOCAL_WORLD_SIZE`` ranks on a host
     share them), at least 1."""
     try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    try:
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     except ValueError:
         ranks = 1
-    return max(1, min(CODEC_THREADS_MAX, cores // ranks))
+    return max(1, min(CODEC_THREADS_MAX, host_cores() // ranks))
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -35,7 +35,6 @@ documents and cells are :mod:`.zarr_array`'s, a cell's bytes (codecs, crc32c, re
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any, TypeVar
@@ -51,6 +50,7 @@ from ..index import INDEX_NAME, FileEntry, Index, TensorEntry, check_relative_pa
 from ..pieces import CHECKSUM_BLOCK_BYTES, Piece, PieceRef
 from ..storage import Storage
 from .base import BackendBase
+from .chunk_codec import host_cores
 from .zarr_array import META_NAME, ArrayPlan, array_of, cell_refs, chunk_array, group_metadata_bytes, meta_path_of
 from .zarr_cells import encode_cell, missing_object, read_piece
 
@@ -132,19 +132,12 @@ def plan_array(entry: TensorEntry, boxes: Sequence[Box], compress: str = NONE) -
     return ArrayPlan(entry.name, entry.shape, entry.dtype, shard, inner, compress)
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
-
-
 def write_threads(is_local: bool, compress: str) -> int:
     """Threads that encode and write one writer's cells: raw, as many as the storage wants requests in flight;
     compressed, at least that many and up to one per core (encoding is the work there)."""
     threads = WRITE_THREADS_LOCAL if is_local else WRITE_THREADS_REMOTE
     if compress != NONE:
-        threads = max(threads, min(COMPRESS_THREADS_MAX, _cores()))
+        threads = max(threads, min(COMPRESS_THREADS_MAX, host_cores()))
     return threads
 
 
