@@ -24,10 +24,11 @@ from moeckpt.formats.index import Index
 from moeckpt.formats.pieces import PieceRef
 
 from .chunks import ChunkReader, reads_started_ahead
-from .inplace import Job, in_place_jobs, read_in_place
+from .inplace import Job, in_place_jobs, positions, read_in_place, scattered_jobs
 from .options import LoadOptions
 from .plan import SourcePiece, TargetPiece
 from .slabs import assemble, fill
+from .staging import stages
 
 
 def refs_for(reader: CheckpointReader, sources: set, stored) -> dict[tuple[str, Box], PieceRef]:
@@ -72,10 +73,15 @@ def fill_boxes(
     """
     index = reader.index
     jobs: list[Job] = []
+    staged_rest = []  # staged boxes that are not read straight into place: their rows may be scattered there
     for pos, piece in enumerate(pieces):
         if _takes_stored_bytes(dests[pos], index.tensors[piece.tensor].dtype, device_in_place):
-            jobs += in_place_jobs(pos, piece, refs, dests[pos])
-    direct = {job[0] for job in jobs}
+            found = in_place_jobs(pos, piece, refs, dests[pos])
+            jobs += found
+            if not found and stages(dests[pos]):
+                staged_rest.append(pos)
+    jobs += scattered_jobs(pieces, dests, staged_rest, refs)
+    direct = {pos for job in jobs for pos in positions(job)}
     with ChunkReader(
         reader,
         refs,
@@ -85,7 +91,9 @@ def fill_boxes(
         clip=True,
     ) as chunks:
         with ThreadPoolExecutor(1) as one:
-            in_place = one.submit(read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes)
+            in_place = one.submit(
+                read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes, options.stage_bytes
+            )
             try:
                 rest = [pos for pos in range(len(pieces)) if pos not in direct]
                 _assemble_into(chunks, index, pieces, dests, rest, own, options.prefetch_bytes, threads)
@@ -99,8 +107,7 @@ def fill_boxes(
 def _takes_stored_bytes(dest: torch.Tensor, dtype: str, device_in_place: bool) -> bool:
     """Whether a stored piece's bytes can land in ``dest`` as they are (a contiguous tensor of its dtype, on the
     CPU or, where allowed, on a device)."""
-    on_cpu = dest.device.type == "cpu"
-    return (on_cpu or device_in_place) and dest.dtype == dtypes.to_torch(dtype) and dest.is_contiguous()
+    return (not stages(dest) or device_in_place) and dest.dtype == dtypes.to_torch(dtype) and dest.is_contiguous()
 
 
 def _assemble_into(

@@ -4,9 +4,10 @@ A box that is full-width rows of one stored piece is contiguous in the file and 
 assembly: threads (``LoadOptions.fill_threads``; ``pread`` and the checksums release the interpreter lock) read
 it in parts of the chunk grid, each part verified as it lands (``read_rows_into`` of the backend's session).
 Into device memory (a GPU), each thread reads a part into one of its two reused pinned buffers and copies it to
-the device on a stream of its own while it reads the next part into the other, so reads, checksums and
-host-to-device copies overlap and no pageable copy is made. Without a device (CPU-only machines) the staging
-copies are plain copies, which is what the tests run.
+the device on a stream of its own while it reads the next part into the other (:mod:`.staging`), so reads,
+checksums and host-to-device copies overlap and no pageable copy is made; a box joined from several stored
+pieces, or a region of their rows, is read in whole rows and scattered into place on the device. Without a
+device (CPU-only machines) the staging copies are plain copies, which is what the tests run.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
 
 from .chunks import ChunkReader, chunk_rows
+from .options import LOAD_STAGE_BYTES
 from .plan import ReadItem, TargetPiece
 from .slabs import RowSpan, direct_read, row_spans, thread_buffer
+from .staging import ReadInto, RowsGroup, Scatter, Stager, scatter_groups, scatter_parts, staged_bytes, stages
 
-ReadInto = Callable[[PieceRef, int, int, torch.Tensor], bool]
 SegmentsInto = Callable[[PieceRef, list[tuple[int, memoryview]]], bool]
 
 
@@ -43,46 +45,15 @@ def _cannot_read_segments(ref: PieceRef, segments: list[tuple[int, memoryview]])
     return False
 
 
-class Stager:
-    """A thread's two reused staging buffers (pinned where the device has a host-to-device path) and its copy
-    stream: :meth:`read` fills ``dest`` with bytes read into a buffer, then copied from it asynchronously."""
-
-    def __init__(self, nbytes: int, device: torch.device):
-        self.device = device
-        pin = device.type == "cuda" and torch.cuda.is_available()
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.events: list = [None, None]
-        self.turn = 0
-
-    def read(self, fill: Callable[[torch.Tensor], bool], dest: torch.Tensor) -> bool:
-        """``fill(stage)`` reads ``dest``'s bytes into the next staging buffer (viewed as ``dest``), which is then
-        copied into ``dest`` (on the device)."""
-        k = self.turn
-        self.turn ^= 1
-        if self.events[k] is not None:
-            self.events[k].synchronize()  # the copy out of this buffer has finished: it may be filled again
-        nbytes = dest.numel() * dest.element_size()
-        stage = self.buffers[k][:nbytes].view(dest.dtype).view(dest.shape)
-        if not fill(stage):
-            return False
-        if self.stream is None:
-            dest.copy_(stage)
-            return True
-        with torch.cuda.stream(self.stream):
-            dest.copy_(stage, non_blocking=True)
-            self.events[k] = torch.cuda.Event()
-            self.events[k].record(self.stream)
-        return True
-
-    def finish(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
+#: a job: (position, the read, its destination, and None for whole rows, where the read's bytes lie in each row
+#: of its stored piece and of the destination, or the group of reads whose rows are staged whole and scattered
+#: into place, the group's first read and destination in front).
+Job = tuple[int, ReadItem, torch.Tensor, "RowSpan | RowsGroup | None"]
 
 
-#: a job: (position, the read, its destination, and None for whole rows, or where the read's bytes lie in each
-#: row of its stored piece and of the destination).
-Job = tuple[int, ReadItem, torch.Tensor, "RowSpan | None"]
+def positions(job: Job) -> set[int]:
+    """The positions a job fills."""
+    return job[3].positions if isinstance(job[3], RowsGroup) else {job[0]}
 
 
 #: a span whose every range is at least this long is read by vectored reads straight into place; shorter ones
@@ -102,6 +73,14 @@ def in_place_jobs(
         return [(pos, r, dest, None)]
     spans = spans_in_place(piece, refs, dest)
     return [] if spans is None else [(pos, item, dest, span) for item, span in spans]
+
+
+def scattered_jobs(
+    pieces: Sequence[TargetPiece], dests: Sequence[torch.Tensor], positions: Sequence[int], refs
+) -> list[Job]:
+    """The jobs of the staged ``positions`` (boxes that :func:`in_place_jobs` cannot read straight into place)
+    whose reads are whole rows scattered into place on the device (:func:`~.staging.scatter_groups`)."""
+    return [(*g.lands[0], g) for g in scatter_groups(pieces, dests, positions, refs)]
 
 
 def spans_in_place(
@@ -128,7 +107,7 @@ def spans_in_place(
         return None
     for ref, (_, span) in zip(refs_of, spans):
         row = ref.nbytes // ref.box.shape[0]
-        if dest.device.type != "cpu":
+        if stages(dest):
             if span.sub != 1 or row < 2 * ref.block_bytes:
                 return None
         elif span.c1 - span.c0 < VECTORED_RANGE_BYTES and row // span.sub - (span.c1 - span.c0) >= ref.block_bytes:
@@ -204,7 +183,7 @@ def _vectored_parts(
             cut = min(n, (a // step + 1) * step - a)
             ranges.append((a, t, cut))
             a, t, n = a + cut, t + cut, n - cut
-    cpu = dest.device.type == "cpu"
+    cpu = not stages(dest)
     out: list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]] = []
     group: list[tuple[int, int, int]] = []
 
@@ -284,51 +263,55 @@ def _copy_through_buffer(bytes_into: ReadInto, ref: PieceRef, a: int, b: int, g:
     return True
 
 
-def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_bytes: int) -> tuple[set[int], int]:
-    """Read each job (a read of one stored piece: full-width rows, or one byte range per row) into its destination
-    by ``threads`` threads, in parts of the chunk grid (rows) or row by row (byte ranges); returns the positions
-    the session could not read in place (the caller assembles them) and the bytes fetched for the others."""
+def read_in_place(
+    chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_bytes: int, stage_bytes: int = LOAD_STAGE_BYTES
+) -> tuple[set[int], int]:
+    """Read each job (a read of one stored piece: full-width rows, one byte range per row, or rows scattered into
+    place) into its destination by ``threads`` threads, in parts of the chunk grid (rows; parts of about
+    ``stage_bytes`` through staging) or row by row (byte ranges); returns the positions the session could not
+    read in place (the caller assembles them) and the bytes fetched for the others."""
     # A session that cannot read in place lacks the method: its jobs are handed back (``failed``).
     no_read: ReadInto = _cannot_read
     rows_into: ReadInto = getattr(chunks.pieces, "read_rows_into", no_read)
     bytes_into: ReadInto = getattr(chunks.pieces, "read_bytes_into", no_read)
     segments_into: SegmentsInto = getattr(chunks.pieces, "read_segments_into", _cannot_read_segments)
     spans_ok = bytes_into is not no_read and segments_into is not _cannot_read_segments
-    usable = [j for j in jobs if (rows_into is not no_read if j[3] is None else spans_ok)]
-    failed = {j[0] for j in jobs} - {j[0] for j in usable}
+    usable = [j for j in jobs if (spans_ok if isinstance(j[3], RowSpan) else rows_into is not no_read)]
+    failed = set().union(*map(positions, jobs)) - set().union(*map(positions, usable))
     if not usable:
         return failed, 0
     local = threading.local()
     stagers: list[Stager] = []
     lock = threading.Lock()
-    part_bytes = 0
-    # parts: (position, fetched bytes, fill(target) -> bool, destination view)
-    parts: list[tuple[int, int, Callable[[torch.Tensor], bool], torch.Tensor]] = []
-    for pos, item, dest, span in usable:
+    # parts: (positions, fetched bytes, fill(target) -> bool, destination view or Scatter)
+    parts: list[tuple[set[int], int, Callable[[torch.Tensor], bool], torch.Tensor | Scatter]] = []
+    for job in usable:
+        pos, item, dest, span = job
         ref = chunks.ref(item.tensor, item.src_box)
-        r0, r1 = item.rows
-        row = ref.nbytes // ref.box.shape[0]
-        if span is None:
-            per = max(1, chunk_rows(ref.box, ref.dtype, chunk_bytes, ref.block_bytes))
+        staged = stages(dest)
+        grid = stage_bytes if staged else chunk_bytes
+        if isinstance(span, RowsGroup):
+            parts += [(span.positions, *part) for part in scatter_parts(ref, span, grid, rows_into)]
+        elif span is None:
+            r0, r1 = item.rows
+            per = max(1, chunk_rows(ref.box, ref.dtype, grid, ref.block_bytes))
             lo = r0
             while lo < r1:  # parts on the chunk grid: every thread gets work, no checksum block is read twice
                 hi = min(r1, (lo // per + 1) * per)
                 fill = functools.partial(rows_into, ref, lo, hi)
-                parts.append((pos, fetched_bytes(ref, lo, hi), fill, dest[lo - r0 : hi - r0]))
-                part_bytes = max(part_bytes, (hi - lo) * row)
+                parts.append(({pos}, fetched_bytes(ref, lo, hi), fill, dest[lo - r0 : hi - r0]))
                 lo = hi
         else:
-            if span.c1 - span.c0 >= VECTORED_RANGE_BYTES or dest.device.type != "cpu":
-                found = _vectored_parts(ref, item, dest, span, chunk_bytes, bytes_into, segments_into)
+            if span.c1 - span.c0 >= VECTORED_RANGE_BYTES or staged:
+                found = _vectored_parts(ref, item, dest, span, grid, bytes_into, segments_into)
             else:
                 found = _copied_parts(ref, item, dest, span, bytes_into)
-            for fetched, fill_part, target in found:
-                parts.append((pos, fetched, fill_part, target))
-                if target.device.type != "cpu":  # the staging buffers' size
-                    part_bytes = max(part_bytes, target.numel() * target.element_size())
+            parts += [({pos}, *part) for part in found]
+    # the staging buffers' size: the largest staged part
+    part_bytes = max((staged_bytes(t) for *_, t in parts if isinstance(t, Scatter) or stages(t)), default=0)
 
-    def run(fill: Callable[[torch.Tensor], bool], dest: torch.Tensor) -> bool:
-        if dest.device.type == "cpu":
+    def run(fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter) -> bool:
+        if not isinstance(dest, Scatter) and not stages(dest):
             return fill(dest)
         stager = getattr(local, "stager", None)
         if stager is None:
@@ -340,12 +323,12 @@ def read_in_place(chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_
     fetched_total = 0
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-fill") as pool:
-            futures = [(pos, nbytes, pool.submit(run, fill, dest)) for pos, nbytes, fill, dest in parts]
-            for pos, nbytes, fut in futures:
+            futures = [(where, nbytes, pool.submit(run, fill, dest)) for where, nbytes, fill, dest in parts]
+            for where, nbytes, fut in futures:
                 if fut.result():
                     fetched_total += nbytes
                 else:
-                    failed.add(pos)
+                    failed |= where
     finally:
         for stager in stagers:  # every thread has stopped: its last copies end before its buffers go
             stager.finish()

@@ -34,6 +34,9 @@ ADVISE_BYTES = 128 * MiB
 
 #: load: source pieces are read in row chunks of about this size.
 LOAD_CHUNK_BYTES = 64 * MiB
+#: load into device memory: boxes are read in parts of about this size through pinned staging buffers, two per
+#: fill thread (parts larger than a few checksum blocks gained nothing, and every byte of them is pinned memory).
+LOAD_STAGE_BYTES = 16 * MiB
 #: load: byte budget of a loading rank's chunk cache (beyond the state it returns).
 LOAD_CACHE_BYTES = 256 * MiB
 #: load: threads reading ahead of a loading rank.
@@ -111,6 +114,8 @@ class LoadOptions:
     fill_threads: int = field(default_factory=load_fill_threads)
     #: bytes of the next boxes' reads kept in flight by the read-ahead threads.
     prefetch_bytes: int = PREFETCH_BYTES
+    #: into device memory: boxes are read in parts of about this many bytes through pinned staging buffers.
+    stage_bytes: int = LOAD_STAGE_BYTES
 
     def __post_init__(self) -> None:
         _check_positive(self)
