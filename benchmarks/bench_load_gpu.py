@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=0.0, help="a widened zaya-small of this size instead of zaya-small")
     ap.add_argument("--reps", type=int, default=5, help="repetitions (every method in each, in rotating order)")
     ap.add_argument("--threads", type=int, default=0, help="fill threads (default: LoadOptions' default)")
+    ap.add_argument("--stage-mib", type=int, default=0, help="LoadOptions.stage_bytes in MiB (default: its default)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
     ap.add_argument("--dir", default="/tmp/moeckpt-bench-load-gpu", help="scratch directory (local disk)")
@@ -150,7 +151,10 @@ def main() -> None:
     methods = [m for m in args.methods.split(",") if m]
     if unknown := set(cases) - set(CASES) | set(methods) - set(METHODS):
         raise SystemExit(f"unknown cases or methods: {sorted(unknown)}")
-    options = LoadOptions(fill_threads=args.threads) if args.threads else LoadOptions()
+    tuned = {"fill_threads": args.threads} if args.threads else {}
+    if args.stage_mib:
+        tuned["stage_bytes"] = args.stage_mib << 20
+    options = LoadOptions(**tuned)
     threads = options.fill_threads
     spec = scaled_model(args.gb) if args.gb else presets()["zaya-small"]
     tensors = state_tensors(spec)
