@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple, TypeVar
 
 from moeckpt.formats.box import Box
 from moeckpt.formats.index import Index
@@ -29,9 +30,39 @@ class SourcePiece:
     writer: int
 
 
-@dataclass(frozen=True)
-class ReadItem:
-    """Copy ``region`` (global coordinates) of ``tensor`` from a stored source piece into a target box."""
+def _eq(self: tuple, other: object) -> bool:
+    """A plan value equals only a value of its own class with equal fields, as a frozen dataclass does (a tuple
+    subclass would equal any tuple of its fields; ``False``, not ``NotImplemented``, stops the tuple's)."""
+    return other.__class__ is self.__class__ and tuple.__eq__(self, other)
+
+
+def _ne(self: tuple, other: object) -> bool:
+    return not _eq(self, other)
+
+
+def _unordered(self: tuple, other: object) -> bool:
+    raise TypeError(f"{type(self).__name__} values have no order")
+
+
+_T = TypeVar("_T", bound=type)
+
+
+def _plan_value(cls: _T) -> _T:
+    """A named tuple that compares like a frozen dataclass: equal only to its own class, unordered (its hash, the
+    tuple's of its fields, is the dataclass's already). Set after the class is made: a NamedTuple body takes
+    fields only."""
+    methods = {"__eq__": _eq, "__ne__": _ne} | dict.fromkeys(("__lt__", "__le__", "__gt__", "__ge__"), _unordered)
+    for name, method in methods.items():
+        setattr(cls, name, method)
+    return cls
+
+
+@_plan_value
+class ReadItem(NamedTuple):
+    """Copy ``region`` (global coordinates) of ``tensor`` from a stored source piece into a target box.
+
+    A named tuple, not a frozen dataclass, because an offline plan at 1,024 writers builds millions and a tuple's
+    constructor runs in C (``tuple.__new__(ReadItem, fields)``); it compares and hashes as the dataclass did."""
 
     tensor: str
     #: the stored piece read from, and its writer.
@@ -55,9 +86,10 @@ class ReadItem:
         return (r0, r0 + self.region.shape[0])
 
 
-@dataclass(frozen=True)
-class TargetPiece:
-    """One box a target rank holds (load) or writes (offline), with the reads that fill it exactly."""
+@_plan_value
+class TargetPiece(NamedTuple):
+    """One box a target rank holds (load) or writes (offline), with the reads that fill it exactly (a named tuple
+    for the reason :class:`ReadItem` is one)."""
 
     tensor: str
     box: Box
