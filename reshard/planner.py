@@ -18,16 +18,19 @@ executors share row reads between items, so the byte figures here count each sou
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import accumulate, repeat
+
+import numpy as np
 
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import CheckpointIndexError
 from moeckpt.formats.index import Index, TensorEntry
 
 from .layout import Layout
-from .placement import geometry, name_seed, placements, rank_boxes
+from .placement import Geometry, geometry, name_seed, placements, rank_boxes
 from .plan import RankPlan, ReadItem, ReshardPlan, SourcePiece, TargetPiece, source_layout
 from .runtime import paused_gc
-from .source_lookup import Cover, SourceTensors, fixed_writers, union_elems
+from .source_lookup import Cover, Rotation, SourceLookup, SourceTensor, SourceTensors, union_elems
 from .tensors import check_layout
 
 
@@ -54,55 +57,120 @@ def _plan_writers(
     targets: Mapping[str, Sequence[tuple[Box, int]]] | None,
     sources: Mapping[str, Sequence[SourcePiece]] | None,
 ) -> ReshardPlan:
-    """:func:`plan_reshard`'s work, tensor by tensor: the reads of every box of one tensor come from one lookup,
-    and a target geometry's boxes meet the same source boxes in every tensor of its structure."""
+    """:func:`plan_reshard`'s work, tensor by tensor (in name order, the order of every writer's pieces): a
+    tensor placed by a layout rule is built from its structure's :class:`_Structure`, any other box by box."""
     layout = source_layout(index)
     tensors = SourceTensors(index, layout, sources)
     pieces: dict[int, list[TargetPiece]] = {w: [] for w in range(target.world)}
     need: dict[int, int] = dict.fromkeys(pieces, 0)
     read: dict[int, int] = dict.fromkeys(pieces, 0)
-    covers: dict[tuple[int, int], list[Cover | None]] = {}
-    fixed: dict[int, list[int]] = {}
+    structures: dict[tuple[int, int], _Structure] = {}
     for name in sorted(index.tensors):
         entry = index.tensors[name]
         t = tensors.of(entry)
-        lookup, itemsize = t.lookup, t.itemsize
+        if (targets is None or name not in targets) and entry.mesh is None:
+            geo = geometry(entry, target)
+            st = structures.get((id(t.lookup), id(geo)))
+            if st is None:
+                st = structures[(id(t.lookup), id(geo))] = _Structure(entry, t.lookup, geo)
+            st.add(t, name_seed(entry), pieces)
+            continue
         if targets is not None and name in targets:
             given: Sequence[tuple[Box, int]] = targets[name]
-            memo: list[Cover | None] | None = None
-        elif entry.mesh is not None:
-            given = [(p.box, p.writer) for p in placements(entry, target)]
-            memo = None
         else:
-            geo, seed = geometry(entry, target), name_seed(entry)
-            ws = fixed.get(id(geo))
-            if ws is None:
-                ws = fixed[id(geo)] = fixed_writers(geo)
-            given = [(box, w if w >= 0 else geo.writer(i, seed)) for i, (box, w) in enumerate(zip(geo.boxes, ws))]
-            memo = covers.get((id(lookup), id(geo)))
-            if memo is None:
-                memo = covers[(id(lookup), id(geo))] = [None] * len(geo.boxes)
-        first: dict[int, Cover] = {}
-        again: dict[int, list[Cover]] = {}
-        for i, (box, writer) in enumerate(given):
-            cover = None if memo is None else memo[i]
-            if cover is None:
-                cover = lookup.cover(entry, box)
-                if memo is not None:
-                    memo[i] = cover
-            if writer not in pieces:
-                pieces[writer], need[writer], read[writer] = [], 0, 0
-            pieces[writer].append(_target_piece(name, box, t.reads(cover, box)))
-            need[writer] += cover.numel * itemsize
-            if writer in first:
-                again.setdefault(writer, [first[writer]]).append(cover)
-            else:
-                first[writer] = cover
-                read[writer] += cover.read_elems * itemsize
-        for writer, more in again.items():  # a source row read for two boxes of one tensor counts once
-            read[writer] += (union_elems(more) - more[0].read_elems) * itemsize
+            given = [(p.box, p.writer) for p in placements(entry, target)]
+        _add_boxes(entry, t, given, pieces, need, read)
+    for st in structures.values():
+        st.count(need, read)
     ranks = tuple(RankPlan(w, tuple(pieces[w]), need[w], read[w]) for w in sorted(pieces))
     return ReshardPlan(layout, target, "reshard", ranks)
+
+
+def _add_boxes(
+    entry: TensorEntry,
+    t: SourceTensor,
+    given: Sequence[tuple[Box, int]],
+    pieces: dict[int, list[TargetPiece]],
+    need: dict[int, int],
+    read: dict[int, int],
+) -> None:
+    """The pieces of one tensor's ``(box, writer)`` list, appended to their writers', with their bytes."""
+    covers: dict[int, list[Cover]] = {}
+    for box, writer in given:
+        cover = t.lookup.cover(entry, box)
+        if writer not in pieces:
+            pieces[writer], need[writer], read[writer] = [], 0, 0
+        pieces[writer].append(_target_piece(t.name, box, t.reads(cover, box)))
+        need[writer] += cover.numel * t.itemsize
+        covers.setdefault(writer, []).append(cover)
+    for writer, more in covers.items():  # a source row read for two boxes of one tensor counts once
+        read[writer] += union_elems(more) * t.itemsize
+
+
+class _Structure:
+    """The tensors of one structure (one source lookup, one target geometry): every tensor's boxes meet the same
+    source boxes, so the covers and the read items' boxes are laid out once, and a tensor's pieces are built from
+    them in C (``map`` over ``tuple.__new__``). Its bytes are counted for all its tensors at once
+    (:meth:`count`): only the writers of replicated boxes differ between them, rotating with the name."""
+
+    def __init__(self, entry: TensorEntry, lookup: SourceLookup, geo: Geometry):
+        self.boxes = geo.boxes
+        self.covers = [lookup.cover(entry, box) for box in geo.boxes]
+        hits = [(k, src, region, box) for box, c in zip(geo.boxes, self.covers) for k, src, region in c.hits]
+        #: per read item of a tensor: its source position, source box, region and target box.
+        self.src_k = [h[0] for h in hits]
+        self.src = [h[1] for h in hits]
+        self.regions = [h[2] for h in hits]
+        self.target_boxes = [h[3] for h in hits]
+        #: per box: the slice of the read items that fill it.
+        ends = list(accumulate(len(c.hits) for c in self.covers))
+        self.slices = [slice(a, b) for a, b in zip([0] + ends, ends)]
+        known = lookup.writers if lookup.writers is not None else lookup.fixed
+        #: the source writer of each read item where one rank holds its piece, else -1 (those rotate with the name).
+        self.src_writers = [known[k] for k in self.src_k]
+        self.rotating_src = [j for j, w in enumerate(self.src_writers) if w < 0]
+        self.writers = Rotation(geo)
+        self.numel = np.array([c.numel for c in self.covers], dtype=np.int64)
+        self.read_elems = np.array([c.read_elems for c in self.covers], dtype=np.int64)
+        #: per tensor added: its writers (one per box) and item size.
+        self.added: list[tuple[np.ndarray, int]] = []
+
+    def add(self, t: SourceTensor, seed: int, pieces: dict[int, list[TargetPiece]]) -> None:
+        """Append tensor ``t``'s pieces (its name hashes to ``seed``) to the pieces of their writers."""
+        row = self.writers.of(seed)
+        self.added.append((row, t.itemsize))
+        src_writers = self.src_writers
+        if self.rotating_src:
+            src_writers = list(src_writers)
+            for j in self.rotating_src:
+                src_writers[j] = t.writer(self.src_k[j])
+        name = repeat(t.name)
+        items = list(map(_tuple, repeat(ReadItem), zip(name, self.src, src_writers, self.regions, self.target_boxes)))
+        reads = map(tuple, map(items.__getitem__, self.slices))
+        for w, piece in zip(row.tolist(), map(_tuple, repeat(TargetPiece), zip(name, self.boxes, reads))):
+            pieces[w].append(piece)
+
+    def count(self, need: dict[int, int], read: dict[int, int]) -> None:
+        """Add the bytes every tensor added needs and reads to its writers' (``need`` and ``read`` by writer)."""
+        if not self.added or not self.boxes:
+            return
+        rows = np.stack([row for row, _ in self.added])
+        world = int(rows.max()) + 1
+        sizes = np.array([size for _, size in self.added], dtype=np.int64)[:, None]
+        need_w, read_w = np.zeros(world, np.int64), np.zeros(world, np.int64)
+        np.add.at(need_w, rows, sizes * self.numel)
+        ordered = np.sort(rows, axis=1)
+        twice = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)  # a writer of two boxes of one tensor
+        np.add.at(read_w, rows[~twice], (sizes * self.read_elems)[~twice])
+        for i in np.flatnonzero(twice).tolist():  # a source row read for two boxes of one tensor counts once
+            by_writer: dict[int, list[Cover]] = {}
+            for w, c in zip(rows[i].tolist(), self.covers):
+                by_writer.setdefault(w, []).append(c)
+            for w, covers in by_writer.items():
+                read_w[w] += union_elems(covers) * self.added[i][1]
+        for w in np.flatnonzero(need_w | read_w).tolist():
+            need[w] += int(need_w[w])
+            read[w] += int(read_w[w])
 
 
 def plan_load(
@@ -192,6 +260,9 @@ def _plan(
     return ReshardPlan(layout, target, kind, tuple(ranks))
 
 
+_tuple = tuple.__new__
+
+
 def _target_piece(tensor: str, box: Box, reads: tuple[ReadItem, ...]) -> TargetPiece:
     """A TargetPiece built in C (``tuple.__new__``), without the named tuple's Python-level ``__new__``."""
-    return tuple.__new__(TargetPiece, (tensor, box, reads))
+    return _tuple(TargetPiece, (tensor, box, reads))

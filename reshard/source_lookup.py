@@ -4,8 +4,8 @@ tensors of one structure, and the numbers of stored pieces that the members of a
 A model's tensors come in structures (every layer's weights have one shape and one sharding), so the lookup of the
 source boxes is built once per source geometry and one :class:`Cover` (the source boxes a target box overlaps)
 serves every tensor of the structure; only the writers of replicated boxes differ, rotating with the tensor's name.
-An offline plan at 1,024 ranks meets millions of boxes: the values here are built without the frozen dataclasses'
-per-field ``__setattr__`` where that was the cost (the values are the constructors').
+An offline plan at 1,024 ranks meets millions of boxes: the read items are built with ``tuple.__new__`` (named
+tuples, see :mod:`.plan`), and a geometry's writers for a tensor come from one table (:class:`Rotation`).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import bisect
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import cast
+
+import numpy as np
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
@@ -223,6 +225,35 @@ class _MeshWriters:
 
     def writer(self, k: int, seed: int) -> int:
         return self.geo.writer(k, self.ranks, seed)
+
+
+class Rotation:
+    """The writers of a geometry's boxes for any tensor of its structure, all at once: box ``i``'s writer is its
+    holder number ``(seed + i) % holders`` (:meth:`~.placement.Geometry.writer`), looked up in one table of every
+    box's holders in their order."""
+
+    def __init__(self, geo: Geometry):
+        fixed = fixed_writers(geo)
+        self.fixed = np.array(fixed, dtype=np.int64)
+        self.rotating = np.flatnonzero(self.fixed < 0)
+        holders = [_holders(geo, int(i)) for i in self.rotating]
+        self.count = np.array([len(h) for h in holders], dtype=np.int64)
+        self.start = np.cumsum(self.count) - self.count
+        self.table = np.array([r for h in holders for r in h], dtype=np.int64)
+
+    def of(self, seed: int) -> np.ndarray:
+        """The writer of every box for a tensor whose name hashes to ``seed``."""
+        if not len(self.rotating):
+            return self.fixed
+        out = self.fixed.copy()
+        out[self.rotating] = self.table[self.start + (seed + self.rotating) % self.count]
+        return out
+
+
+def _holders(geo: Geometry, i: int) -> list[int]:
+    """The ranks holding box ``i`` in the order :meth:`~.placement.Geometry.writer` numbers them."""
+    tps, dps = geo.holders[i]
+    return [d * geo.tp + t for d in dps for t in tps]
 
 
 def fixed_writers(geo: Geometry) -> list[int]:
