@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
 import time
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -13,7 +15,7 @@ from moeckpt.formats.index import FileEntry, Index, TensorEntry
 from moeckpt.reshard import placement
 from moeckpt.reshard.group_plan import plan_exchange
 from moeckpt.reshard.layout import Layout
-from moeckpt.reshard.plan import source_pieces
+from moeckpt.reshard.plan import ReadItem, TargetPiece, source_pieces
 from moeckpt.reshard.planner import plan_boxes, plan_load, plan_reshard
 from moeckpt.reshard.rules import ShardingRule, TpSplit
 from moeckpt.reshard.tensors import logical_tensors
@@ -186,6 +188,47 @@ def test_fast_planner_equals_the_reference_planner(data):
     }
     assert plan_boxes(index, wanted) == reference.plan_boxes(index, wanted)
     assert plan_boxes(index, wanted, sources=sources) == reference.plan_boxes(index, wanted, sources=sources)
+
+
+@pytest.mark.parametrize(
+    ("preset", "a", "b"),
+    [
+        ("zaya-tiny", Layout(tp=1, ep=1, dp=2), Layout(tp=2, ep=1, dp=3)),
+        ("qwen3moe-tiny", Layout(tp=2, ep=2, dp=4), Layout(tp=1, ep=4, dp=8)),
+        ("qwen3moe-tiny", Layout(tp=4, ep=1, dp=3), Layout(tp=2, ep=2, dp=6)),
+        ("deepseekv3-tiny", Layout(tp=2, ep=4, dp=8), Layout(tp=4, ep=2, dp=6)),
+    ],
+)
+def test_offline_plan_equals_the_reference_on_uneven_layouts(preset, a, b):
+    """The offline plan built per structure (issue 36) is the reference's, writer by writer: pieces in order, their
+    reads, and the bytes needed and read, on dp, tp and ep changes that split ZeRO parts unevenly."""
+    index = _index(presets()[preset], a)
+    got, want = plan_reshard(index, b), reference.plan_reshard(index, b)
+    assert [r.rank for r in got.ranks] == [r.rank for r in want.ranks]
+    for g, w in zip(got.ranks, want.ranks):
+        assert (g.nbytes, g.read_nbytes) == (w.nbytes, w.read_nbytes), g.rank
+        assert g.pieces == w.pieces, g.rank
+    assert got == want
+
+
+def test_plan_values_compare_like_frozen_dataclasses():
+    """ReadItem and TargetPiece are named tuples (built in C) that equal only their own class, hash by their
+    fields, have no order and cannot be changed: what the frozen dataclasses they replaced did."""
+    box = Box((0, 0), (2, 3))
+    item = ReadItem("w", box, 1, box, box)
+    fields = ("w", box, 1, box, box)
+    assert item == ReadItem(*fields) and hash(item) == hash(ReadItem(*fields)) == hash(fields)
+    assert item != fields and fields != item and not (item == fields)
+    assert item != ReadItem("w", box, 2, box, box)
+    piece = TargetPiece("w", box, (item,))
+    assert piece == TargetPiece("w", box, (ReadItem(*fields),)) and piece != ("w", box, (item,))
+    with pytest.raises(TypeError):
+        _ = item < ReadItem(*fields)
+    with pytest.raises(TypeError):
+        _ = piece <= fields
+    with pytest.raises(AttributeError):
+        item.writer = 2  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(piece)) == piece
 
 
 @settings(max_examples=15, deadline=None)
