@@ -28,7 +28,20 @@ from .chunks import ChunkReader, chunk_rows
 from .options import LOAD_STAGE_BYTES
 from .plan import ReadItem, TargetPiece
 from .slabs import RowSpan, direct_read, row_spans, thread_buffer
-from .staging import ReadInto, RowsGroup, Scatter, Stager, scatter_groups, scatter_parts, staged_bytes, stages
+from .staging import (
+    ReadInto,
+    RowsGroup,
+    Run,
+    RunInto,
+    Scatter,
+    Stager,
+    coalesce,
+    scatter_groups,
+    scatter_parts,
+    staged_bytes,
+    stages,
+    whole_piece_view,
+)
 
 SegmentsInto = Callable[[PieceRef, list[tuple[int, memoryview]]], bool]
 
@@ -283,14 +296,18 @@ def read_in_place(
     local = threading.local()
     stagers: list[Stager] = []
     lock = threading.Lock()
-    # parts: (positions, fetched bytes, fill(target) -> bool, destination view or Scatter)
-    parts: list[tuple[set[int], int, Callable[[torch.Tensor], bool], torch.Tensor | Scatter]] = []
+    run_into: RunInto | None = getattr(chunks.pieces, "read_run_into", None)
+    # parts: (positions, fetched bytes, fill(target) -> bool, destination view, Scatter or Run)
+    parts: list[tuple[set[int], int, Callable[[torch.Tensor], bool], torch.Tensor | Scatter | Run]] = []
+    whole: list[tuple[set[int], PieceRef, torch.Tensor]] = []  # staged small pieces read whole: coalesced below
     for job in usable:
         pos, item, dest, span = job
         ref = chunks.ref(item.tensor, item.src_box)
         staged = stages(dest)
         grid = stage_bytes if staged else chunk_bytes
-        if isinstance(span, RowsGroup):
+        if staged and run_into is not None and (view := whole_piece_view(ref, job)) is not None:
+            whole.append((positions(job), ref, view))
+        elif isinstance(span, RowsGroup):
             parts += [(span.positions, *part) for part in scatter_parts(ref, span, grid, rows_into)]
         elif span is None:
             r0, r1 = item.rows
@@ -307,11 +324,18 @@ def read_in_place(
             else:
                 found = _copied_parts(ref, item, dest, span, bytes_into)
             parts += [({pos}, *part) for part in found]
+    if whole and run_into is not None:  # whole pieces are only gathered where the session reads runs
+        runs, alone = coalesce(whole, stage_bytes, run_into)
+        parts += runs
+        for i in alone:
+            where, ref, view = whole[i]
+            fill = functools.partial(rows_into, ref, 0, ref.box.shape[0])
+            parts.append((where, fetched_bytes(ref, 0, ref.box.shape[0]), fill, view))
     # the staging buffers' size: the largest staged part
-    part_bytes = max((staged_bytes(t) for *_, t in parts if isinstance(t, Scatter) or stages(t)), default=0)
+    part_bytes = max((staged_bytes(t) for *_, t in parts if isinstance(t, Scatter | Run) or stages(t)), default=0)
 
-    def run(fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter) -> bool:
-        if not isinstance(dest, Scatter) and not stages(dest):
+    def run(fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter | Run) -> bool:
+        if not isinstance(dest, Scatter | Run) and not stages(dest):
             return fill(dest)
         stager = getattr(local, "stager", None)
         if stager is None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple, cast
+from typing import NamedTuple
 
 import torch
 
@@ -73,10 +73,26 @@ class RowsGroup(NamedTuple):
         return {pos for pos, _, _ in self.lands}
 
 
+class Run(NamedTuple):
+    """A coalesced part: small stored pieces that lie back to back in one file, read in one ``pread`` of
+    ``nbytes`` (each piece verified) and copied into their destinations, ``(dest, byte offset in the run)``."""
+
+    nbytes: int
+    lands: tuple[tuple[torch.Tensor, int], ...]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lands[0][0].device
+
+
 class Stager:
     """A thread's two reused staging buffers (pinned where the device has a host-to-device path), its copy stream
     and, for scattered parts, two device scratch buffers: :meth:`read` fills a destination with bytes read into
-    a buffer, then copied from it asynchronously."""
+    a buffer, then copied from it asynchronously.
+
+    Made and used by one thread: the copy stream is made that thread's current stream once, and the two events
+    that guard the buffers are reused (a part costs little more than its read and its copies, which matters
+    because a load's parts take turns on the interpreter lock)."""
 
     def __init__(self, nbytes: int, device: torch.device):
         self.device = device
@@ -85,42 +101,43 @@ class Stager:
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
         self.scratch: list[torch.Tensor | None] = [None, None]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.events: list = [None, None]
+        if self.stream is not None:
+            torch.cuda.set_stream(self.stream)  # this thread's current stream: every copy below goes on it
+            self.events = [torch.cuda.Event(), torch.cuda.Event()]
+        self.used = [False, False]
         self.turn = 0
 
-    def read(self, fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter) -> bool:
-        """``fill(stage)`` reads bytes into the next staging buffer, viewed as ``dest`` (contiguous) or as the rows
-        of a :class:`Scatter`; they are then copied to their place."""
+    def read(self, fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter | Run) -> bool:
+        """``fill(stage)`` reads bytes into the next staging buffer, viewed as ``dest`` (contiguous), as the rows
+        of a :class:`Scatter` or as the bytes of a :class:`Run`; they are then copied to their place."""
         k = self.turn
         self.turn ^= 1
-        if self.events[k] is not None:
+        if self.used[k] and self.stream is not None:
             self.events[k].synchronize()  # the copies out of this buffer have finished: it may be filled again
-        if isinstance(dest, Scatter):
-            scatter: Scatter | None = dest
-            shape, dtype = dest.shape, dest.dtype
+        if isinstance(dest, Run):
+            stage = self.buffers[k][: dest.nbytes]
         else:
-            scatter, shape, dtype = None, tuple(dest.shape), dest.dtype
-        nbytes = _numel(shape) * dtype.itemsize
-        stage = self.buffers[k][:nbytes].view(dtype).view(shape)
+            shape, dtype = (dest.shape, dest.dtype) if isinstance(dest, Scatter) else (tuple(dest.shape), dest.dtype)
+            stage = self.buffers[k][: _numel(shape) * dtype.itemsize].view(dtype).view(shape)
         if not fill(stage):
             return False
-        if self.stream is None:
-            if scatter is None:
-                cast(torch.Tensor, dest).copy_(stage)
-            else:
-                for to, pick in scatter.lands:
-                    to.copy_(stage[(slice(None),) + pick])
-            return True
-        with torch.cuda.stream(self.stream):
-            if scatter is None:
-                cast(torch.Tensor, dest).copy_(stage, non_blocking=True)
-            else:
-                rows = self._scratch(k)[:nbytes].view(dtype).view(shape)
+        copy = self.stream is not None  # non-blocking copies from pinned memory on this thread's stream
+        if isinstance(dest, Run):
+            for to, at in dest.lands:  # as bytes: a piece's offset in the run need not align to its element size
+                n = to.numel() * to.element_size()
+                to.reshape(-1).view(torch.uint8).copy_(stage[at : at + n], non_blocking=copy)
+        elif isinstance(dest, Scatter):
+            rows = stage
+            if copy:  # the whole rows to the device in one copy; the regions are cut out of them there
+                rows = self._scratch(k)[: stage.numel() * stage.element_size()].view(stage.dtype).view(stage.shape)
                 rows.copy_(stage, non_blocking=True)
-                for to, pick in scatter.lands:
-                    to.copy_(rows[(slice(None),) + pick])
-            self.events[k] = torch.cuda.Event()
+            for to, pick in dest.lands:
+                to.copy_(rows[(slice(None),) + pick], non_blocking=copy)
+        else:
+            dest.copy_(stage, non_blocking=copy)
+        if self.stream is not None:
             self.events[k].record(self.stream)
+            self.used[k] = True
         return True
 
     def _scratch(self, k: int) -> torch.Tensor:
@@ -141,15 +158,17 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def staged_bytes(dest: torch.Tensor | Scatter) -> int:
+def staged_bytes(dest: torch.Tensor | Scatter | Run) -> int:
     """The staging bytes a part of ``dest`` takes."""
+    if isinstance(dest, Run):
+        return dest.nbytes
     if isinstance(dest, Scatter):
         return _numel(dest.shape) * dest.dtype.itemsize
     return dest.numel() * dest.element_size()
 
 
-#: a staged part: (fetched bytes, fill(stage) -> bool, the destination view or a Scatter).
-Part = tuple[int, Callable[[torch.Tensor], bool], "torch.Tensor | Scatter"]
+#: a staged part: (fetched bytes, fill(stage) -> bool, where it lands).
+Part = tuple[int, Callable[[torch.Tensor], bool], "torch.Tensor | Scatter | Run"]
 
 
 def scatter_groups(
@@ -222,3 +241,71 @@ def scatter_parts(ref: PieceRef, group: RowsGroup, stage_bytes: int, rows_into: 
         parts.append((fetched_bytes(ref, lo, hi), fill, target))
         lo = hi
     return parts
+
+
+def whole_piece_view(ref: PieceRef, job) -> torch.Tensor | None:
+    """Where a job that reads all of stored piece ``ref`` into one contiguous view puts it (that view), else None:
+    whole rows of the piece landing as stored (``span`` None), or a group of its rows with one full-width region
+    (an expert half or ZeRO part joined along rows)."""
+    _, item, dest, span = job
+    rows = ref.box.shape[0] if ref.box.ndim else 0
+    if not rows or item.rows != (0, rows):
+        return None
+    if span is None:
+        view = dest[: item.rows[1] - item.rows[0]]
+    elif isinstance(span, RowsGroup) and len(span.lands) == 1 and item.region.shape[1:] == ref.box.shape[1:]:
+        first = item.region.relative_to(item.target_box).offsets[0]
+        view = dest[first : first + rows]
+    else:
+        return None
+    return view if view.is_contiguous() and view.numel() * view.element_size() == ref.nbytes else None
+
+
+#: a stored piece of at most this share of a stage part is coalesced with its neighbours in the file into one read.
+SMALL_PIECE_SHARE = 4
+#: pieces at most this many bytes apart in a file are read in one run (the bytes between are read and dropped).
+RUN_GAP_BYTES = 4096
+
+RunInto = Callable[[Sequence[PieceRef], torch.Tensor], bool]
+
+
+def coalesce(
+    whole: Sequence[tuple[set[int], PieceRef, torch.Tensor]], stage_bytes: int, run_into: RunInto
+) -> tuple[list[tuple[set[int], int, Callable[[torch.Tensor], bool], Run]], list[int]]:
+    """Runs of the small stored pieces among ``whole`` (each ``(positions, piece, destination view)``: the piece
+    read whole into a contiguous view) that lie back to back in one file, each run one part of at most
+    ``stage_bytes``: one read and one checksum pass per piece instead of a part per piece, whose fixed cost
+    (a read call, a stream handover, an event) took the interpreter lock as often as there are pieces.
+    Returns the runs' parts and the indices of ``whole`` left to a part of their own."""
+    limit = max(1, stage_bytes // SMALL_PIECE_SHARE)
+    by_file: dict[str, list[int]] = {}
+    alone = []
+    for i, (_, ref, _) in enumerate(whole):
+        if 0 < ref.nbytes <= limit:
+            by_file.setdefault(ref.file, []).append(i)
+        else:
+            alone.append(i)
+    runs: list[list[int]] = []
+    for members in by_file.values():
+        members.sort(key=lambda i: whole[i][1].start)
+        for i in members:
+            ref = whole[i][1]
+            if runs and whole[runs[-1][0]][1].file == ref.file:
+                first, last = whole[runs[-1][0]][1], whole[runs[-1][-1]][1]
+                end = last.start + last.nbytes
+                if end <= ref.start <= end + RUN_GAP_BYTES and ref.start + ref.nbytes - first.start <= stage_bytes:
+                    runs[-1].append(i)
+                    continue
+            runs.append([i])
+    parts: list[tuple[set[int], int, Callable[[torch.Tensor], bool], Run]] = []
+    for run in runs:
+        if len(run) == 1:
+            alone.append(run[0])
+            continue
+        refs = [whole[i][1] for i in run]
+        base = refs[0].start
+        nbytes = refs[-1].start + refs[-1].nbytes - base
+        lands = tuple((whole[i][2], whole[i][1].start - base) for i in run)
+        where = set().union(*(whole[i][0] for i in run))
+        parts.append((where, nbytes, functools.partial(run_into, refs), Run(nbytes, lands)))
+    return parts, sorted(alone)

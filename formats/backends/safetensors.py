@@ -371,6 +371,28 @@ class SafetensorsReader:
         _verify_parts(parts, b0, ref, where)
         return True
 
+    def read_run_into(self, refs: Sequence[PieceRef], out: torch.Tensor) -> bool:
+        """Whole pieces ``refs`` of one file, in file order and not overlapping, read in one ``pread`` of the bytes
+        from the first's start to the last's end into ``out`` (contiguous, CPU, uint8, exactly that many bytes),
+        each piece then verified block by block: what many small pieces stored back to back (norms, biases, a
+        router) are loaded with. False (nothing read) where this session cannot: a storage without direct reads,
+        pieces in other files, out of order, empty or without checksum blocks, another ``out``."""
+        if not self._files.direct or not refs or out.device.type != "cpu" or not out.is_contiguous():
+            return False
+        base, file = refs[0].start, refs[0].file
+        end = base
+        for ref in refs:
+            if ref.file != file or ref.start < end or not ref.nbytes or not ref.block_bytes:
+                return False
+            end = ref.start + ref.nbytes
+        if out.dtype != torch.uint8 or out.numel() != end - base:
+            return False
+        mv = out.numpy().data
+        where = self._read_whole(refs[0], 0, [mv])
+        for ref in refs:
+            verify_blocks(mv[ref.start - base : ref.start - base + ref.nbytes], 0, ref, where)
+        return True
+
     def _scratch_bytes(self, nbytes: int) -> memoryview:
         """This thread's reused buffer for bytes that are read only to be hashed (the parts of checksum blocks a
         read does not need): a fresh one per read would be a page fault per page of it, every read."""

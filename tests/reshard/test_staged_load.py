@@ -7,12 +7,15 @@ run with plain copies and are checked byte for byte against the saved tensors.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.errors import ChecksumMismatchError
 from moeckpt.formats.pieces import PieceRef
 from moeckpt.reshard import fill as fill_module
 from moeckpt.reshard import staging
@@ -26,6 +29,7 @@ from moeckpt.reshard.save import save_full_tensors
 from moeckpt.reshard.tensors import ParamSpec, logical_tensors
 from moeckpt.trainer.models import presets
 
+from ..helpers import flip_byte
 from ..reshard_models import save_model
 
 
@@ -131,3 +135,59 @@ def test_stages_says_no_for_host_memory_unless_asked():
     assert not staging.stages(torch.empty(2))
     if torch.cuda.is_available():
         assert staging.stages(torch.empty(2, device="cuda"))
+
+
+def test_small_pieces_back_to_back_in_a_file_are_read_in_runs(tmp_path, staged, monkeypatch):
+    """zaya-tiny is hundreds of small pieces: a staged load reads them in a few runs (one read, every piece
+    verified), each landing in its own destination."""
+    from moeckpt.reshard import inplace
+
+    found = []
+    real = inplace.coalesce
+
+    def spy(whole, stage_bytes, run_into):
+        parts, alone = real(whole, stage_bytes, run_into)
+        found.append((len(whole), parts, alone))
+        return parts, alone
+
+    monkeypatch.setattr(inplace, "coalesce", spy)
+    _, values = save_model(str(tmp_path / "a"), presets()["zaya-tiny"], Layout(tp=1, ep=1, dp=2))
+    _, out, state, _ = _load_into_out(str(tmp_path / "a"), Layout(tp=1, ep=1, dp=1), 0)
+    for name, boxes in state.items():
+        for box, got in boxes:
+            assert got is out[(name, box)] and torch.equal(got, values[name][box.slices()]), (name, box)
+    ((pieces, runs, alone),) = found
+    assert pieces > 100 and 1 <= len(runs) <= 4 and not alone
+    assert sum(len(run.lands) for *_, run in runs) == pieces
+
+
+def test_a_flipped_byte_in_a_run_is_caught_and_names_the_piece(tmp_path, staged):
+    save_model(str(tmp_path / "a"), presets()["zaya-tiny"], Layout(tp=1, ep=1, dp=1))
+    reader = CheckpointReader(str(tmp_path / "a"))
+    ref = sorted(reader.pieces(), key=lambda r: r.start)[40]
+    flip_byte(str(tmp_path / "a"), ref.file, ref.start + ref.nbytes // 2)
+    with pytest.raises(ChecksumMismatchError, match=re.escape(repr(ref.tensor))):
+        _load_into_out(str(tmp_path / "a"), Layout(tp=1, ep=1, dp=1), 0)
+
+
+def test_runs_are_pieces_of_one_file_back_to_back_within_a_stage_part():
+    def ref(file: str, start: int, nbytes: int) -> PieceRef:
+        return PieceRef("t", Box((0,), (nbytes,)), "uint8", file=file, start=start, nbytes=nbytes, checksums=("x",))
+
+    refs = [
+        ref("a", 0, 100),
+        ref("a", 100, 100),  # back to back
+        ref("a", 200 + staging.RUN_GAP_BYTES, 100),  # the largest gap a run reads over
+        ref("a", 400 + 2 * staging.RUN_GAP_BYTES, 100),  # a gap too wide: a new run
+        ref("a", 500 + 2 * staging.RUN_GAP_BYTES, 100),
+        ref("b", 100, 100),  # another file: alone
+        ref("a", 10**6, 5000),  # more than a quarter of a stage part: alone
+    ]
+    whole = [({i}, r, torch.empty(r.nbytes, dtype=torch.uint8)) for i, r in enumerate(refs)]
+    parts, alone = staging.coalesce(whole, 16384, lambda refs, out: True)
+    assert [sorted(where) for where, *_ in parts] == [[0, 1, 2], [3, 4]]
+    assert [run.nbytes for *_, run in parts] == [300 + staging.RUN_GAP_BYTES, 200]
+    assert [at for _, at in parts[0][3].lands] == [0, 100, 200 + staging.RUN_GAP_BYTES]
+    assert alone == [5, 6]
+    parts, alone = staging.coalesce(whole[:3], 450, lambda refs, out: True)  # 450-byte parts: one run of two
+    assert [sorted(where) for where, *_ in parts] == [[0, 1]] and alone == [2]
