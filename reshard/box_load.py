@@ -110,9 +110,9 @@ def read_boxes_into(reader: CheckpointReader, wanted, rank: int, stats: LoadStat
                 if r.tensor in listed
             }
         )
-    # A box whose every stored source row lands in one contiguous range of each of its rows (full-width rows of
-    # one stored piece, TP halves of a matrix loaded whole, an expert's TP slice), into a CPU tensor of the stored
-    # dtype that is contiguous, is read straight into it by the fill threads (verified as it lands); the others are
-    # assembled through the chunk cache meanwhile, a view on a device or of another dtype through a host tensor.
+    # A view of the stored dtype that is contiguous is filled in place by the fill threads (verified as it lands):
+    # in host memory straight from the file, in device memory through pinned staging (a box joined from several
+    # stored pieces scattered there by device copies); the others are assembled through the chunk cache meanwhile,
+    # a view of another dtype through a host tensor, converted on its copy.
     views = [view for _, _, view in wanted]
-    stats.bytes_read += fill_boxes(reader, refs, rank_plan.pieces, views, options, device_in_place=False)
+    stats.bytes_read += fill_boxes(reader, refs, rank_plan.pieces, views, options)

@@ -255,3 +255,20 @@ def test_load_reads_whole_boxes_in_place_and_still_verifies_every_block(tmp_path
     flip_byte(path, ref.file, ref.start + ref.nbytes // 2)
     with pytest.raises(ChecksumMismatchError, match="'w'"):
         moeckpt.load({"w": torch.zeros(512, 256), "b": torch.zeros(3)}, path)
+
+
+def test_a_load_into_device_tensors_fills_them_in_place_through_staging(tmp_path, monkeypatch):
+    """What a state-dict load into GPU tensors does, on the CPU: views go through the staged paths (whole rows,
+    small pieces in runs) and are filled in place, every byte verified."""
+    from moeckpt.reshard import staging
+
+    monkeypatch.setattr(staging, "STAGE_HOST_MEMORY", True)
+    path = str(tmp_path / "ck")
+    sd = {"w": torch.randn(512, 256), "b": torch.randn(3), "n": torch.randn(7, dtype=torch.float64)}
+    moeckpt.save(sd, path)
+    out = {"w": torch.zeros(512, 256), "b": torch.zeros(3), "n": torch.zeros(7, dtype=torch.float64)}
+    addresses = {k: v.data_ptr() for k, v in out.items()}
+    moeckpt.load(out, path)
+    assert all(out[k].data_ptr() == addresses[k] for k in out)
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["b"], sd["b"])
+    assert torch.equal(out["n"], sd["n"])
