@@ -15,8 +15,8 @@ turn, starting with another one each time:
 
 * ``moeckpt``: ``load_rank_state(..., device=, out=)`` into preallocated device tensors (pinned staging buffers,
   host-to-device copies on side streams overlapped with the reads, ``fill_threads`` threads);
-* ``raw``: the stored layout's files read by ``fill_threads`` threads (``pread``, 64 MiB at a time) into
-  preallocated pinned memory, then one copy to a preallocated device buffer: the physical limit of this machine
+* ``raw``: the stored layout's files read by a thread per core (``fill_threads`` where more; ``pread``, 64 MiB
+  at a time) into preallocated pinned memory, then one copy to a preallocated device buffer: the physical limit of this machine
   for those files; ``raw_needed`` the same for the first bytes of them, as many as the rank needs (the limit of
   a reader that fetches only its bytes: what a TP rank is measured against);
 * ``dcp``: ``dcp.load`` of the same state into preallocated device tensors (whole-tensor targets only).
@@ -156,6 +156,8 @@ def main() -> None:
         tuned["stage_bytes"] = args.stage_mib << 20
     options = LoadOptions(**tuned)
     threads = options.fill_threads
+    # the raw read's threads: the host's cores, or moeckpt's count where that is more (the machine's limit)
+    raw_threads = max(threads, len(os.sched_getaffinity(0)))
     spec = scaled_model(args.gb) if args.gb else presets()["zaya-small"]
     tensors = state_tensors(spec)
     payload = sum(e.nbytes for e in tensors.values())
@@ -233,10 +235,10 @@ def main() -> None:
                     }
                     state = None
                 elif method == "raw":
-                    extra = {"bytes_read": raw_read(files, host, dev_buf, threads)}
+                    extra = {"bytes_read": raw_read(files, host, dev_buf, raw_threads)}
                     sync(device)
                 elif method == "raw_needed":
-                    extra = {"bytes_read": raw_read(files, host, dev_buf, threads, limit=needed)}
+                    extra = {"bytes_read": raw_read(files, host, dev_buf, raw_threads, limit=needed)}
                     sync(device)
                 else:
                     dcp.load(dest, checkpoint_id=dcp_path)
@@ -260,6 +262,7 @@ def main() -> None:
         "moeckpt_from": os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["moeckpt.reshard"].__file__))),
         "payload_gb": round(payload / 1e9, 4),
         "threads": threads,
+        "raw_threads": raw_threads,
         "stage_bytes": getattr(options, "stage_bytes", None),
         "cases": results,
         "targets": {"moeckpt_over_raw": 0.9, "moeckpt_over_dcp": 1.8, "tp_rank_read_over_needed": 1.05},
