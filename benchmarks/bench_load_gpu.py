@@ -247,7 +247,7 @@ def main() -> None:
                 print(f"{case} rep {rep} {method}: {runs[method][-1]['s']:.3f} s", flush=True)
         del out, dest
         results[case] = summarize(case, runs, needed, source, target, rank)
-        print(json.dumps({case: {k: results[case][k] for k in ("median_s", "runs_moeckpt_over")}}), flush=True)
+        print(json.dumps({case: {k: results[case].get(k) for k in ("median_s", "runs_moeckpt_over")}}), flush=True)
 
     summary = {
         "benchmark": "load_gpu",
@@ -311,17 +311,20 @@ def plot(summary: dict, path: str) -> None:
     colors = {"moeckpt": "#1f77b4", "raw": "#999999", "raw_needed": "#bbbbbb", "dcp": "#dddddd"}
     fig, ax = plt.subplots(figsize=(2.4 + 2.2 * len(cases), 4))
     width = 0.2
+    labelled: set[str] = set()
     for i, res in enumerate(cases.values()):
         for j, m in enumerate(METHODS):
             if m not in res["runs"]:
                 continue
             x = i + (j - 1.5) * width
             ys = [res["needed_gb"] / r["s"] for r in res["runs"][m]]
-            ax.bar(x, res["gb_per_s"][m], width, color=colors[m], label=m if i == 0 else None, edgecolor="#555")
+            label = None if m in labelled else {"raw_needed": "raw, the rank's bytes only"}.get(m, m)
+            labelled.add(m)
+            ax.bar(x, res["gb_per_s"][m], width, color=colors[m], label=label, edgecolor="#555")
             ax.scatter([x] * len(ys), ys, color="black", s=8, zorder=3)
             ax.text(x, res["gb_per_s"][m], f"{res['gb_per_s'][m]:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(cases)), [f"{c}\n{r['stored']} -> {r['target']}" for c, r in cases.items()], fontsize=7)
-    ax.set_ylabel("GB/s of the rank's state (bars: median; dots: every repetition)")
+    ax.set_ylabel("GB/s of the rank's state\n(bars: median; dots: every repetition)", fontsize=8)
     ax.set_title(
         f"loads into {summary['machine']['device']} memory, {summary['payload_gb']:.2f} GB state (targets: >= 0.9x raw,"
         " >= 1.8x DCP)",
