@@ -322,6 +322,12 @@ READ_SWEEP_PAIRS = [
     ((1, 1, 3), (1, 1, 2)),
     ((2, 2, 2), (1, 4, 4)),
     ((1, 1, 1), (2, 1, 1)),
+    # uneven dp (3, 6, 12) together with a TP or EP change, from states with optimizer moments (issue 36 item 4)
+    ((1, 2, 2), (2, 1, 3)),
+    ((1, 1, 3), (2, 1, 6)),
+    ((2, 2, 4), (1, 1, 3)),
+    ((1, 2, 6), (2, 4, 12)),
+    ((1, 1, 12), (2, 2, 6)),
 ]
 
 
