@@ -276,6 +276,13 @@ def _copy_through_buffer(bytes_into: ReadInto, ref: PieceRef, a: int, b: int, g:
     return True
 
 
+def _staged(target: torch.Tensor | Scatter | Run) -> bool:
+    """Whether a part lands through staging: scattered rows always, a run or a view where its memory stages."""
+    if isinstance(target, Run):
+        return target.staged
+    return isinstance(target, Scatter) or stages(target)
+
+
 def read_in_place(
     chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_bytes: int, stage_bytes: int = LOAD_STAGE_BYTES
 ) -> tuple[set[int], int]:
@@ -296,17 +303,18 @@ def read_in_place(
     local = threading.local()
     stagers: list[Stager] = []
     lock = threading.Lock()
-    run_into: RunInto | None = getattr(chunks.pieces, "read_run_into", None)
+    run_into: RunInto | None = getattr(chunks.pieces, "read_pieces_into", None)
     # parts: (positions, fetched bytes, fill(target) -> bool, destination view, Scatter or Run)
     parts: list[tuple[set[int], int, Callable[[torch.Tensor], bool], torch.Tensor | Scatter | Run]] = []
-    whole: list[tuple[set[int], PieceRef, torch.Tensor]] = []  # staged small pieces read whole: coalesced below
+    # pieces read whole into contiguous views, host and staged apart: the small ones are coalesced below
+    whole: dict[bool, list[tuple[set[int], PieceRef, torch.Tensor]]] = {False: [], True: []}
     for job in usable:
         pos, item, dest, span = job
         ref = chunks.ref(item.tensor, item.src_box)
         staged = stages(dest)
         grid = stage_bytes if staged else chunk_bytes
-        if staged and run_into is not None and (view := whole_piece_view(ref, job)) is not None:
-            whole.append((positions(job), ref, view))
+        if run_into is not None and (view := whole_piece_view(ref, job)) is not None:
+            whole[staged].append((positions(job), ref, view))
         elif isinstance(span, RowsGroup):
             parts += [(span.positions, *part) for part in scatter_parts(ref, span, grid, rows_into)]
         elif span is None:
@@ -324,19 +332,21 @@ def read_in_place(
             else:
                 found = _copied_parts(ref, item, dest, span, bytes_into)
             parts += [({pos}, *part) for part in found]
-    if whole and run_into is not None:  # whole pieces are only gathered where the session reads runs
-        runs, alone = coalesce(whole, stage_bytes, run_into)
+    for some in whole.values():
+        if not some or run_into is None:  # whole pieces are only gathered where the session reads runs
+            continue
+        runs, alone = coalesce(some, stage_bytes, run_into)
         parts += runs
         for i in alone:
-            where, ref, view = whole[i]
+            where, ref, view = some[i]
             fill = functools.partial(rows_into, ref, 0, ref.box.shape[0])
             parts.append((where, fetched_bytes(ref, 0, ref.box.shape[0]), fill, view))
     # the staging buffers' size: the largest staged part
-    part_bytes = max((staged_bytes(t) for *_, t in parts if isinstance(t, Scatter | Run) or stages(t)), default=0)
+    part_bytes = max((staged_bytes(t) for *_, t in parts if _staged(t)), default=0)
 
     def run(fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter | Run) -> bool:
-        if not isinstance(dest, Scatter | Run) and not stages(dest):
-            return fill(dest)
+        if not _staged(dest):
+            return fill(dest)  # type: ignore[arg-type]
         stager = getattr(local, "stager", None)
         if stager is None:
             stager = local.stager = Stager(part_bytes, dest.device)

@@ -2,14 +2,17 @@
 
 Each fill thread of a device load owns a :class:`Stager`: two pinned buffers it reads into in turn and a copy
 stream, so the read (and checksum) of one part overlaps the host-to-device copy of the one before. A part lands
-in one of two ways:
+in one of three ways:
 
 * as it is stored, where its bytes are contiguous in the destination too (full-width rows of a stored piece, a
   contiguous byte range): one copy into the destination;
 * *scattered*, where the destination takes a region of the rows read (the expert halves and ZeRO parts of a
   stored layout joined into fewer ranks, the TP halves of a matrix joined along its columns, a TP slice of rows
   narrower than a checksum block): the whole rows go to a device scratch buffer in one copy, and a device-side
-  copy puts the region in place. No host-side assembly, no pageable copy.
+  copy puts the region in place. No host-side assembly, no pageable copy;
+* as a *run*: small stored pieces that lie back to back in a file (norms, biases, routers: most of a model's
+  pieces, little of its bytes) read in one vectored read, each verified, then copied to their own destinations.
+  Host loads read runs too, straight into the pieces' tensors (:func:`coalesce` serves both).
 
 On a machine without a device the copies are plain host copies; :func:`stages` is what decides, so the tests
 run the staged paths on the CPU too.
@@ -74,11 +77,13 @@ class RowsGroup(NamedTuple):
 
 
 class Run(NamedTuple):
-    """A coalesced part: small stored pieces that lie back to back in one file, read in one ``pread`` of
-    ``nbytes`` (each piece verified) and copied into their destinations, ``(dest, byte offset in the run)``."""
+    """A coalesced part: small stored pieces that lie back to back in one file, ``nbytes`` from the first's
+    start to the last's end, read in one vectored read (each piece verified) straight into their destinations,
+    or into a staging buffer and copied from it (``staged``): ``lands`` are ``(dest, byte offset in the run)``."""
 
     nbytes: int
     lands: tuple[tuple[torch.Tensor, int], ...]
+    staged: bool
 
     @property
     def device(self) -> torch.device:
@@ -266,17 +271,30 @@ SMALL_PIECE_SHARE = 4
 #: pieces at most this many bytes apart in a file are read in one run (the bytes between are read and dropped).
 RUN_GAP_BYTES = 4096
 
-RunInto = Callable[[Sequence[PieceRef], torch.Tensor], bool]
+RunInto = Callable[[Sequence[PieceRef], Sequence[memoryview]], bool]
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _read_run(run_into: RunInto, refs: Sequence[PieceRef], run: Run, target: torch.Tensor | Run) -> bool:
+    """A run's read: into its destinations themselves (``target`` the run), or into the staging buffer
+    ``target``, each piece at its offset in the run."""
+    if isinstance(target, Run):
+        return run_into(refs, [_bytes_of(dest) for dest, _ in run.lands])
+    stage = _bytes_of(target)
+    return run_into(refs, [stage[at : at + ref.nbytes] for ref, (_, at) in zip(refs, run.lands)])
 
 
 def coalesce(
     whole: Sequence[tuple[set[int], PieceRef, torch.Tensor]], stage_bytes: int, run_into: RunInto
 ) -> tuple[list[tuple[set[int], int, Callable[[torch.Tensor], bool], Run]], list[int]]:
     """Runs of the small stored pieces among ``whole`` (each ``(positions, piece, destination view)``: the piece
-    read whole into a contiguous view) that lie back to back in one file, each run one part of at most
-    ``stage_bytes``: one read and one checksum pass per piece instead of a part per piece, whose fixed cost
-    (a read call, a stream handover, an event) took the interpreter lock as often as there are pieces.
-    Returns the runs' parts and the indices of ``whole`` left to a part of their own."""
+    read whole into a contiguous view, every view staged or none) that lie back to back in one file, each run one
+    part of at most ``stage_bytes``: one read and one checksum pass per piece instead of a part per piece, whose
+    fixed cost (a read call; through staging a stream handover and an event) took the interpreter lock as often as
+    there are pieces. Returns the runs' parts and the indices of ``whole`` left to a part of their own."""
     limit = max(1, stage_bytes // SMALL_PIECE_SHARE)
     by_file: dict[str, list[int]] = {}
     alone = []
@@ -307,5 +325,6 @@ def coalesce(
         nbytes = refs[-1].start + refs[-1].nbytes - base
         lands = tuple((whole[i][2], whole[i][1].start - base) for i in run)
         where = set().union(*(whole[i][0] for i in run))
-        parts.append((where, nbytes, functools.partial(run_into, refs), Run(nbytes, lands)))
+        target = Run(nbytes, lands, stages(lands[0][0]))
+        parts.append((where, nbytes, functools.partial(_read_run, run_into, refs, target), target))
     return parts, sorted(alone)

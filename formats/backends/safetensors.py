@@ -371,26 +371,31 @@ class SafetensorsReader:
         _verify_parts(parts, b0, ref, where)
         return True
 
-    def read_run_into(self, refs: Sequence[PieceRef], out: torch.Tensor) -> bool:
-        """Whole pieces ``refs`` of one file, in file order and not overlapping, read in one ``pread`` of the bytes
-        from the first's start to the last's end into ``out`` (contiguous, CPU, uint8, exactly that many bytes),
-        each piece then verified block by block: what many small pieces stored back to back (norms, biases, a
-        router) are loaded with. False (nothing read) where this session cannot: a storage without direct reads,
-        pieces in other files, out of order, empty or without checksum blocks, another ``out``."""
-        if not self._files.direct or not refs or out.device.type != "cpu" or not out.is_contiguous():
+    def read_pieces_into(self, refs: Sequence[PieceRef], outs: Sequence[memoryview]) -> bool:
+        """Whole pieces ``refs`` of one file, in file order and not overlapping, each read into its ``outs`` buffer
+        (exactly its bytes) in one vectored read from the first's start to the last's end (the bytes between
+        pieces land in scratch), each piece then verified block by block: what many small pieces stored back to
+        back (norms, biases, routers) are loaded with, straight into their tensors or a staging buffer. False
+        (nothing read) where this session cannot: a storage without direct reads, pieces in other files, out of
+        order, empty or without checksum blocks, buffers of other sizes."""
+        if not self._files.direct or not refs or len(refs) != len(outs):
             return False
-        base, file = refs[0].start, refs[0].file
-        end = base
-        for ref in refs:
-            if ref.file != file or ref.start < end or not ref.nbytes or not ref.block_bytes:
+        file, end = refs[0].file, refs[0].start
+        gaps = []
+        for ref, out in zip(refs, outs):
+            if ref.file != file or ref.start < end or not ref.nbytes or not ref.block_bytes or len(out) != ref.nbytes:
                 return False
+            gaps.append(ref.start - end)
             end = ref.start + ref.nbytes
-        if out.dtype != torch.uint8 or out.numel() != end - base:
-            return False
-        mv = out.numpy().data
-        where = self._read_whole(refs[0], 0, [mv])
-        for ref in refs:
-            verify_blocks(mv[ref.start - base : ref.start - base + ref.nbytes], 0, ref, where)
+        scratch = self._scratch_bytes(max(gaps))
+        parts: list[memoryview] = []
+        for gap, out in zip(gaps, outs):
+            if gap:
+                parts.append(scratch[:gap])  # read and dropped: a gap is at most a few KiB, never verified twice
+            parts.append(out.cast("B") if out.format != "B" else out)
+        where = self._read_whole(refs[0], 0, parts)
+        for ref, out in zip(refs, outs):
+            verify_blocks(out, 0, ref, where)
         return True
 
     def _scratch_bytes(self, nbytes: int) -> memoryview:
