@@ -50,6 +50,15 @@ def chunk_rows(box: Box, dtype: str, chunk_bytes: int, block_bytes: int = CHECKS
     return rows
 
 
+def grid_spans(r0: int, r1: int, per: int) -> Iterator[tuple[int, int]]:
+    """Rows ``[r0, r1)`` cut at the chunk grid of ``per`` rows: each ``(lo, hi)`` inside one chunk."""
+    lo = r0
+    while lo < r1:
+        hi = min(r1, (lo // per + 1) * per)
+        yield lo, hi
+        lo = hi
+
+
 class ChunkReader:
     """Rows of stored source pieces, read in whole row chunks through a byte-bounded LRU cache.
 

@@ -60,22 +60,21 @@ def fill_boxes(
     *,
     threads: int = 1,
     own: Collection[int] = (),
-    device_in_place: bool = True,
 ) -> int:
     """Fill ``dests[pos]`` with the box of ``pieces[pos]`` from the stored pieces ``refs``; returns the data bytes
     read from storage.
 
-    A destination of the stored dtype, contiguous, on the CPU (or on a device, with ``device_in_place``: through
-    pinned staging) is read straight into where its bytes land as they are; the others are assembled through the
-    chunk cache, ``threads`` boxes at a time. A position in ``own`` is a new CPU tensor of the caller's own: the
-    assembled tensor itself (the read chunk where it is one) takes its place in ``dests`` instead of a copy. A
-    destination on a device or of another dtype is assembled on the host and copied over once (converting).
+    A destination of the stored dtype, contiguous, on the CPU or on a device (through pinned staging, joined
+    boxes scattered into place) is read straight into where its bytes land as they are; the others are assembled
+    through the chunk cache, ``threads`` boxes at a time. A position in ``own`` is a new CPU tensor of the
+    caller's own: the assembled tensor itself (the read chunk where it is one) takes its place in ``dests`` instead
+    of a copy. A destination of another dtype is assembled on the host and copied over once (converting).
     """
     index = reader.index
     jobs: list[Job] = []
     staged_rest = []  # staged boxes that are not read straight into place: their rows may be scattered there
     for pos, piece in enumerate(pieces):
-        if _takes_stored_bytes(dests[pos], index.tensors[piece.tensor].dtype, device_in_place):
+        if _takes_stored_bytes(dests[pos], index.tensors[piece.tensor].dtype):
             found = in_place_jobs(pos, piece, refs, dests[pos])
             jobs += found
             if not found and stages(dests[pos]):
@@ -104,10 +103,10 @@ def fill_boxes(
     return chunks.bytes_read + fetched
 
 
-def _takes_stored_bytes(dest: torch.Tensor, dtype: str, device_in_place: bool) -> bool:
+def _takes_stored_bytes(dest: torch.Tensor, dtype: str) -> bool:
     """Whether a stored piece's bytes can land in ``dest`` as they are (a contiguous tensor of its dtype, on the
-    CPU or, where allowed, on a device)."""
-    return (not stages(dest) or device_in_place) and dest.dtype == dtypes.to_torch(dtype) and dest.is_contiguous()
+    CPU or on a device)."""
+    return dest.dtype == dtypes.to_torch(dtype) and dest.is_contiguous()
 
 
 def _assemble_into(

@@ -24,7 +24,7 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
 
-from .chunks import ChunkReader, chunk_rows
+from .chunks import ChunkReader, chunk_rows, grid_spans
 from .options import LOAD_STAGE_BYTES
 from .plan import ReadItem, TargetPiece
 from .slabs import RowSpan, direct_read, row_spans, thread_buffer
@@ -36,6 +36,7 @@ from .staging import (
     Scatter,
     Stager,
     coalesce,
+    is_small,
     scatter_groups,
     scatter_parts,
     staged_bytes,
@@ -313,19 +314,18 @@ def read_in_place(
         ref = chunks.ref(item.tensor, item.src_box)
         staged = stages(dest)
         grid = stage_bytes if staged else chunk_bytes
-        if run_into is not None and (view := whole_piece_view(ref, job)) is not None:
+        # a small piece read whole joins a run; a larger one is read in parts on the grid below, by several threads
+        if run_into is not None and is_small(ref, stage_bytes) and (view := whole_piece_view(ref, job)) is not None:
             whole[staged].append((positions(job), ref, view))
         elif isinstance(span, RowsGroup):
             parts += [(span.positions, *part) for part in scatter_parts(ref, span, grid, rows_into)]
         elif span is None:
             r0, r1 = item.rows
             per = max(1, chunk_rows(ref.box, ref.dtype, grid, ref.block_bytes))
-            lo = r0
-            while lo < r1:  # parts on the chunk grid: every thread gets work, no checksum block is read twice
-                hi = min(r1, (lo // per + 1) * per)
+            # parts on the chunk grid: every thread gets work, no checksum block is read twice
+            for lo, hi in grid_spans(r0, r1, per):
                 fill = functools.partial(rows_into, ref, lo, hi)
                 parts.append(({pos}, fetched_bytes(ref, lo, hi), fill, dest[lo - r0 : hi - r0]))
-                lo = hi
         else:
             if span.c1 - span.c0 >= VECTORED_RANGE_BYTES or staged:
                 found = _vectored_parts(ref, item, dest, span, grid, bytes_into, segments_into)

@@ -17,7 +17,7 @@ from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import CheckpointIndexError
 
-from .chunks import ChunkReader
+from .chunks import ChunkReader, grid_spans
 from .options import SLAB_BYTES
 from .plan import ReadItem, TargetPiece
 
@@ -130,11 +130,8 @@ def slabs(
         src = direct.src_box
         per = chunks.chunk_rows(chunks.ref(direct.tensor, src))
         r0, r1 = direct.rows
-        lo = r0
-        while lo < r1:
-            hi = min(r1, (lo // per + 1) * per)  # stay inside one source chunk: a view, not a concatenation
+        for lo, hi in grid_spans(r0, r1, per):  # inside one source chunk each: a view, not a concatenation
             yield chunks.rows(direct.tensor, src, lo, hi, until=r1)
-            lo = hi
         return
     row = box.numel // box.shape[0] * dtypes.itemsize(dtype)
     per = max(1, slab_bytes // max(1, row))

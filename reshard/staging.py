@@ -29,7 +29,7 @@ import torch
 from moeckpt.formats.box import Box
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
 
-from .chunks import chunk_rows
+from .chunks import chunk_rows, grid_spans
 from .plan import ReadItem, TargetPiece
 
 ReadInto = Callable[[PieceRef, int, int, torch.Tensor], bool]
@@ -233,9 +233,7 @@ def scatter_parts(ref: PieceRef, group: RowsGroup, stage_bytes: int, rows_into: 
         where.append((dest, in_dest[0].start, in_dest[1:], item.region.relative_to(item.src_box).slices()[1:]))
     whole = len(where) == 1 and group.lands[0][1].region.shape[1:] == group.src_box.shape[1:]
     parts: list[Part] = []
-    lo = r0
-    while lo < r1:
-        hi = min(r1, (lo // per + 1) * per)
+    for lo, hi in grid_spans(r0, r1, per):
         # destination row ``first`` holds stored row r0
         lands = tuple(
             (dest[(slice(first + lo - r0, first + hi - r0),) + cols], pick) for dest, first, cols, pick in where
@@ -244,7 +242,6 @@ def scatter_parts(ref: PieceRef, group: RowsGroup, stage_bytes: int, rows_into: 
         at = lands[0][0]
         target = at if whole and at.is_contiguous() else Scatter((hi - lo,) + shape, lands)
         parts.append((fetched_bytes(ref, lo, hi), fill, target))
-        lo = hi
     return parts
 
 
@@ -274,6 +271,12 @@ RUN_GAP_BYTES = 4096
 RunInto = Callable[[Sequence[PieceRef], Sequence[memoryview]], bool]
 
 
+def is_small(ref: PieceRef, stage_bytes: int) -> bool:
+    """Whether stored piece ``ref`` is small enough to be read in a run with its neighbours; larger pieces are read
+    in parts on the chunk grid, by several threads."""
+    return 0 < ref.nbytes <= max(1, stage_bytes // SMALL_PIECE_SHARE)
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
@@ -295,11 +298,10 @@ def coalesce(
     part of at most ``stage_bytes``: one read and one checksum pass per piece instead of a part per piece, whose
     fixed cost (a read call; through staging a stream handover and an event) took the interpreter lock as often as
     there are pieces. Returns the runs' parts and the indices of ``whole`` left to a part of their own."""
-    limit = max(1, stage_bytes // SMALL_PIECE_SHARE)
     by_file: dict[str, list[int]] = {}
     alone = []
     for i, (_, ref, _) in enumerate(whole):
-        if 0 < ref.nbytes <= limit:
+        if is_small(ref, stage_bytes):
             by_file.setdefault(ref.file, []).append(i)
         else:
             alone.append(i)
