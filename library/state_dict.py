@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import weakref
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -174,11 +175,11 @@ def _placements_of(placements: tuple, key: str) -> tuple[MeshPlacement, ...]:
 
 
 def _is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(value, DTensor)
+    # No DTensor exists before its module is imported, and importing it costs a fresh process most of a second
+    # (the first save of a restarted trainer paid it), so a state without DTensors never imports it.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(value, dtensor)
 
 
 def leaf_of(key: str, value: Any, *, to_group_rank=None) -> Leaf:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -51,6 +53,19 @@ def test_a_state_dict_round_trips_in_place(tmp_path):
     assert moeckpt.verify(str(tmp_path / "c")) == []
     index = json.load(open(tmp_path / "c" / "moeckpt.json"))
     assert index["format_version"] == 2 and "model.layers.0.w" in index["tensors"]
+
+
+def test_a_state_without_dtensors_saves_without_importing_dtensor(tmp_path):
+    """The first save of a fresh process does not pay for importing ``torch.distributed.tensor`` when nothing in
+    the state can be a DTensor; a state that has one still saves its shardings (the DTensor tests)."""
+    code = (
+        "import sys, torch, moeckpt\n"
+        f"moeckpt.save({{'w': torch.ones(3), 'step': 1}}, {str(tmp_path / 'c')!r})\n"
+        "print('torch.distributed.tensor' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+    assert moeckpt.verify(tmp_path / "c") == []
 
 
 def test_paths_may_be_pathlib_paths(tmp_path):
