@@ -113,6 +113,8 @@ class ChunkReader:
         self._reader = threading.local()  # the name :meth:`consumer` gave the calling thread
         self._freed = threading.Condition(self._lock)
         self._consumers = self._waiting = 0
+        #: the named readers running as consumers now, with how many threads each (:meth:`consumer`).
+        self._running: dict[object, int] = {}
         #: per reader, the chunks it took that other readers still need; per chunk, those readers.
         self._ahead: dict[object, int] = {}
         self._ahead_of: dict[tuple, list[object]] = {}
@@ -194,6 +196,8 @@ class ChunkReader:
         reader ``reader`` names in :meth:`expect` where given."""
         with self._lock:
             self._consumers += 1
+            if reader is not None:
+                self._running[reader] = self._running.get(reader, 0) + 1
         self._reader.name = reader
         try:
             yield
@@ -201,6 +205,10 @@ class ChunkReader:
             self._reader.name = None
             with self._lock:
                 self._consumers -= 1
+                if reader is not None:
+                    self._running[reader] -= 1
+                    if not self._running[reader]:
+                        del self._running[reader]
                 self._freed.notify_all()
 
     def _me(self) -> object:
@@ -209,8 +217,16 @@ class ChunkReader:
         return name if name is not None else threading.get_ident()
 
     def _others_left(self, key: tuple, reader: object) -> int:
-        """Planned uses of chunk ``key`` still to come by readers other than ``reader`` (caller holds the lock)."""
-        return self._uses.get(key, 0) - self._uses_by.get(key, {}).get(reader, 0)
+        """Planned uses of chunk ``key`` still to come by readers other than ``reader`` that can take it now: the
+        unnamed uses, and those of named readers running as consumers (caller holds the lock). A named reader not
+        started yet (a writer of a long group waiting for a thread) is nobody to wait for: a reader ahead of it
+        would hold back until every running reader waits too, each time the cache is full; its chunks stay
+        pinned meanwhile, within the hard cap."""
+        by = self._uses_by.get(key)
+        if not by:
+            return self._uses.get(key, 0)
+        unnamed = self._uses.get(key, 0) - sum(by.values())
+        return unnamed + sum(n for r, n in by.items() if r != reader and r in self._running)
 
     def _used(self, key: tuple) -> None:
         """One planned use of chunk ``key`` is over; after the last, the chunk leaves the cache."""

@@ -37,7 +37,7 @@ from .plan import RankPlan, ReshardPlan, SourcePiece
 from .planner import plan_reshard
 from .processes import balanced_groups, can_fork, run_forked
 from .runtime import paused_gc, single_threaded_torch
-from .sharing import sharing_groups
+from .sharing import GROUP_THREADS, sharing_groups
 from .slabs import slabs
 from .state_dict_checkpoints import is_state_dict, sharded_over_writers
 
@@ -316,8 +316,9 @@ class _Writers:
     def write_group(
         self, group: Sequence[RankPlan], chunks: ChunkReader, count: Callable[[int], None]
     ) -> list[FileEntry]:
-        """Write a group of writers that share source chunks together, one thread each, so that the chunk cache
-        hands each shared chunk to all of them from one read; returns their file entries in group order."""
+        """Write a group of writers that share source chunks together, in threads over one chunk cache that hands
+        each shared chunk to all of them from one read; at most :data:`~.sharing.GROUP_THREADS` at once, in group
+        (rank) order, so neighbours on a chain run side by side. Returns their file entries in group order."""
 
         def one(rank_plan: RankPlan) -> list[FileEntry]:
             with chunks.consumer(rank_plan.rank):
@@ -325,7 +326,7 @@ class _Writers:
 
         if len(group) == 1:
             return one(group[0])
-        with ThreadPoolExecutor(len(group), thread_name_prefix="moeckpt-writer") as pool:
+        with ThreadPoolExecutor(min(len(group), GROUP_THREADS), thread_name_prefix="moeckpt-writer") as pool:
             return [e for es in pool.map(one, group) for e in es]
 
     def in_threads(

@@ -6,6 +6,13 @@ after the other, or in different processes, each writer fetches those chunks aga
 tp 1 -> 2, docs/benchmarks/README.md). Writers that share chunks therefore run together, in threads of one
 process over one chunk cache that keeps each chunk until its last planned reader took it
 (:meth:`~moeckpt.reshard.chunks.ChunkReader.expect`).
+
+A group is not capped by writers: a chain of ZeRO re-splits over many dp ranks (uneven dp with a TP or EP change)
+links every writer through the stored pieces smaller than one chunk, which each writer reads whole, and a group
+cut anywhere has every such piece on its cut read again by both sides (docs/benchmarks/README.md). The executor
+runs at most :data:`GROUP_THREADS` of a group's writers at once, the next starting as one ends, so a long chain
+costs threads and memory like a short one; the chunks a running writer shares with one still to start stay
+pinned in the cache until that one takes them, within the cache's hard cap.
 """
 
 from __future__ import annotations
@@ -14,9 +21,9 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 
 from .plan import RankPlan, ReadItem
 
-#: at most this many writers run together; a longer chain of sharing writers (a ZeRO re-split over many dp
-#: ranks) is cut into groups that share only the chunks at the cuts.
-MAX_SHARING_WRITERS = 8
+#: at most this many writers of one group run at once (threads of its process, in rank order): a group's memory
+#: (a slab and a write batch per running writer) stays that of this many writers, however long the chain.
+GROUP_THREADS = 8
 #: two writers always run together when they share at least this fraction of the smaller one's reads (a TP split
 #: along dim 1: all of them); writers that share less (the chunks at a ZeRO cut) run together only while there
 #: are more groups than worker processes, or while the chunks read by several groups exceed :data:`REREAD_SHARE`
@@ -30,9 +37,8 @@ def sharing_groups(
     ranks: Sequence[RankPlan],
     chunks_of: Callable[[ReadItem], Iterable[tuple[Hashable, int]]],
     workers: int,
-    max_writers: int = MAX_SHARING_WRITERS,
 ) -> list[list[RankPlan]]:
-    """``ranks`` in groups of writers that read common chunks, each of at most ``max_writers``, in rank order.
+    """``ranks`` in groups of writers that read common chunks, each in rank order.
 
     ``chunks_of(item)`` lists ``(chunk, bytes)`` for every chunk a read touches. Writer pairs are joined by the
     bytes they share, most first: always when they share :data:`STRONG_SHARE` of the smaller one's reads, else
@@ -72,7 +78,7 @@ def sharing_groups(
     groups = len(ranks)
     for (i, j), nbytes in sorted(shared.items(), key=lambda kv: (-kv[1], kv[0])):
         a, b = root(i), root(j)
-        if a == b or len(members[a]) + len(members[b]) > max_writers:
+        if a == b:
             continue
         weak = nbytes < STRONG_SHARE * min(reads[i], reads[j])
         if weak and groups <= workers and reread <= REREAD_SHARE * total:
