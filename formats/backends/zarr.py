@@ -53,6 +53,7 @@ from .base import BackendBase
 from .chunk_codec import host_cores
 from .zarr_array import META_NAME, ArrayPlan, array_of, cell_refs, chunk_array, group_metadata_bytes, meta_path_of
 from .zarr_cells import encode_cell, missing_object, read_piece
+from .zarr_reader import ZarrReader
 
 NAME = "zarr"
 #: the largest inner chunk (and the largest cell stored without the sharding codec): the unit a reader fetches
@@ -195,7 +196,7 @@ class ZarrBackend(BackendBase):
     """
 
     name = NAME
-    files_summary = (
+    files_summary: str | None = (
         "{files} zarr.json metadata documents ({meta}) + {chunks} chunk objects ({data}), one array per tensor"
     )
     #: a writer's pieces may be stored in several :meth:`write` calls: every grid cell is its own object, named by
@@ -361,6 +362,10 @@ class ZarrBackend(BackendBase):
     def read_piece(self, storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return read_piece(storage, ref, rows)
 
+    def open_reader(self, storage: Storage) -> ZarrReader:
+        """A session that reads rows straight into the caller's memory where the storage reads directly."""
+        return ZarrReader(self, storage)
+
     def top_level_names(self, writers: int, tensors: Collection[str]) -> set[str] | None:
         """The group's ``zarr.json`` and each tensor's first path component (its array, or the group holding it)."""
         return {META_NAME} | {name.split("/", 1)[0] for name in tensors}
@@ -373,3 +378,4 @@ class ZarrBackend(BackendBase):
             if path not in out and chunk_array(path, index.tensors) is not None:
                 out[path] = size
         return out
+

@@ -140,7 +140,7 @@ def _read_stored(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: in
                 f"{where}: chunk of tensor {ref.tensor!r} has {len(buf)} bytes, expected {nbytes + CRC_BYTES}: "
                 "the object is truncated or replaced"
             )
-        _check_crc(buf, 0, nbytes, ref, where, "chunk")
+        check_crc(buf, 0, nbytes, ref, where, "chunk")
         full = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
         full = full.view(torch_dtype).reshape(shape)
         return full[r0:r1] if shape and (r0, r1) != (0, shape[0]) else full
@@ -173,7 +173,7 @@ def _read_stored(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: in
         raise missing_object(storage, ref.file, f"shard of tensor {ref.tensor!r}") from None
     if len(index_raw) != head or len(data) != base + (k1 - k0) * chunk:
         raise DataFileError(f"{where}: shard of tensor {ref.tensor!r} ends early: the object is truncated")
-    _check_crc(index_raw, 0, head - CRC_BYTES, ref, where, "shard index")
+    check_crc(index_raw, 0, head - CRC_BYTES, ref, where, "shard index")
     index = np.frombuffer(bytes(index_raw[: head - CRC_BYTES]), dtype="<u8").reshape(n, 2)
     want = head + np.arange(k0, k1, dtype=np.uint64) * chunk
     if not (np.array_equal(index[k0:k1, 0], want) and bool((index[k0:k1, 1] == chunk).all())):
@@ -183,7 +183,7 @@ def _read_stored(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0: in
 
     def verify_and_place(j: int) -> None:
         off = base + j * chunk
-        _check_crc(data, off, data_bytes, ref, where, f"inner chunk {k0 + j}")
+        check_crc(data, off, data_bytes, ref, where, f"inner chunk {k0 + j}")
         place(k0 + j, np.frombuffer(data, dtype=np.uint8, count=data_bytes, offset=off))
 
     for _ in codec_map(verify_and_place, range(k1 - k0)):
@@ -213,15 +213,23 @@ class _Placer:
         self.bytes[tuple(dst)] = raw.reshape(self.shape)
 
 
-def _decode_chunk(
-    buf: bytes | bytearray | memoryview, off: int, end: int, nbytes: int, ref: PieceRef, where: str, what: str
+def decode_chunk(
+    buf: bytes | bytearray | memoryview,
+    off: int,
+    end: int,
+    nbytes: int,
+    ref: PieceRef,
+    where: str,
+    what: str,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """The ``nbytes`` decoded bytes of the compressed chunk ``buf[off:end]`` (then their crc32c), both checksums
-    verified: the stored bytes' before decoding, the decoded bytes' after."""
+    verified: the stored bytes' before decoding, the decoded bytes' after. ``out``: a byte array of exactly
+    ``nbytes + 4`` to decode into (a reused buffer), else a new one."""
     mv = memoryview(buf)[off:end]
     if len(mv) < BLOSC_HEADER_BYTES + CRC_BYTES:
         raise DataFileError(f"{where}: {what} of tensor {ref.tensor!r} has {len(mv)} bytes: the object is truncated")
-    _check_crc(mv, 0, len(mv) - CRC_BYTES, ref, where, what)
+    check_crc(mv, 0, len(mv) - CRC_BYTES, ref, where, what)
     frame = mv[: len(mv) - CRC_BYTES]
     decoded, _, framed = struct.unpack_from("<III", frame, 4)
     if decoded != nbytes + CRC_BYTES or framed != len(frame):
@@ -229,14 +237,15 @@ def _decode_chunk(
             f"{where}: {what} of tensor {ref.tensor!r} is a blosc frame of {framed} bytes decoding to {decoded}, "
             f"expected {len(frame)} bytes decoding to {nbytes + CRC_BYTES}: the object is not what moeckpt writes"
         )
-    out = np.empty(decoded, dtype=np.uint8)
+    if out is None or len(out) != decoded:
+        out = np.empty(decoded, dtype=np.uint8)
     try:
         blosc_decompress_into(frame, out)
     except (RuntimeError, ValueError) as e:
         raise DataFileError(
             f"{where}: {what} of tensor {ref.tensor!r} cannot be decoded ({e}); it is corrupt"
         ) from None
-    _check_crc(out.data, 0, nbytes, ref, where, f"decoded {what}")
+    check_crc(out.data, 0, nbytes, ref, where, f"decoded {what}")
     return out
 
 
@@ -252,7 +261,7 @@ def _read_compressed(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0
             (buf,) = storage.read_ranges([(ref.file, None, None)])
         except FileNotFoundError:
             raise missing_object(storage, ref.file, f"chunk of tensor {ref.tensor!r}") from None
-        raw = _decode_chunk(buf, 0, len(buf), nbytes, ref, where, "chunk")
+        raw = decode_chunk(buf, 0, len(buf), nbytes, ref, where, "chunk")
         full = torch.from_numpy(raw[:nbytes]) if nbytes else torch.empty(0, dtype=torch.uint8)
         full = full.view(torch_dtype).reshape(shape)
         return full[r0:r1] if shape and (r0, r1) != (0, shape[0]) else full
@@ -273,7 +282,7 @@ def _read_compressed(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0
         raise missing_object(storage, ref.file, f"shard of tensor {ref.tensor!r}") from None
     if len(data) < head:
         raise DataFileError(f"{where}: shard of tensor {ref.tensor!r} ends early: the object is truncated")
-    _check_crc(data, 0, head - CRC_BYTES, ref, where, "shard index")
+    check_crc(data, 0, head - CRC_BYTES, ref, where, "shard index")
     index = np.frombuffer(bytes(memoryview(data)[: head - CRC_BYTES]), dtype="<u8").reshape(n, 2).astype(np.int64)
     offsets, sizes = index[:, 0], index[:, 1]
     ends = head + np.cumsum(sizes)
@@ -303,7 +312,7 @@ def _read_compressed(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0
     place = _Placer(out, inner, grid, b0, item)
 
     def decode_and_place(k: int) -> None:
-        raw = _decode_chunk(
+        raw = decode_chunk(
             data, int(offsets[k]) - base, int(ends[k]) - base, data_bytes, ref, where, f"inner chunk {k}"
         )
         place(k, raw[:data_bytes])
@@ -314,11 +323,21 @@ def _read_compressed(storage: Storage, ref: PieceRef, shape: tuple[int, ...], r0
     return out[lo_row : lo_row + (r1 - r0)] if (lo_row, r1 - r0) != (0, out_rows) else out
 
 
-def _check_crc(
-    buf: bytes | bytearray | memoryview, off: int, nbytes: int, ref: PieceRef, where: str, what: str
+def check_crc(
+    buf: bytes | bytearray | memoryview,
+    off: int,
+    nbytes: int,
+    ref: PieceRef,
+    where: str,
+    what: str,
+    stored: bytes | None = None,
 ) -> None:
+    """The crc32c of ``buf[off:off + nbytes]`` against the 4 bytes after them, or ``stored`` where given (a
+    reader that read the checksum into a buffer of its own); a typed error naming the object and tensor."""
     mv = memoryview(buf)
-    got, stored = crc32c(mv[off : off + nbytes]), bytes(mv[off + nbytes : off + nbytes + CRC_BYTES])
+    got = crc32c(mv[off : off + nbytes])
+    if stored is None:
+        stored = bytes(mv[off + nbytes : off + nbytes + CRC_BYTES])
     if got != stored:
         raise ChecksumMismatchError(
             f"{where}: checksum mismatch (crc32c) in {what} of tensor {ref.tensor!r} box {ref.box.to_json()} "
