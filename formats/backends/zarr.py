@@ -378,4 +378,3 @@ class ZarrBackend(BackendBase):
             if path not in out and chunk_array(path, index.tensors) is not None:
                 out[path] = size
         return out
-
