@@ -6,6 +6,7 @@ import click
 
 from moeckpt.formats.backend import get_backend
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.errors import LayoutError
 from moeckpt.reshard.executor import reshard
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import OFFLINE_WORKERS, ReshardOptions, offline_workers
@@ -40,6 +41,7 @@ from .params import Text, count
     "--mesh",
     metavar="SHAPE",
     default=None,
+    callback=lambda ctx, param, value: _checked_shape(value),
     help="for a state-dict checkpoint (moeckpt.save): the target as a mesh of writers, e.g. 4 or 2x2 (instead of "
     "--tp/--ep/--dp)",
 )
@@ -108,4 +110,16 @@ def _writer_mesh(mesh, placements, tp, ep, dp, state_dict: bool) -> WriterMesh |
         )
     if tp is not None or ep is not None or dp is not None:
         raise click.UsageError("--mesh gives the whole target; leave out --tp, --ep and --dp")
-    return WriterMesh.parse(mesh, placements)
+    try:
+        return WriterMesh.parse(mesh, placements)
+    except LayoutError as e:
+        raise click.BadParameter(str(e), param_hint="'--placements'") from None
+
+
+def _checked_shape(value: str | None) -> str | None:
+    if value is not None:
+        try:
+            WriterMesh.parse_shape(value)
+        except LayoutError as e:
+            raise click.BadParameter(str(e), param_hint="'--mesh'") from None
+    return value

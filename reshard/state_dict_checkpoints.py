@@ -68,12 +68,22 @@ class WriterMesh:
     def writers(self) -> int:
         return math.prod(self.shape)
 
+    @staticmethod
+    def parse_shape(mesh: str) -> tuple[int, ...]:
+        """``"2x2"`` as ``(2, 2)``: positive sizes joined by ``x``, 1 to 4096 writers in all."""
+        text = mesh.strip()
+        shape = tuple(int(n) for n in text.split("x")) if re.fullmatch(r"\d{1,4}(x\d{1,4}){0,7}", text) else ()
+        if not shape or min(shape) < 1 or math.prod(shape) > MAX_WRITERS:
+            raise LayoutError(
+                f"{mesh!r} is not a mesh shape such as 4 or 2x2 (positive sizes joined by 'x', 1 to "
+                f"{MAX_WRITERS} writers)"
+            )
+        return shape
+
     @classmethod
     def parse(cls, mesh: str, placements: str | None = None) -> WriterMesh:
         """``"2x2"`` and ``"S(0),S(1)"`` (default: ``S(0)`` on every mesh dimension)."""
-        if not re.fullmatch(r"\d{1,4}(x\d{1,4}){0,7}", mesh.strip()):
-            raise LayoutError(f"--mesh {mesh!r} is not a mesh shape such as 4 or 2x2 (sizes joined by 'x')")
-        shape = tuple(int(n) for n in mesh.strip().split("x"))
+        shape = cls.parse_shape(mesh)
         given = (
             tuple(p.strip() for p in re.split(r",(?![^(]*\))", placements)) if placements else ("S(0)",) * len(shape)
         )

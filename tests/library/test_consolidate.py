@@ -144,6 +144,7 @@ def test_consolidate_holds_one_run_of_rows_at_a_time_and_verifies_every_byte(tmp
         (["--mesh", "2x2", "--dp", "4"], "leave out --tp, --ep and --dp"),
         (["--mesh", "2x2", "--placements", "S(0)"], "one per mesh dimension"),
         (["--mesh", "2by2"], "not a mesh shape"),
+        (["--mesh", "0x2"], "not a mesh shape"),
         (["--mesh", "2", "--placements", "SS(0,2)"], "R or S(dim) only"),
     ],
 )
