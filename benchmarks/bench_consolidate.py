@@ -7,7 +7,9 @@ pieces). ``moeckpt reshard --dp 4`` of it is source ``dp4`` (every tensor split 
 from the bytes read). For each source, ``--reps`` pairs back to back, page cache dropped before each (when the
 machine lets us):
 
-* ``cp -r SRC COPY && sync``;
+* ``cp -r SRC COPY && sync`` (coreutils 9 copies each file in the kernel, ``copy_file_range``: no byte reaches
+  user space, so it is a floor no verifying reader can reach);
+* ``dd bs=32M conv=fsync`` of each file of SRC into COPY: the same bytes read into user space and written back;
 * ``moeckpt.consolidate(SRC, OUT)`` in a fresh process (it fsyncs each shard), its wall time, its peak RSS
   (``VmHWM``) and the largest run of rows it held (``peak_slab_bytes``).
 
@@ -104,9 +106,9 @@ def dir_bytes(path: str) -> int:
 
 def runs(src: str, work: str, reps: int, shard: int) -> dict:
     out, copy = os.path.join(work, "hf"), os.path.join(work, "copy")
-    results: dict = {"cp": [], "consolidate": []}
+    results: dict = {"cp": [], "dd": [], "consolidate": []}
     for _ in range(reps):
-        for method in ("cp", "consolidate"):
+        for method in ("cp", "dd", "consolidate"):
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(copy, ignore_errors=True)
             settle()
@@ -115,6 +117,21 @@ def runs(src: str, work: str, reps: int, shard: int) -> dict:
                 subprocess.run(["cp", "-r", src, copy], check=True)
                 subprocess.run(["sync"], check=True)
                 results["cp"].append({"s": time.perf_counter() - t0})
+            elif method == "dd":  # the same bytes through user space: cp 9 copies in the kernel (copy_file_range)
+                os.makedirs(copy)
+                for name in sorted(os.listdir(src)):
+                    subprocess.run(
+                        [
+                            "dd",
+                            f"if={os.path.join(src, name)}",
+                            f"of={os.path.join(copy, name)}",
+                            "bs=32M",
+                            "conv=fsync",
+                            "status=none",
+                        ],
+                        check=True,
+                    )
+                results["dd"].append({"s": time.perf_counter() - t0})
             else:
                 proc = subprocess.run(
                     [sys.executable, "-c", CHILD, src, out, str(shard)], capture_output=True, text=True

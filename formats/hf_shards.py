@@ -3,7 +3,8 @@
 The layout ``transformers`` (``save_pretrained`` / ``from_pretrained``) and DCP's consolidation use:
 ``model-0000k-of-0000n.safetensors`` shards of at most a byte budget each, every shard a safetensors file of
 whole tensors (``__metadata__`` ``{"format": "pt"}``), and ``model.safetensors.index.json``
-(``{"metadata": {"total_size": bytes}, "weight_map": {name: shard}}``), written last.
+(``{"metadata": {"total_parameters": elements, "total_size": bytes}, "weight_map": {name: shard}}``, as
+transformers 5 writes it), written last.
 
 Names, dtypes and shapes are known before any byte is written, so each shard's header goes first and each
 tensor's bytes are streamed after it, in whatever pieces the caller produces (a whole tensor, or runs of its
@@ -135,8 +136,16 @@ def write_shards(
         for name, data in (extra_files() if extra_files is not None else {}).items():
             dest.storage.write_bytes(name, data)
         total = sum(t.nbytes for shard in shards for t in shard)
+        # total_parameters is what transformers 5's save_pretrained adds beside total_size: elements, not bytes
+        params = sum(math.prod(t.shape) for shard in shards for t in shard)
         dest.storage.write_bytes(
-            INDEX_FILE, json_file({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+            INDEX_FILE,
+            json_file(
+                {
+                    "metadata": {"total_parameters": params, "total_size": total},
+                    "weight_map": dict(sorted(weight_map.items())),
+                }
+            ),
         )
         dest.commit()
     except _SourceFailed as e:
@@ -162,6 +171,7 @@ def _write_all(storage: Storage, names, shards, produce: Produce, on_bytes) -> d
                         written += n
                         if on_bytes is not None:
                             on_bytes(n)
+                        del part  # a producer's run is freed before it makes the next
                 except MoeckptError as e:
                     raise _SourceFailed(e) from None
                 if written != t.nbytes:  # a producer bug would otherwise write a file safetensors misreads

@@ -83,6 +83,7 @@ def consolidate(
             data = _read_run(reader, t, rows, refs[t.name])
             peak[0] = max(peak[0], data.nbytes)
             yield tensor_bytes(data)
+            del data  # before the next run is read (the writer drops its view of it too)
 
     written = write_shards(out, shards, produce, overwrite=overwrite, on_bytes=on_bytes)
     result = ConsolidateResult(

@@ -46,6 +46,7 @@ def _check_index(out, tensors: dict[str, torch.Tensor], max_shard: int) -> None:
     index = json.load(open(os.path.join(out, INDEX_FILE)))
     assert set(index) == {"metadata", "weight_map"}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert index["metadata"]["total_parameters"] == sum(t.numel() for t in tensors.values())
     assert set(index["weight_map"]) == set(tensors) and sorted(meta["all_checkpoint_keys"]) == sorted(tensors)
     assert sorted(map(os.path.basename, files)) == sorted(set(index["weight_map"].values()))
     for path in files:
