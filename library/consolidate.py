@@ -8,11 +8,13 @@ bundled trainer's. No model plan is needed: every logical tensor of the index is
 ``export-hf`` uses too). JSON values of the state dict (a step, ``param_groups``) are not tensors and stay in the
 checkpoint.
 
-Memory is bounded by a slab, not by a tensor or a shard: each tensor is read and written in runs of rows of about
+Memory is bounded by a run of rows, not by a tensor or a shard: each tensor is read and written in runs of about
 ``slab_bytes`` (one row when a row is larger), cut where the stored pieces' rows begin and end, so a run that lies
 in one piece full-width (an FSDP ``Shard(0)`` piece) is written straight from the bytes read; a run spread over
-several pieces (a tensor-parallel ``Shard(1)``) is assembled in one slab buffer first. Every byte read is verified
-against the checkpoint's block checksums (:meth:`~moeckpt.formats.checkpoint.CheckpointReader.read_piece`).
+several pieces (a tensor-parallel ``Shard(1)``) is assembled into a run-sized buffer, one piece read at a time.
+Tensor data held at once: one run plus one piece's rows read (widened to whole checksum blocks), each dropped
+before the next is made. Every byte read is verified against the checkpoint's block checksums
+(:meth:`~moeckpt.formats.checkpoint.CheckpointReader.read_piece`).
 """
 
 from __future__ import annotations
