@@ -38,6 +38,7 @@ COMMAND_MODULES = {
     "gc": "gc_cmd",
     "demo": "demo_cmd",
     "export-hf": "export_hf_cmd",
+    "consolidate": "consolidate_cmd",
     "import-hf": "import_hf_cmd",
     "import-dcp": "import_dcp_cmd",
     "export-dcp": "export_dcp_cmd",

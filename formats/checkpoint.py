@@ -239,11 +239,11 @@ class CheckpointReader:
             rel = overlap.relative_to(ref.box)
             if ref.box.ndim:
                 r0, r1 = rel.offsets[0], rel.offsets[0] + rel.shape[0]
-                data = self.read_piece(ref, (r0, r1))
-                src = data[(slice(None),) + rel.slices()[1:]]
+                src = self.read_piece(ref, (r0, r1))[(slice(None),) + rel.slices()[1:]]
             else:
                 src = self.read_piece(ref)
             out[overlap.relative_to(box).slices()] = src
+            del src  # freed before the next piece is read: a box's reads are held one at a time
             filled += overlap.numel
         if filled != box.numel:
             raise CheckpointIndexError(

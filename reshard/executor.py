@@ -24,7 +24,7 @@ from moeckpt.formats.backend import Backend, PieceReader, backend_compressions, 
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader, begin_save, commit, discard
 from moeckpt.formats.compression import NONE
-from moeckpt.formats.errors import CheckpointIndexError, DestinationNotEmptyError
+from moeckpt.formats.errors import CheckpointIndexError, DestinationNotEmptyError, LayoutError
 from moeckpt.formats.index import FileEntry, Index
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
 from moeckpt.formats.storage import Storage, is_url
@@ -39,7 +39,7 @@ from .processes import balanced_groups, can_fork, run_forked
 from .runtime import paused_gc, single_threaded_torch
 from .sharing import GROUP_THREADS, sharing_groups
 from .slabs import slabs
-from .state_dict_checkpoints import is_state_dict, sharded_over_writers
+from .state_dict_checkpoints import WriterMesh, is_state_dict, sharded_over_writers
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,13 @@ def reshard(
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
     options: ReshardOptions | None = None,
+    mesh: WriterMesh | None = None,
 ) -> ReshardResult:
     """Write the checkpoint at ``src`` (or a run's newest step) to ``dst`` in layout ``target``.
+
+    A state-dict checkpoint (``moeckpt.save``: no model plan) is written over ``target.dp`` writers, every tensor
+    placed on ``mesh`` (default: split along dim 0 over them; :mod:`.state_dict_checkpoints`); ``mesh`` is
+    refused for a checkpoint of a bundled model, whose layout is ``target`` alone.
 
     The new checkpoint has the same step, train state and model, the new layout, new files and checksums, in
     format ``backend`` (default: the source's) with compression setting ``compress`` (default: the source's where
@@ -80,7 +85,12 @@ def reshard(
         index = reader.index
         _refuse_overlap(reader.location, open_storage(dst).location)
         # A state dict's tensors have no layout rules: the target only sets how many writers hold them.
-        written = sharded_over_writers(index, target) if is_state_dict(index) else index
+        if mesh is not None and not is_state_dict(index):
+            raise LayoutError(
+                f"{reader.location}: a mesh target is for state-dict checkpoints (moeckpt.save); this one records "
+                "its model's plan: give --tp/--ep/--dp instead"
+            )
+        written = sharded_over_writers(index, target, mesh) if is_state_dict(index) else index
         source = OfflineSource(reader.open_reader(), reader.pieces())
         try:
             new_index, plan, bytes_read = convert(

@@ -8,6 +8,7 @@ The library API, in the conventions of ``torch.distributed.checkpoint``:
   aside, async saves);
 * :mod:`moeckpt.dcp`: a ``StorageWriter`` / ``StorageReader`` pair, so ``dcp.save`` / ``dcp.load`` read and
   write the moeckpt format;
+* :func:`consolidate`: any checkpoint's tensors, whole, as Hugging Face sharded safetensors (no model plan);
 * :class:`CheckpointReader` and :func:`verify` for reading and checking any checkpoint, and the typed errors.
 
 See ``docs/library.md``. The names are imported on first use, so ``import moeckpt`` (and the command line, which
@@ -27,6 +28,8 @@ _EXPORTS = {
     "load": "moeckpt.library.save_load",
     "save": "moeckpt.library.save_load",
     "Checkpointer": "moeckpt.library.checkpointer",
+    "ConsolidateResult": "moeckpt.library.consolidate",
+    "consolidate": "moeckpt.library.consolidate",
     "SaveFailedError": "moeckpt.reshard.save_protocol",
     "LoadStats": "moeckpt.reshard.load",
     "StateDictError": "moeckpt.formats.errors",
@@ -50,6 +53,7 @@ __all__ = [
     "CheckpointReader",
     "Checkpointer",
     "ChecksumMismatchError",
+    "ConsolidateResult",
     "DataFileError",
     "DestinationNotEmptyError",
     "LayoutError",
@@ -63,6 +67,7 @@ __all__ = [
     "UnsafePathError",
     "UnsupportedVersionError",
     "async_save",
+    "consolidate",
     "load",
     "save",
     "verify",
@@ -98,6 +103,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, imported eag
         UnsupportedVersionError,
     )
     from moeckpt.library.checkpointer import Checkpointer
+    from moeckpt.library.consolidate import ConsolidateResult, consolidate
     from moeckpt.library.save_load import AsyncSave, SaveStats, async_save, load, save
     from moeckpt.reshard.load import LoadStats
     from moeckpt.reshard.save_protocol import SaveFailedError

@@ -5,53 +5,41 @@ shards, ``model.safetensors.index.json`` (``total_size`` and the weight map), ``
 ``generation_config.json``. Logical tensors are streamed: each is read whole from the checkpoint (only its own
 pieces), converted to the output dtype, written into the open shard and dropped, so memory holds one tensor, never
 the model. Shard headers are known up front (names and shapes come from the plan), which is what lets a shard be
-written tensor by tensor.
+written tensor by tensor; the directory's layout and commit are :mod:`moeckpt.formats.hf_shards`'s.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
-import os
-import struct
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
-import torch
-
 from moeckpt.formats import dtypes
 from moeckpt.formats.checkpoint import CheckpointReader
-from moeckpt.formats.errors import DestinationNotEmptyError, MoeckptError
+from moeckpt.formats.hf_shards import (
+    INDEX_FILE,
+    HfExportError,
+    ShardTensor,
+    json_file,
+    pack_shards,
+    parse_size,
+    write_shards,
+)
 from moeckpt.formats.pieces import tensor_bytes
 from moeckpt.formats.roles import PARAM
-from moeckpt.formats.storage import Storage
-from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.state_dict_checkpoints import is_state_dict
 
 from .interop.bundled import match_model_names
 from .interop.common import MappingError
 from .models import ARCHITECTURES, ModelSpec, UnknownModelError
 
-INDEX_FILE = "model.safetensors.index.json"
-#: the largest ``--max-shard-size`` taken (a petabyte: anything above is a typo).
-MAX_SHARD_BYTES = 10**15
-#: files an export writes (and ``overwrite`` replaces); anything else in the directory is left alone.
-OWN_FILES = ("config.json", "generation_config.json", INDEX_FILE)
-
-
-class HfExportError(MoeckptError, ValueError):
-    """A checkpoint that cannot be written as a Hugging Face model (unknown architecture, incomplete config...)."""
+__all__ = ["INDEX_FILE", "HfExportError", "export_hf", "hf_module", "parse_size"]
 
 
 def hf_module(spec: ModelSpec) -> ModuleType:
     """The ``<arch>/hf.py`` mapping module of a model (config mapping, tensor names)."""
     return importlib.import_module(f"{spec.module.__name__}.hf")
-
-
-def shard_name(k: int, n: int) -> str:
-    return f"model-{k:05d}-of-{n:05d}.safetensors"
 
 
 @dataclass(frozen=True)
@@ -84,7 +72,8 @@ def spec_of(reader: CheckpointReader, model_override: ModelSpec | None = None) -
         if model_override is None:
             raise HfExportError(
                 f"{reader.location}: a state-dict checkpoint (moeckpt.save, moeckpt.dcp, import-dcp --mapping none) "
-                "records no model; pass --model PRESET|config.json naming the bundled model its tensors are"
+                "records no model; pass --model PRESET|config.json naming the bundled model its tensors are, or write "
+                "its tensors under their own names with moeckpt consolidate"
             )
         model = model_override.to_json()
     elif model_override is not None:
@@ -138,111 +127,6 @@ def plan_tensors(spec: ModelSpec, reader: CheckpointReader) -> list[HfTensor]:
     return out
 
 
-def assign_shards(tensors: list[HfTensor], dtype: str, max_shard_size: int) -> list[list[HfTensor]]:
-    """Consecutive tensors packed into shards of at most ``max_shard_size`` bytes (a larger tensor gets its own)."""
-    shards: list[list[HfTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        n = t.nbytes(dtype)
-        if shards[-1] and size + n > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += n
-    return shards
-
-
-def _header(tensors: list[HfTensor], dtype: str) -> bytes:
-    doc: dict = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for t in tensors:
-        n = t.nbytes(dtype)
-        doc[t.name] = {
-            "dtype": dtypes.to_safetensors(dtype),
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + n],
-        }
-        offset += n
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _is_own(name: str) -> bool:
-    return name in OWN_FILES or (name.startswith("model") and name.endswith(".safetensors"))
-
-
-class _SourceFailed(BaseException):
-    """Carries a failure to read the source checkpoint out of an output file's ``open_write`` block, which would
-    otherwise report it as a failure to write the output file."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(error)
-        self.error = error
-
-
-class _Destination:
-    """Where an export is written, and its commit: nothing at OUT is an export until it is complete.
-
-    Local disk: everything goes into the sibling staging directory ``.<name>.partial`` (a rerun replaces what an
-    interrupted export left there), which is renamed onto OUT at the end; files of OUT that are not the export's
-    own (a tokenizer, a README) move over with ``overwrite``. Object stores: shards are written in place and
-    ``config.json`` and the index last, so until the end OUT holds no loadable model; a previous export's index
-    goes first, and shards without an index (an interrupted export) are replaced without ``overwrite``.
-    """
-
-    def __init__(self, out: str, overwrite: bool) -> None:
-        self.final = open_storage(out)
-        self.final.refuse_file()
-        existing = self.final.listdir() if self.final.exists() else []
-        committed = any(n in (INDEX_FILE, "config.json") for n in existing)
-        if existing and not overwrite and (self.final.is_local or committed or not all(map(_is_own, existing))):
-            raise DestinationNotEmptyError(
-                f"{self.final.location}: destination is not empty; pass --overwrite to replace it"
-            )
-        self.existing = existing
-        if self.final.is_local:
-            parent, name = os.path.split(os.path.abspath(self.final.location).rstrip(os.sep))
-            self.storage = open_storage(os.path.join(parent, f".{name}.partial"))
-            self.storage.remove()
-            self.storage.makedirs()
-        else:
-            self.storage = self.final
-            for name in sorted(existing, key=lambda n: n not in (INDEX_FILE, "config.json")):  # uncommit first
-                if _is_own(name):
-                    self.final.remove(name)
-
-    def commit(self) -> None:
-        if not self.final.is_local:
-            return
-        staging, final = self.storage.location, self.final.location
-        for name in self.existing:  # what OUT held besides a previous export stays in it
-            if not _is_own(name):
-                os.rename(os.path.join(final, name), os.path.join(staging, name))
-        self.storage.fsync_dir()
-        old = None
-        if os.path.lexists(final):
-            parent = os.path.dirname(os.path.abspath(final))
-            old = os.path.join(parent, f".{os.path.basename(final)}.old-{uuid.uuid4().hex[:8]}")
-            os.rename(final, old)
-        os.rename(staging, final)
-        open_storage(os.path.dirname(os.path.abspath(final))).fsync_dir()
-        if old is not None:
-            open_storage(old).remove()
-
-    def abort(self) -> None:
-        """Remove what an export that failed wrote (local staging; on object stores the shards written)."""
-        try:
-            if self.final.is_local:
-                self.storage.remove()
-            else:
-                for name in self.storage.listdir():
-                    if _is_own(name):
-                        self.storage.remove(name)
-        except (OSError, MoeckptError):
-            pass  # the next export replaces what is left
-
-
 def _value_source(reader: CheckpointReader, param: str, dtype: str) -> str:
     """The logical tensor to export parameter ``param`` from: its fp32 master copy when one is stored and the
     export is wider than the parameter (bf16 training, fp32 export: the master holds the bits bf16 rounded off)."""
@@ -273,8 +157,9 @@ def export_hf(
     ``dtype`` is ``"bfloat16"`` or ``"float32"`` (default: the checkpoint's parameter dtype; a float32 export of
     bf16 parameters takes the fp32 master weights when the checkpoint has them). ``on_bytes`` is
     called with the bytes written after each tensor (progress bars). The export is staged and committed
-    (:class:`_Destination`): an interrupted or failed export leaves nothing at ``out``, and a failure to read the
-    source is raised as that error (naming the source file), not as a failure to write the output.
+    (:func:`moeckpt.formats.hf_shards.write_shards`): an interrupted or failed export leaves nothing at ``out``,
+    and a failure to read the source is raised as that error (naming the source file), not as a failure to write
+    the output.
     """
     reader = CheckpointReader(ckpt)
     spec = spec_of(reader, model)
@@ -296,79 +181,24 @@ def export_hf(
     if dtype not in ("bfloat16", "float32", "float16"):
         raise HfExportError(f"cannot export as {dtype!r}; choose bfloat16 or float32")
     torch_dtype = dtypes.to_torch(dtype)
-    shards = assign_shards(tensors, dtype, max_shard_size)
-    names = [shard_name(k + 1, len(shards)) for k in range(len(shards))]
-    dest = _Destination(out, overwrite)
-    try:
-        _write(reader, spec, dest.storage, names, shards, tensors, dtype, torch_dtype, on_bytes, stored)
-        dest.commit()
-    except _SourceFailed as e:
-        dest.abort()
-        raise e.error from None
-    except BaseException:
-        dest.abort()
-        raise
-    total = sum(t.nbytes(dtype) for t in tensors)
-    return ExportResult(files=tuple(names), total_size=total, num_tensors=len(tensors), dtype=dtype)
-
-
-def _write(reader, spec, storage: Storage, names, shards, tensors, dtype, torch_dtype, on_bytes, stored) -> None:
-    """Every shard, then ``generation_config.json``, ``config.json`` and the index, last."""
     hf = hf_module(spec)
-    values: dict[str, torch.Tensor] = {}  # HF tensors of the logical tensor being written (one at a time)
-    current = None
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        with storage.open_write(name) as f:
-            f.write(_header(shard, dtype))
-            for t in shard:
-                if t.source != current:
-                    try:
-                        where = stored.get(t.source) or _value_source(reader, t.source, dtype)
-                        full = reader.read_tensor(where).to(torch_dtype)
-                    except MoeckptError as e:
-                        raise _SourceFailed(e) from None
-                    values = hf.export_values(t.source, full, spec.config)
-                    current = t.source
-                data = tensor_bytes(values.pop(t.name))
-                f.write(data)
-                weight_map[t.name] = name
-                if on_bytes is not None:
-                    on_bytes(len(data))
-    total = sum(t.nbytes(dtype) for t in tensors)
-    storage.write_bytes(
-        "generation_config.json", _json({"_from_model_config": True, **hf.generation_config(spec.config)})
-    )
-    storage.write_bytes("config.json", _json(hf.to_hf_config(spec.config, dtype=dtype)))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    storage.write_bytes(INDEX_FILE, _json(index))
+    current: list = [None, {}]  # the logical tensor being written and its HF tensors not yet written
 
+    def produce(t: ShardTensor) -> Iterator[bytes | memoryview]:
+        source = sources[t.name]
+        if source != current[0]:
+            where = stored.get(source) or _value_source(reader, source, dtype)
+            full = reader.read_tensor(where).to(torch_dtype)  # a damaged source raises here, named as itself
+            current[:] = [source, hf.export_values(source, full, spec.config)]
+        yield tensor_bytes(current[1].pop(t.name))
 
-def _json(doc: dict) -> bytes:
-    return (json.dumps(doc, indent=2) + "\n").encode()
+    def configs() -> dict[str, bytes]:
+        return {
+            "generation_config.json": json_file({"_from_model_config": True, **hf.generation_config(spec.config)}),
+            "config.json": json_file(hf.to_hf_config(spec.config, dtype=dtype)),
+        }
 
-
-def parse_size(text: str) -> int:
-    """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a byte count, as bytes (HF's ``max_shard_size`` convention)."""
-    units = {
-        "": 1,
-        "B": 1,
-        "KB": 10**3,
-        "MB": 10**6,
-        "GB": 10**9,
-        "TB": 10**12,
-        "KIB": 2**10,
-        "MIB": 2**20,
-        "GIB": 2**30,
-        "TIB": 2**40,
-    }
-    s = text.strip().upper()
-    num = s.rstrip("KMGTIB")
-    unit = s[len(num) :]
-    try:
-        value = float(num)
-    except ValueError:
-        value = -1.0
-    if unit not in units or not 0 < value < float("inf") or not 1 <= value * units[unit] <= MAX_SHARD_BYTES:
-        raise HfExportError(f"--max-shard-size {text!r} is not a size such as 5GB, 500MB or 2GiB (1 byte to 1PB)")
-    return int(value * units[unit])
+    sources = {t.name: t.source for t in tensors}
+    shards = pack_shards((ShardTensor(t.name, dtype, t.shape) for t in tensors), max_shard_size)
+    written = write_shards(out, shards, produce, overwrite=overwrite, extra_files=configs, on_bytes=on_bytes)
+    return ExportResult(files=written.files, total_size=written.total_size, num_tensors=len(tensors), dtype=dtype)

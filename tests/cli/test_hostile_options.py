@@ -45,6 +45,7 @@ NAMES = {
     ("init", "OUT"),
     ("demo", "--dir"),
     ("export-hf", "OUT"),
+    ("consolidate", "OUT"),
     ("import-hf", "DST"),
     ("reshard", "DST"),
     ("train", "--run-dir"),
@@ -80,6 +81,7 @@ def _baseline(command: str, inputs: dict, out: str) -> tuple[list[str], dict[str
         "gc": ([run], {"--dry-run": None}),
         "demo": ([], {"--dir": os.path.join(out, "demo")}),
         "export-hf": ([ck, os.path.join(out, "hf")], {}),
+        "consolidate": ([ck, os.path.join(out, "hf")], {}),
         "import-hf": ([hf, os.path.join(out, "imported")], {}),
         "reshard": ([ck, os.path.join(out, "resharded")], {}),
         "train": (
