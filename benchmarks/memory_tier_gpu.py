@@ -200,15 +200,16 @@ def saves_table(doc: dict) -> str:
     copy = statistics.median(doc["d2h_copy_s"]) if doc.get("d2h_copy_s") else None
     lines = [
         "| step | to memory | skipped | blocked (s) | copy (s) | state gathered (s) | in-flight question (s) | bytes "
-        "| blocked / bare copy | commit after copy (s) | steps ended before commit |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| blocked / bare copy | commit after copy (s) | steps ended before commit | slot pinned (still pinning) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in doc["runs"][0].get("saves", []):
         ratio = round(r["blocked_s"] / copy, 2) if copy and not r["skipped"] else None
         lines.append(
             f"| {r['step']} | {r['memory']} | {r['skipped']} | {r['blocked_s']:.4f} | {r['copy_s']:.4f} | "
             f"{r['state_s']:.4f} | {r['decide_s']:.4f} | {r['bytes']} | {ratio} | "
-            f"{r.get('commit_after_copy_s')} | {r.get('commit_after_steps')} |"
+            f"{r.get('commit_after_copy_s')} | {r.get('commit_after_steps')} | "
+            f"{r.get('ring_pinned')} ({r.get('ring_pinning')}) |"
         )
     return "\n".join(lines) + "\n"
 

@@ -93,6 +93,10 @@ class SaveStats:
     acquire_s: float = 0.0
     #: seconds of ``blocked_s`` that were the snapshot's own copy (device-to-host, or host-to-host on a CPU).
     copy_s: float = 0.0
+    #: with a memory ring: whether its slots were registered as pinned memory at the copy, and whether their
+    #: registration and warm-up was still running then.
+    ring_pinned: bool | None = None
+    ring_pinning: bool | None = None
     #: wall-clock time (``time.time()``) the snapshot was taken, and the memory checkpoint committed.
     copied_at: float | None = None
     memory_committed_at: float | None = None
@@ -193,6 +197,12 @@ class CheckpointManager:
         ring = self._memory.ring if self._memory is not None else None
         return ring.acquire(step) if ring is not None else None
 
+    def _ring_state(self, stats: SaveStats) -> None:
+        """Note in ``stats`` whether the snapshot's slot was pinned and the ring still being pinned."""
+        ring = self._memory.ring if self._memory is not None else None
+        if ring is not None and stats.memory_slot is not None:
+            stats.ring_pinned, stats.ring_pinning = ring.stats.pinned, ring.pinning
+
     # -- saving ---------------------------------------------------------------------------------------------
     def save(
         self,
@@ -250,6 +260,7 @@ class CheckpointManager:
             copied_at=time.time(),
             skipped=left,
         )
+        self._ring_state(stats)
         memory_turn = self._memory_turn() if to_memory else None
         self._inflight = self._start(step, pieces, state, stats, to_memory, memory_turn, entered, "save")
         return stats
@@ -294,6 +305,7 @@ class CheckpointManager:
             copy_s=time.perf_counter() - t2,
             copied_at=time.time(),
         )
+        self._ring_state(stats)
         memory_turn = self._memory_turn()
         self._memory_inflight = self._start(step, pieces, state, stats, True, memory_turn, entered, "memory-save")
         return stats

@@ -287,6 +287,12 @@ class MemoryRing:
             if ino in inodes:
                 inodes[ino].step = int(name[5:])
 
+    @property
+    def pinning(self) -> bool:
+        """Whether the background registration and warm-up is still running (a copy now may be a pageable one,
+        or share the copy engine with the warm-up)."""
+        return self._pinning is not None and self._pinning.is_alive()
+
     # -- saving ---------------------------------------------------------------------------------------------
     def acquire(self, step: int) -> int | None:
         """A slot for ``step`` (training thread): a free one, else the one holding the oldest step, never a busy

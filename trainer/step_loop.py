@@ -264,6 +264,8 @@ class Trainer(ResumeSteps):
             "memory": self.last_save_memory,
             "persisted": s.persisted,
             "skipped": s.skipped,
+            "ring_pinned": s.ring_pinned,
+            "ring_pinning": s.ring_pinning,
         }
 
     def _report_memory_commits(self) -> None:
