@@ -56,6 +56,15 @@ class MemoryPace:
         self.left += 1
         self.left_steps.append(step)
         self._streak = 0
+        what = "an earlier step" if in_flight is None else f"step {in_flight}"
+        if not self.every:  # memory checkpoints only with persistent saves: no interval of their own to widen
+            log.warning(
+                "memory checkpoint of step %d left out (%d so far): the memory save of %s is still being written",
+                step,
+                self.left,
+                what,
+            )
+            return
         before = self.effective
         self.effective *= 2
         self.widest = max(self.widest, self.effective)
@@ -65,7 +74,7 @@ class MemoryPace:
             "memory interval is now %d steps (was %d, --memory-every %d)",
             step,
             self.left,
-            "an earlier step" if in_flight is None else f"step {in_flight}",
+            what,
             self.effective,
             before,
             self.every,

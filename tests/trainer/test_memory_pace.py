@@ -28,7 +28,9 @@ def test_the_interval_doubles_on_a_left_out_save_and_halves_back_after_saves_tha
     pace.kept_up(42)
     pace.kept_up(48)
     assert pace.effective == 3 and pace.summary()["interval_changes"] == [[6, 6], [12, 12], [36, 6], [48, 3]]
-    assert not MemoryPace(every=0).due(4)
+    with_persistent = MemoryPace(every=0)  # memory checkpoints only with persistent saves: counted, no interval
+    with_persistent.left_out(10, in_flight=5)
+    assert not with_persistent.due(4) and (with_persistent.left, with_persistent.effective) == (1, 0)
 
 
 def test_a_memory_save_left_out_is_counted_logged_and_the_run_reports_the_interval(tmp_path, monkeypatch, caplog):
