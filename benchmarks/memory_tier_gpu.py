@@ -5,10 +5,14 @@ each firing once, between persistent saves and right after one): with ``--memory
 without. For each kill: the tier and step the restarted worker resumed from, the steps lost, the time from the kill
 to its first new step with the phases (the agent's failure record, process start, imports, device and
 process-group init, model build, load, first step), the time every save blocked training since the kill before,
-the first save after the restart, and the memory saves left out; for the memory run the saves' blocked time
-against a bare device-to-host copy of the same bytes into pinned memory. A per-kill table is printed and written.
+the first save after the restart, the memory saves left out and the memory interval the run kept; for the memory
+run every save's blocked time (and where the training thread waited: the state gathered, the in-flight question,
+the copy itself) against a bare device-to-host copy of the same bytes into pinned memory, and when each memory
+checkpoint committed after its copy (seconds, and steps ended in between). A per-kill table and a per-save table
+are printed and written.
 
-Writes ``OUT/memory_tier_gpu.json``, ``OUT/memory_tier_gpu.png`` and ``OUT/memory_tier_gpu_kills.md``.
+Writes ``OUT/memory_tier_gpu.json``, ``OUT/memory_tier_gpu.png``, ``OUT/memory_tier_gpu_kills.md`` and
+``OUT/memory_tier_gpu_saves.md``.
 
 Usage (one H200): ``python benchmarks/memory_tier_gpu.py --out docs/benchmarks/gpu`` (zaya-small, bf16; a few
 minutes). Without a GPU it exits 0 saying so, unless ``--cpu`` (a small CPU run for testing:
@@ -144,17 +148,79 @@ def one_run(args, work: str, memory: bool) -> dict:
                 "memory_skipped_steps": [
                     r["step"] for r in steps if since < r["time"] <= kill and r.get("memory_skipped")
                 ],
+                "memory_every": [r["memory_every"] for r in steps if since < r["time"] <= kill and "memory_every" in r],
+                "newest_memory_save": max(
+                    (r["step"] for r in steps if since < r["time"] <= kill and (r.get("save") or {}).get("memory")),
+                    default=None,
+                ),
             }
         )
-    return {"tier": name, "exit": code, "wall_s": round(wall, 2), "kills": out}
+    return {
+        "tier": name,
+        "exit": code,
+        "wall_s": round(wall, 2),
+        "kills": out,
+        "saves": saves(rows),
+        "pace": [r for r in rows if r.get("event") == "memory_pace"],
+    }
+
+
+def saves(rows: list[dict]) -> list[dict]:
+    """Every save of a run's metrics (rank 0's): where the training thread waited, the bytes, and for a memory
+    save when it committed, in seconds after its copy and in steps (steps that ended between the copy and the
+    commit: 0 is within the step after the copy)."""
+    steps = [r for r in rows if "loss" in r]
+    commits = {}
+    for r in rows:
+        if r.get("event") == "memory_commit":
+            commits[(r["step"], r["copied_at"])] = r
+    out = []
+    for r in steps:
+        save = r.get("save")
+        if not save:
+            continue
+        # the commit of this save: of its step, copied after this step ended and before the next one did
+        until = min((x["time"] for x in steps if x["time"] > r["time"]), default=float("inf"))
+        commit = next(
+            (c for (st, at), c in commits.items() if st == r["step"] and r["time"] <= at < until),
+            None,
+        )
+        row = {"step": r["step"], "time": r["time"], **save}
+        if commit is not None:
+            row["commit_after_copy_s"] = commit["after_copy_s"]
+            row["commit_after_steps"] = sum(
+                1 for x in steps if commit["copied_at"] < x["time"] <= commit["committed_at"]
+            )
+        out.append(row)
+    return out
+
+
+def saves_table(doc: dict) -> str:
+    """The memory run's saves (markdown): blocked time, its parts, and blocked over a bare copy of the same bytes."""
+    copy = statistics.median(doc["d2h_copy_s"]) if doc.get("d2h_copy_s") else None
+    lines = [
+        "| step | to memory | skipped | blocked (s) | copy (s) | state gathered (s) | in-flight question (s) | bytes "
+        "| blocked / bare copy | commit after copy (s) | steps ended before commit | slot pinned (still pinning) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["runs"][0].get("saves", []):
+        ratio = round(r["blocked_s"] / copy, 2) if copy and not r["skipped"] else None
+        lines.append(
+            f"| {r['step']} | {r['memory']} | {r['skipped']} | {r['blocked_s']:.4f} | {r['copy_s']:.4f} | "
+            f"{r['state_s']:.4f} | {r['decide_s']:.4f} | {r['bytes']} | {ratio} | "
+            f"{r.get('commit_after_copy_s')} | {r.get('commit_after_steps')} | "
+            f"{r.get('ring_pinned')} ({r.get('ring_pinning')}) |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def table(doc: dict) -> str:
     """The per-kill table (markdown)."""
     lines = [
         "| run | kill at step | trained | resumed from | steps lost | kill to first step (s) | saves blocked max (s) "
-        "| first save after restart (s) | memory saves left out |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| first save after restart (s) | memory saves left out | newest memory save before the kill "
+        "| memory interval (steps) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in doc["runs"]:
         for k in r["kills"]:
@@ -162,9 +228,14 @@ def table(doc: dict) -> str:
             lines.append(
                 f"| {r['tier']} | {k['kill_step']} | {k['trained_before_kill']} | {k['resume_tier']} step "
                 f"{k['resume_step']} | {k['steps_lost']} | {k['failure_to_first_step_s']} | {worst} | "
-                f"{k['first_save_after_restart_blocked_s']} | {len(k['memory_skipped_steps'])} |"
+                f"{k['first_save_after_restart_blocked_s']} | {len(k['memory_skipped_steps'])} | "
+                f"{k.get('newest_memory_save')} | {_span(k.get('memory_every') or [])} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _span(values: list[int]) -> str:
+    return "" if not values else str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
 
 
 def d2h_copy_seconds(nbytes: int, device: str, reps: int = 5) -> list[float]:
@@ -275,9 +346,13 @@ def main() -> None:
     runs = [one_run(args, args.dir, memory) for memory in ((True, False) if args.storage_run else (True,))]
     for r in runs:
         print(json.dumps(r), flush=True)
-    state = next((k["state_bytes"] for k in runs[0]["kills"] if k["state_bytes"]), 0)
-    copy = d2h_copy_seconds(state, "cpu" if args.cpu else "cuda") if state else []
-    blocked = [b for k in runs[0]["kills"] for _, b in k["save_blocked_s"]]
+    # the bare copy of the bytes rank 0's saves copy (its written share: the whole state on one rank)
+    sizes = [r["bytes"] for r in runs[0]["saves"] if r["bytes"]]
+    state = (
+        statistics.median(sizes) if sizes else next((k["state_bytes"] for k in runs[0]["kills"] if k["state_bytes"]), 0)
+    )
+    copy = d2h_copy_seconds(int(state), "cpu" if args.cpu else "cuda") if state else []
+    blocked = [r["blocked_s"] for r in runs[0]["saves"] if not r["skipped"]]
     doc = {
         "command": "python benchmarks/memory_tier_gpu.py " + " ".join(sys.argv[1:]),
         "model": args.model,
@@ -296,7 +371,10 @@ def main() -> None:
     plot(doc, os.path.join(args.out, "memory_tier_gpu.png"))
     with open(os.path.join(args.out, "memory_tier_gpu_kills.md"), "w") as f:
         f.write(table(doc))
+    with open(os.path.join(args.out, "memory_tier_gpu_saves.md"), "w") as f:
+        f.write(saves_table(doc))
     print(table(doc))
+    print(saves_table(doc))
     print(
         f"memory save blocked (median) {doc['memory_save_blocked_median_s']} s, bare copy {copy} s, "
         f"ratio {doc['blocked_over_copy']}"

@@ -14,7 +14,12 @@ state, a slow disk or bucket): it takes its own snapshot into a second set of ho
 first: the host-memory cost of the tier's snapshots is at most twice this rank's written share, the second set
 made only once a memory-only save is due) and commits it in its own thread, over the memory tier's own gloo group,
 after the memory write before it. Only a memory-only save due while the previous memory-only one is still being
-written (the memory tier cannot keep up with ``--memory-every``) is left out, on every rank alike.
+written (the memory tier cannot keep up with ``--memory-every``) is left out, on every rank alike: counted, logged,
+and the interval widened (:mod:`.memory_pace`).
+
+Every save records where the training thread waited (:class:`SaveStats`: the question whether a memory save is in
+flight, the ring slot, the copy itself) and, once its memory checkpoint commits, when: the trainer writes both to
+its metrics, for the benchmarks' blocked-against-bare-copy and copy-to-commit figures.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,11 +51,17 @@ from moeckpt.reshard.placement import placements
 from moeckpt.reshard.save_protocol import SaveFailedError, SaveHooks, save_collective
 
 from .faults import FaultInjector
+from .memory_pace import MemoryPace
 from .memory_tier import MemoryStats, MemoryTier
 
 __all__ = ["CheckpointManager", "SaveFailedError", "SaveStats"]
 
 log = logging.getLogger(__name__)
+
+
+def _made(state):
+    """A state given as a callable, made now (see :meth:`CheckpointManager.save`)."""
+    return state() if callable(state) else state
 
 
 @dataclass
@@ -70,6 +82,24 @@ class SaveStats:
     skipped: bool = False
     #: the memory ring's slot the snapshot landed in (:mod:`.memory_ring`), busy until this save's writes end.
     memory_slot: int | None = None
+    #: seconds of ``blocked_s`` spent gathering the local state and train state (when given as callables).
+    state_s: float = 0.0
+    #: seconds spent asking every rank whether a memory save is still in flight (a collective); part of
+    #: ``blocked_s``, except for a left-out save, whose ``blocked_s`` is 0 (it gathered and copied nothing).
+    decide_s: float = 0.0
+    #: seconds of ``blocked_s`` spent waiting for the previous memory-only save's thread to be joined.
+    wait_s: float = 0.0
+    #: seconds of ``blocked_s`` spent taking a ring slot (and unlinking the step it held).
+    acquire_s: float = 0.0
+    #: seconds of ``blocked_s`` that were the snapshot's own copy (device-to-host, or host-to-host on a CPU).
+    copy_s: float = 0.0
+    #: with a memory ring: whether its slots were registered as pinned memory at the copy, and whether their
+    #: registration and warm-up was still running then.
+    ring_pinned: bool | None = None
+    ring_pinning: bool | None = None
+    #: wall-clock time (``time.time()``) the snapshot was taken, and the memory checkpoint committed.
+    copied_at: float | None = None
+    memory_committed_at: float | None = None
 
 
 @dataclass
@@ -132,8 +162,11 @@ class CheckpointManager:
         self.history: list[SaveStats] = []
         #: the in-memory tier (:mod:`.memory_tier`), set by the trainer with ``--memory-tier``.
         self._memory: MemoryTier | None = None
-        #: memory-only saves left out so far (the previous one still being written), logged with each.
-        self.memory_skipped = 0
+        #: the memory interval and the memory saves left out (:mod:`.memory_pace`); the trainer sets
+        #: ``--memory-every``'s.
+        self.memory_pace = MemoryPace(every=0)
+        #: memory commits not yet reported by :meth:`memory_commits`.
+        self._unreported: list[SaveStats] = []
         #: a gloo group of the whole world for the training thread's one question before a memory-only save
         #: (is the previous memory-only save still being written anywhere?), set with :attr:`memory`. The memory
         #: tier's own group must not be :attr:`group` either: its writes run beside a persistent one.
@@ -164,12 +197,18 @@ class CheckpointManager:
         ring = self._memory.ring if self._memory is not None else None
         return ring.acquire(step) if ring is not None else None
 
+    def _ring_state(self, stats: SaveStats) -> None:
+        """Note in ``stats`` whether the snapshot's slot was pinned and the ring still being pinned."""
+        ring = self._memory.ring if self._memory is not None else None
+        if ring is not None and stats.memory_slot is not None:
+            stats.ring_pinned, stats.ring_pinning = ring.stats.pinned, ring.pinning
+
     # -- saving ---------------------------------------------------------------------------------------------
     def save(
         self,
         step: int,
-        local_state: dict[str, torch.Tensor],
-        train_state: dict[str, Any],
+        local_state: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]],
+        train_state: dict[str, Any] | Callable[[], dict[str, Any]],
         *,
         persist: bool = True,
         to_memory: bool = False,
@@ -178,58 +217,74 @@ class CheckpointManager:
 
         With ``to_memory`` (and a memory tier) the same snapshot is first committed into the memory tier, then,
         with ``persist``, into the run directory: one host copy, two writers. Returns after the snapshot when
-        saving asynchronously, after the commit(s) otherwise.
+        saving asynchronously, after the commit(s) otherwise. Either state may be a callable that makes it: it
+        is then made only once the save is known to take a snapshot (a memory save left out gathers nothing).
         """
+        entered = time.perf_counter()
         to_memory = to_memory and self.memory is not None
         if to_memory and not persist:
-            return self._save_memory_only(step, local_state, train_state)
+            return self._save_memory_only(step, local_state, train_state, entered)
         self._wait_persistent()
-        if to_memory and self._busy_anywhere():
-            # The memory tier never delays a persistent save: while a memory-only write is still in flight (on any
-            # rank: all decide alike), this save goes to the run directory alone instead of queueing behind it, so
-            # a memory tier slower than --memory-every cannot leave the newest persisted step older than it would
-            # be without one.
-            log.debug("memory part of the save of step %d left out: a memory write is still in flight", step)
-            to_memory = False
+        waited = time.perf_counter()
+        decide_s, left = 0.0, False
+        if to_memory:
+            busy = self._busy_anywhere()
+            decide_s = time.perf_counter() - waited
+            if busy:
+                # The memory tier never delays a persistent save: while a memory-only write is still in flight (on
+                # any rank: all decide alike), this save goes to the run directory alone instead of queueing behind
+                # it, so a memory tier slower than --memory-every cannot leave the newest persisted step older than
+                # it would be without one. Its memory part is left out, counted and logged as any other.
+                self.memory_pace.left_out(step, self._memory_step_in_flight())
+                to_memory, left = False, True
+            else:
+                self.memory_pace.kept_up(step)
         t0 = time.perf_counter()
+        local, state = _made(local_state), _made(train_state)
+        t1 = time.perf_counter()
         slot = self._ring_slot(step) if to_memory else None
+        t2 = time.perf_counter()
         # With a memory ring the snapshot lands in its slot, and the persistent write reads the same slot.
-        pieces = self._snapshot(local_state, self._buffers if slot is None else self._ring_views(slot))
+        pieces = self._snapshot(local, self._buffers if slot is None else self._ring_views(slot))
         stats = SaveStats(
             step=step,
             blocked_s=0.0,
             bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
             persisted=persist,
             memory_slot=slot,
+            state_s=t1 - t0,
+            decide_s=decide_s,
+            wait_s=waited - entered,
+            acquire_s=t2 - t1,
+            copy_s=time.perf_counter() - t2,
+            copied_at=time.time(),
+            skipped=left,
         )
+        self._ring_state(stats)
         memory_turn = self._memory_turn() if to_memory else None
-        self._inflight = self._start(step, pieces, train_state, stats, to_memory, memory_turn, t0, "save")
+        self._inflight = self._start(step, pieces, state, stats, to_memory, memory_turn, entered, "save")
         return stats
 
-    def _save_memory_only(
-        self, step: int, local_state: dict[str, torch.Tensor], train_state: dict[str, Any]
-    ) -> SaveStats:
+    def _save_memory_only(self, step: int, local_state, train_state, entered: float) -> SaveStats:
         """A memory checkpoint from a fresh snapshot into the memory-only buffers, written in its own thread: a
         persistent write in flight is not waited for (its memory part, if any, is: memory commits stay in order)."""
-        if self._busy_anywhere():
+        busy = self._busy_anywhere()
+        decided = time.perf_counter()
+        if busy:
             # A memory checkpoint is worth having only if it costs no training time: while the previous memory-only
             # save is still being written (the tier is slower than --memory-every), this one is left out on every
-            # rank.
-            stats = SaveStats(step=step, persisted=False, skipped=True)
+            # rank, and the interval widens (every rank alike: the answer above is agreed).
+            stats = SaveStats(step=step, persisted=False, skipped=True, decide_s=decided - entered)
             self.history.append(stats)
-            self.memory_skipped += 1
-            done = [s.step for s in self.history if s.memory is not None and s.memory.committed]
-            every = (done[-1] - done[0]) / (len(done) - 1) if len(done) > 1 else None
-            log.info(
-                "memory checkpoint of step %d left out (%d so far): the previous memory save is still being "
-                "written; the effective memory interval is %s",
-                step,
-                self.memory_skipped,
-                f"{every:.1f} steps" if every is not None else "not known yet",
-            )
+            self.memory_pace.left_out(step, self._memory_step_in_flight())
             return stats
+        self.memory_pace.kept_up(step)
         self._wait_memory()
+        t0 = time.perf_counter()
+        local, state = _made(local_state), _made(train_state)
+        t1 = time.perf_counter()
         slot = self._ring_slot(step)
+        t2 = time.perf_counter()
         if slot is None and not self._memory_buffers and self.rank == 0:
             share = sum(e.nbytes for e in self.tensors.values()) / max(1, self.layout.world)
             log.info(
@@ -237,23 +292,49 @@ class CheckpointManager:
                 "persistent save's), so they need not wait for a persistent save being written",
                 share / 1e6,
             )
-        t0 = time.perf_counter()
-        pieces = self._snapshot(local_state, self._memory_buffers if slot is None else self._ring_views(slot))
+        pieces = self._snapshot(local, self._memory_buffers if slot is None else self._ring_views(slot))
         stats = SaveStats(
             step=step,
             bytes_written=sum(p.data.numel() * p.data.element_size() for p in pieces),
             persisted=False,
             memory_slot=slot,
+            state_s=t1 - t0,
+            decide_s=decided - entered,
+            wait_s=t0 - decided,
+            acquire_s=t2 - t1,
+            copy_s=time.perf_counter() - t2,
+            copied_at=time.time(),
         )
+        self._ring_state(stats)
         memory_turn = self._memory_turn()
-        self._memory_inflight = self._start(step, pieces, train_state, stats, True, memory_turn, t0, "memory-save")
+        self._memory_inflight = self._start(step, pieces, state, stats, True, memory_turn, entered, "memory-save")
         return stats
+
+    @property
+    def memory_skipped(self) -> int:
+        """Memory saves left out so far (:attr:`memory_pace`)."""
+        return self.memory_pace.left
+
+    def memory_due(self, step: int) -> bool:
+        """Whether a memory-only save is due at ``step`` (the effective interval, :mod:`.memory_pace`)."""
+        return self.memory is not None and self.memory_pace.due(step)
+
+    def _memory_step_in_flight(self) -> int | None:
+        inflight = self._memory_inflight
+        return inflight.stats.step if inflight is not None and inflight.thread.is_alive() else None
+
+    def memory_commits(self) -> list[SaveStats]:
+        """The saves whose memory checkpoint committed since the last call (training thread), oldest first."""
+        done = [s for s in self._unreported if s.memory is not None]
+        self._unreported = [s for s in self._unreported if s.memory is None]
+        return [s for s in done if s.memory_committed_at is not None]
 
     def _start(
         self, step, pieces, train_state, stats: SaveStats, to_memory: bool, memory_turn, t0: float, what: str
     ) -> _InFlight | None:
         """Write the snapshot ``pieces``: in a thread of its own when saving asynchronously (returned, to be
-        joined), else here; ``stats.blocked_s`` is the time since ``t0`` that training waited."""
+        joined), else here; ``stats.blocked_s`` is the time since ``t0`` (the save was asked for) that training
+        waited, the thread's start included."""
         inflight = None
         if self.async_save:
             errors: list[BaseException] = []
@@ -264,9 +345,13 @@ class CheckpointManager:
                 name=f"moeckpt-{what}-{step}",
             )
             inflight = _InFlight(thread, stats, errors)
-            stats.blocked_s = time.perf_counter() - t0
+            if to_memory:
+                self._unreported.append(stats)
             thread.start()
+            stats.blocked_s = time.perf_counter() - t0
         else:
+            if to_memory:
+                self._unreported.append(stats)
             self._write(step, pieces, dict(train_state), stats, to_memory, memory_turn)
             stats.blocked_s = time.perf_counter() - t0
         self.history.append(stats)
@@ -377,7 +462,7 @@ class CheckpointManager:
                 try:
                     if previous is not None:
                         previous.wait()  # the memory write before this one (a thread of its own) has ended
-                    stats.memory = self.memory.save(
+                    saved = self.memory.save(
                         step,
                         pieces,
                         tensors=self.tensors,
@@ -386,6 +471,8 @@ class CheckpointManager:
                         train_state=train_state,
                         slot=stats.memory_slot,
                     )
+                    stats.memory_committed_at = time.time()  # before .memory: memory_commits() reads them in turn
+                    stats.memory = saved
                 except MoeckptError as e:  # every rank raises it alike (agreed inside), none is left in a collective
                     stats.memory = MemoryStats(step=step, error=str(e))
                     log.warning("memory checkpoint of step %d not committed: %s", step, e)

@@ -301,7 +301,8 @@ class TrainConfig:
     memory_every: int = setting(
         0,
         "with --memory-tier: a memory checkpoint every K steps (0: at every save); one "
-        "due while the previous memory checkpoint is still being written is left out",
+        "due while the previous memory checkpoint is still being written is left out, counted and logged, "
+        "and the interval doubles until the tier keeps up, then halves back to K",
         "checkpointing",
         min=0,
         max=_BIG,

@@ -142,6 +142,8 @@ class MemoryRing:
         self._slots = [self._open(os.path.join(directory, f"slot-{k}.safetensors")) for k in range(slots)]
         self._find_steps()
         self._pinning: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_threads = 0
         if pin:
             # Registering (and first touching by DMA) the slots takes seconds for a large state: a thread does it
             # while the model loads and the resume runs, so a restart's first step does not wait for it; a snapshot
@@ -285,6 +287,12 @@ class MemoryRing:
             if ino in inodes:
                 inodes[ino].step = int(name[5:])
 
+    @property
+    def pinning(self) -> bool:
+        """Whether the background registration and warm-up is still running (a copy now may be a pageable one,
+        or share the copy engine with the warm-up)."""
+        return self._pinning is not None and self._pinning.is_alive()
+
     # -- saving ---------------------------------------------------------------------------------------------
     def acquire(self, step: int) -> int | None:
         """A slot for ``step`` (training thread): a free one, else the one holding the oldest step, never a busy
@@ -350,9 +358,10 @@ class MemoryRing:
         def one(job: tuple[int, int, int]) -> str:
             return checksum(raw[job[1] : job[2]])
 
-        if threads > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-ring-hash") as pool:
-                digests = list(pool.map(one, jobs))
+        if threads > 1 and len(jobs) > 1 and self.size > 2 * CHECKSUM_BLOCK_BYTES:
+            # One pool for the ring's life: a pool made per save costs the commit a few ms of thread starts, more
+            # than hashing a small state takes on one thread (which is why a small one is hashed inline).
+            digests = list(self._hash_pool(threads).map(one, jobs))
         else:
             digests = [one(j) for j in jobs]
         sums: list[list[str]] = [[] for _ in self.layout]
@@ -365,6 +374,14 @@ class MemoryRing:
         if self.size:
             raw.release()  # else the mapping could not be closed
         return FileEntry(path=self.name, size=self.size, checksum=checksum(head))
+
+    def _hash_pool(self, threads: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_threads != threads:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-ring-hash")
+            self._pool_threads = threads
+        return self._pool
 
     def link(self, k: int, directory: str) -> None:
         """Hard-link slot ``k``'s file into ``directory`` (a step's staging directory) under this rank's name."""
@@ -386,6 +403,9 @@ class MemoryRing:
         """Unregister and unmap (the files stay, for the next process of the run)."""
         if self._pinning is not None:
             self._pinning.join()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
         self._unpin()
         for slot in self._slots:
             slot.views = {}

@@ -32,6 +32,7 @@ from .build import (
     join_memory_tier,
 )
 from .config import TrainConfig
+from .memory_pace import MemoryPace
 from .metrics import MetricsLog
 from .phases import phase_durations
 from .preflight import DTYPES, check_run_dir, check_shape, open_dataset, run_model
@@ -91,6 +92,7 @@ class Trainer(ResumeSteps):
             join_memory_tier(config, self.rank, self.tensors, self.checkpoints.group) if config.memory_tier else None
         )
         self.checkpoints.memory = self.memory
+        self.checkpoints.memory_pace = MemoryPace(every=config.memory_every if config.memory_tier else 0)
         if self.memory is not None and dist.is_initialized():
             self.checkpoints.decide_group = dist.new_group(backend="gloo")
         self.nan_rollbacks = 0
@@ -176,10 +178,10 @@ class Trainer(ResumeSteps):
         (``memory``, default: with every persistent save when the tier is on); returns the seconds training was
         blocked (one snapshot for both)."""
         memory = self.memory is not None and (persist if memory is None else memory)
-        stats = self.checkpoints.save(
-            self.step, self.local_state(), self.train_state(), persist=persist, to_memory=memory
-        )
+        # The states as callables: a memory save left out (the previous one in flight) gathers neither.
+        stats = self.checkpoints.save(self.step, self.local_state, self.train_state, persist=persist, to_memory=memory)
         self.last_save = stats
+        self.last_save_memory = memory and not stats.skipped
         return stats.blocked_s
 
     def run(self, *, should_stop: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
@@ -211,14 +213,18 @@ class Trainer(ResumeSteps):
                     continue
                 persist = bool(cfg.save_every and self.step % cfg.save_every == 0) or self.step == stop
                 memory = self.memory is not None and (
-                    self.step % cfg.memory_every == 0 if cfg.memory_every else persist
+                    self.checkpoints.memory_due(self.step) if cfg.memory_every else persist
                 )
                 if persist or memory:
                     record["save_blocked_s"] = self.save(persist=persist, memory=memory)
+                    record["save"] = self._save_record()
                     if self.last_save.skipped:
                         record["memory_skipped"] = True
                     if persist:
                         last_saved = self.step
+                if self.memory is not None and cfg.memory_every:
+                    record["memory_every"] = self.checkpoints.memory_pace.effective
+                self._report_memory_commits()
                 self.metrics.write(record)
                 if not records:
                     self._log_phases(record["time"])
@@ -234,11 +240,68 @@ class Trainer(ResumeSteps):
             if last_saved != self.step and not (self.stopped_early and not records):
                 self.save()
             self.checkpoints.wait()
+            self._report_memory_commits()
+            self._summarise_memory()
         finally:
             if watchdog is not None:
                 watchdog.stop()
             self.metrics.flush()
         return records
+
+    def _save_record(self) -> dict[str, Any]:
+        """Where the training thread waited in the save just made (the step's ``save`` metrics): the state
+        gathered, the in-flight question, the previous thread joined, the ring slot, the copy; ``blocked_s`` is
+        all of it, ``bytes`` what the copy moved."""
+        s = self.last_save
+        return {
+            "blocked_s": round(s.blocked_s, 6),
+            "state_s": round(s.state_s, 6),
+            "decide_s": round(s.decide_s, 6),
+            "wait_s": round(s.wait_s, 6),
+            "acquire_s": round(s.acquire_s, 6),
+            "copy_s": round(s.copy_s, 6),
+            "bytes": s.bytes_written,
+            "memory": self.last_save_memory,
+            "persisted": s.persisted,
+            "skipped": s.skipped,
+            "ring_pinned": s.ring_pinned,
+            "ring_pinning": s.ring_pinning,
+        }
+
+    def _report_memory_commits(self) -> None:
+        """A ``memory_commit`` event for each memory checkpoint committed since the last step: when its copy was
+        taken and when it committed (the benchmarks' copy-to-commit latency, in seconds and in steps)."""
+        for s in self.checkpoints.memory_commits():
+            self.metrics.write(
+                {
+                    "event": "memory_commit",
+                    "step": s.step,
+                    "copied_at": s.copied_at,
+                    "committed_at": s.memory_committed_at,
+                    "after_copy_s": round((s.memory_committed_at or 0.0) - (s.copied_at or 0.0), 6),
+                    "write_s": round(s.memory.seconds, 6) if s.memory is not None else None,
+                    "at_step": self.step,
+                    "time": time.time(),
+                }
+            )
+
+    def _summarise_memory(self) -> None:
+        """At the end of a run with ``--memory-every``: a ``memory_pace`` event with the interval asked for, the
+        effective one, and the memory saves left out; logged on rank 0."""
+        if self.memory is None or not self.config.memory_every:
+            return
+        pace = self.checkpoints.memory_pace.summary()
+        self.metrics.write({"event": "memory_pace", "step": self.step, **pace, "time": time.time()})
+        if self.rank == 0:
+            log.info(
+                "memory tier: --memory-every %d, effective interval %d steps at the end (widest %d), %d memory "
+                "save(s) left out%s",
+                pace["memory_every"],
+                pace["effective_every"],
+                pace["widest_every"],
+                pace["left_out"],
+                f" (steps {', '.join(map(str, pace['left_out_steps']))})" if pace["left_out"] else "",
+            )
 
     def _log_phases(self, first_step: float) -> None:
         """After this start's first step (done at ``first_step``, before its save): when each phase of the start

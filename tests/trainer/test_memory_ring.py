@@ -152,3 +152,75 @@ def test_the_trainers_memory_checkpoint_files_are_its_ring_slots_and_a_restart_r
         assert (trainer.resume_tier, trainer.step) == ("memory", 3)
     finally:
         trainer.close()
+
+
+def test_a_flipped_byte_in_a_ring_slot_and_a_short_slot_are_never_loaded(tmp_path, caplog):
+    """The memory checkpoint's file is its ring slot (one inode): one byte flipped in the slot file fails the
+    checksum and the resume takes the older memory step, saying so; that step's slot cut short is caught by its
+    size and the resume falls back to storage, saying so. Neither copy is loaded."""
+    import logging
+
+    from moeckpt.trainer import memory_tier
+    from moeckpt.trainer.metrics import read_metrics
+    from moeckpt.trainer.train import TrainConfig, Trainer
+    from tests.train_workers import memory_run
+
+    cfg = TrainConfig(
+        run_dir=str(tmp_path / "run"),
+        memory_tier=True,
+        memory_dir=str(tmp_path / "shm"),
+        model="zaya-tiny",
+        steps=6,
+        seq_len=32,
+        global_batch=4,
+        warmup_steps=2,
+        cpu=True,
+    )
+    memory_run(0, cfg.to_json(), 3, (1,), (2, 3))  # storage: step 1; memory: steps 2 and 3, in two slots
+    root = memory_tier.run_root(str(tmp_path / "shm"), memory_tier.run_id(cfg.run_dir, create=False))
+    node = os.path.join(root, memory_tier.node_name())
+    ring = os.path.join(root, f"{memory_tier.node_name()}.ring", "rank-00000")
+
+    def slot_of(step: int) -> str:
+        link = os.path.join(node, f"step-{step:08d}", "rank-00000.safetensors")
+        (slot,) = [
+            os.path.join(ring, n)
+            for n in os.listdir(ring)
+            if os.stat(os.path.join(ring, n)).st_ino == os.stat(link).st_ino
+        ]
+        return slot
+
+    def resume() -> tuple[str | None, int]:
+        trainer = Trainer(cfg)
+        try:
+            return trainer.resume_tier, trainer.step
+        finally:
+            trainer.close()
+            if trainer.memory is not None and trainer.memory.ring is not None:
+                trainer.memory.ring.close()  # unmapped before a slot file is cut short below
+
+    def damaged() -> list[tuple[str, int]]:
+        events = read_metrics(cfg.run_dir, events=True)
+        return [(e["tier"], e["step"]) for e in events if e.get("event") == "damaged_checkpoint"]
+
+    caplog.set_level(logging.WARNING, logger="moeckpt")
+    slot3, slot2 = slot_of(3), slot_of(2)
+    with open(slot3, "r+b") as f:  # one byte of the data, in the slot file itself
+        f.seek(os.path.getsize(slot3) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert resume() == ("memory", 2)
+    assert damaged() == [("memory", 3)]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "memory checkpoint of step 3" in said and "rejected" in said
+    assert "resuming from memory step 2" in said
+
+    caplog.clear()
+    with open(slot2, "r+b") as f:  # the slot of step 2 cut short
+        f.truncate(os.path.getsize(slot2) // 2)
+    assert resume() == ("storage", 1)
+    assert damaged() == [("memory", 3), ("memory", 2)]
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "memory checkpoint of step 2" in said and "the index says" in said
+    assert "resuming from storage" in said
