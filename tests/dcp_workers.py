@@ -10,7 +10,8 @@ the model's state dict at the top level, ``optimizer`` flattened by parameter (t
 MoE layer of a shared expert and sigmoid-routed experts with group-limited top-k and a trained ``expert_bias_E``),
 parallelized by ``parallelize_deepseekv3`` over 2 ranks (TP 2, EP 2 borrowing the TP ranks).
 
-``megatron OUT``: Megatron-Core's tiny GPTModel with MoE layers, saved by its own ``dist_checkpointing.save``.
+``megatron OUT``: Megatron-Core's tiny GPTModel with MoE layers, saved by its own ``dist_checkpointing.save``;
+``megatron-mixtral OUT``: the same model as Mixtral (no q/k layer norms).
 
 ``titan-names OUT``: the same names, shapes and DTensor shardings without torchtitan installed: a Qwen3-MoE from
 moeckpt's plan renamed to torchtitan's names, sharded over a 2 x 2 mesh, with AdamW moments, through dcp.save.
@@ -377,9 +378,33 @@ def write_titan_names(out: str) -> None:
             p.data.full_tensor()  # full_tensor is collective: every rank takes part
 
 
-def write_megatron(out: str) -> None:
+def hf_mixtral_config_json() -> dict:
+    """The Hugging Face ``config.json`` of the tiny model as Mixtral (what ``--model`` is given)."""
+    t = TINY
+    return {
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        "vocab_size": t["vocab"],
+        "hidden_size": t["dim"],
+        "intermediate_size": t["moe_hidden"],
+        "num_hidden_layers": t["n_layers"],
+        "num_attention_heads": t["n_heads"],
+        "num_key_value_heads": t["n_kv_heads"],
+        "head_dim": t["head_dim"],
+        "num_local_experts": t["experts"],
+        "num_experts_per_tok": t["top_k"],
+        "max_position_embeddings": 128,
+        "rope_theta": 1e6,
+        "rms_norm_eps": 1e-6,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+    }
+
+
+def write_megatron(out: str, qk_layernorm: bool = True) -> None:
     """Megatron-Core's GPTModel with MoE layers (local spec, SequentialMLP experts) saved by its own
-    ``dist_checkpointing.save`` (torch_dist backend), and its own forward's logits beside it.
+    ``dist_checkpointing.save`` (torch_dist backend), and its own forward's logits beside it. With q/k layer norms
+    it is a Qwen3-MoE; without, a Mixtral.
 
     Megatron-Core 0.16.1 assumes CUDA in a few places that this CPU build of torch does not have; each shim below
     replaces exactly one such call and changes no computation: ``torch.cuda.current_device()`` (the rotary
@@ -421,7 +446,7 @@ def write_megatron(out: str) -> None:
         gated_linear_unit=True,
         activation_func=F.silu,
         normalization="RMSNorm",
-        qk_layernorm=True,
+        qk_layernorm=qk_layernorm,
         add_bias_linear=False,
         moe_grouped_gemm=False,
         moe_token_dispatcher_type="allgather",
@@ -435,7 +460,7 @@ def write_megatron(out: str) -> None:
         attention_dropout=0.0,
     )
     spec = get_gpt_layer_local_spec(
-        num_experts=t["experts"], moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+        num_experts=t["experts"], moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization="RMSNorm"
     )
     model = GPTModel(
         config=cfg,
@@ -468,6 +493,7 @@ def main() -> None:
             "torchtitan-dsv3": lambda o: write_torchtitan(o, "deepseek_v3"),
             "titan-names": write_titan_names,
             "megatron": write_megatron,
+            "megatron-mixtral": lambda o: write_megatron(o, qk_layernorm=False),
         }
         writers[kind](out)
         dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)

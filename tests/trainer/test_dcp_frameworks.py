@@ -13,7 +13,9 @@
   complex-multiply RoPE against rotate-half and flex attention against sdpa, and the difference grows by layer from
   6e-6 after the first attention); the exported weights are bit for bit what torchtitan's own adapter gives.
 * Megatron-Core: its GPTModel with MoE layers saved by ``dist_checkpointing.save`` (torch_dist);
-  ``import-dcp --mapping megatron`` -> ``export-hf`` -> transformers gives Megatron's own logits within 1e-5.
+  ``import-dcp --mapping megatron`` -> ``export-hf`` -> transformers gives Megatron's own logits within 1e-5;
+  the same model without q/k layer norms is a Mixtral: ``--mapping megatron --model`` its config.json gives
+  ``mixtral``, and transformers' MixtralForCausalLM Megatron's logits within 1e-5.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..dcp_workers import (
     TINY_DSV3,
     hf_config_json,
     hf_dsv3_config_json,
+    hf_mixtral_config_json,
     torchtitan_config,
     torchtitan_dsv3_config,
     torchtitan_logits,
@@ -282,3 +285,51 @@ def test_megatron_chain(megatron_dcp, tmp_path, moeckpt_cli):
     assert moeckpt_cli("export-hf", ck, hf)[0] == 0
     ref = load_file(megatron_dcp + ".logits.safetensors")
     assert (_transformers_logits(str(hf), ref["tokens"]) - ref["logits"]).abs().max() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def megatron_mixtral_dcp(tmp_path_factory) -> str:
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    pytest.importorskip("psutil", reason="megatron-core's saver needs psutil")
+    out = str(tmp_path_factory.mktemp("megatron-mixtral") / "dcp")
+    torchrun("megatron-mixtral", out, 1)
+    return out
+
+
+def test_megatron_mixtral_chain(megatron_mixtral_dcp, tmp_path, moeckpt_cli):
+    from safetensors.torch import load_file
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(hf_mixtral_config_json()))
+    ck, hf = tmp_path / "ck", tmp_path / "hf"
+    code, _, err = moeckpt_cli(
+        "import-dcp", megatron_mixtral_dcp, ck, "--tp", "2", "--ep", "2", "--dp", "2", "--mapping", "megatron",
+        "--model", config,
+    )  # fmt: skip
+    assert code == 0, err
+    assert CheckpointReader(str(ck)).index.model["arch"] == "mixtral"
+    assert moeckpt_cli("verify", ck)[0] == 0
+    assert moeckpt_cli("export-hf", ck, hf)[0] == 0
+    assert json.loads((hf / "config.json").read_text())["model_type"] == "mixtral"
+    ref = load_file(megatron_mixtral_dcp + ".logits.safetensors")
+    assert (_transformers_logits(str(hf), ref["tokens"]) - ref["logits"]).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "model, what",
+    [
+        (None, "needs --model"),
+        ({"head_dim": 8}, "which does not fit"),
+        ({"intermediate_size": 64}, "gate_up_proj (shape [4, 128, 64]) is not filled exactly"),
+        ({"num_hidden_layers": 3}, "num_hidden_layers=3"),
+    ],
+    ids=["no-model", "other-head-dim", "larger-experts", "other-layers"],
+)
+def test_megatron_mixtral_refuses_a_config_that_does_not_fit(megatron_mixtral_dcp, tmp_path, moeckpt_cli, model, what):
+    args = []
+    if model is not None:
+        config = tmp_path / "config.json"
+        config.write_text(json.dumps({**hf_mixtral_config_json(), **model}))
+        args = ["--model", str(config)]
+    code, out, err = moeckpt_cli("import-dcp", megatron_mixtral_dcp, tmp_path / "ck", "--mapping", "megatron", *args)
+    assert code == 2 and what in err and "Traceback" not in err, (out, err)

@@ -1,4 +1,5 @@
-"""Megatron-Core's GPTModel with MoE layers (``dist_checkpointing``, ``torch_dist`` backend) -> ``qwen3_moe``.
+"""Megatron-Core's GPTModel with MoE layers (``dist_checkpointing``, ``torch_dist`` backend) -> ``qwen3_moe``
+(with q/k layer norms) or ``mixtral`` (without).
 
 Megatron saves *sharded keys*, not module names: a layer's tensors are stacked along a leading layer dim
 (``decoder.layers.self_attention.linear_qkv.weight [L, ...]``; per layer ``decoder.layers.<i>.`` when the layers
@@ -15,7 +16,13 @@ differ), local-spec layer norms are saved under the Transformer Engine names
 * the distributed optimizer in model space (``fully_reshardable``, ``fully_sharded_model_space``) and the plain
   optimizer save ``optimizer.state.{exp_avg,exp_avg_sq,param|fp32_param}.<model key>``, shaped as the model key.
 
-Every one of these becomes slots of the bundled plan's tensors: no tensor is reshaped in memory. ``common.pt``
+Both plans hold these tensors under the same Hugging Face names (Qwen3-MoE adds ``q_norm``/``k_norm``), so one set
+of slots serves both. A Mixtral import needs ``--model`` (its ``config.json``): without q/k layer norms no shape
+tells the head dim, and the tensors must then cover the config's plan exactly. Megatron's router (top-k of the
+logits, then a softmax over those, ``moe_router_pre_softmax=False``) is Mixtral's (a softmax, top-k, then the k
+weights renormalized): the same weights.
+
+Every one of these becomes slots of the plan's tensors: no tensor is reshaped in memory. ``common.pt``
 (Megatron's pickled common state: arguments, RNG, the optimizer step) is never read.
 """
 
@@ -29,12 +36,15 @@ import torch
 from moeckpt.formats.box import Box
 from moeckpt.formats.dcp import DcpCheckpoint
 from moeckpt.reshard.dcp_source import Slot
+from moeckpt.reshard.tensors import logical_tensors
 
 from ..models import ModelSpec
+from ..models.mixtral import ARCH as MIXTRAL
 from ..models.qwen3_moe import ARCH as QWEN3_MOE
 from .common import (
     Mapped,
     MappingError,
+    check_covers,
     check_shapes,
     qkv_group_slots,
     qwen3_config,
@@ -102,7 +112,8 @@ class _Key:
 
 
 def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
-    """A Megatron-Core GPT MoE checkpoint as the bundled ``qwen3_moe`` model, optimizer state included."""
+    """A Megatron-Core GPT MoE checkpoint as a ``qwen3_moe`` (q/k layer norms) or ``mixtral`` model, optimizer
+    state included."""
     where = dcp.location
     notes: list[str] = []
     _check_backend(dcp, notes)
@@ -119,19 +130,27 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
     unknown = [n for n, k in keys.items() if not _known(k)]
     if unknown:
         raise MappingError(
-            f"{where}: {len(unknown)} tensor(s) are not part of a Megatron GPT MoE model the bundled qwen3_moe has, "
-            f"e.g. {unknown[:3]} (dense MLP layers, shared experts and biases are not in qwen3_moe); use --mapping none"
+            f"{where}: {len(unknown)} tensor(s) are not part of a Megatron GPT MoE model the qwen3_moe and mixtral "
+            f"plans have, e.g. {unknown[:3]} (dense MLP layers, shared experts and biases are not in them); use "
+            "--mapping none"
         )
     if "embedding.word_embeddings.weight" not in keys:
         raise MappingError(f"{where}: no embedding.word_embeddings.weight: not a Megatron GPT checkpoint")
     for n, k in keys.items():
         if k.rest == _BIAS and torch.count_nonzero(dcp.read_tensor(n)).item():
             raise MappingError(
-                f"{where}: {n} is not zero: the router was trained with expert biases, which Qwen3-MoE does not compute"
+                f"{where}: {n} is not zero: the router was trained with expert biases, which neither Qwen3-MoE nor "
+                "Mixtral computes"
             )
-    shapes, layers = _shapes(dcp, keys, where)
-    cfg = qwen3_config(shapes, "output_layer.weight" not in keys, model, where, notes)
     dtype = dcp.tensors["embedding.word_embeddings.weight"].dtype
+    qk_norms = any(k.rest == "self_attention.q_layernorm.weight" for k in keys.values())
+    if qk_norms:
+        shapes, layers = _shapes(dcp, keys, where)
+        cfg = qwen3_config(shapes, "output_layer.weight" not in keys, model, where, notes)
+        arch = QWEN3_MOE
+    else:
+        cfg, layers = _mixtral_config(dcp, keys, model, where)
+        arch = MIXTRAL
     real = [n for n, k in keys.items() if k.rest != _BIAS]
     have = {r for n in real for r in opt.get(n, {})}
     full = {"exp_avg", "exp_avg_sq"} | ({"master"} if dtype != "float32" else set())
@@ -148,7 +167,10 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
             "the AdamW step count is in Megatron's common.pt, which moeckpt does not unpickle: bias "
             "correction restarts from step 0"
         )
-    tensors = qwen3_tensors(cfg, dtype, with_optimizer)
+    if arch == QWEN3_MOE:
+        tensors = qwen3_tensors(cfg, dtype, with_optimizer)
+    else:
+        tensors = logical_tensors(ModelSpec(arch, cfg).param_specs(), param_dtype=dtype, with_optimizer=with_optimizer)
     roles = ["param"] + (sorted(full) if with_optimizer else [])
     if with_optimizer and dtype == "float32" and any("master" in opt.get(n, {}) for n in real):
         notes.append("fp32 master copies dropped: the parameters are fp32 and are their own master")
@@ -158,9 +180,30 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
             src = n if role == "param" else opt[n][role]
             slots += _slots(keys[n], src, dcp.tensors[src].shape, role, cfg, layers)
     check_shapes(tensors, slots, dcp, where)
+    check_covers(tensors, slots, dcp, where)
     return Mapped(
-        model={"arch": QWEN3_MOE, "config": cfg.to_json()}, tensors=tensors, slots=slots, notes=notes, train_state={}
+        model={"arch": arch, "config": cfg.to_json()}, tensors=tensors, slots=slots, notes=notes, train_state={}
     )
+
+
+def _mixtral_config(dcp: DcpCheckpoint, keys: dict[str, _Key], model: ModelSpec | None, where: str):
+    """The ``--model`` Mixtral config of a checkpoint without q/k layer norms, and its layer count."""
+    if model is None or model.arch != MIXTRAL:
+        raise MappingError(
+            f"{where}: a Megatron GPT MoE checkpoint without q/k layer norms maps onto mixtral, which needs --model "
+            "with the model's mixtral config.json"
+            + (f" (got a {model.arch} model)" if model is not None else "")
+            + ": no tensor shape tells its head dim, top-k or RoPE theta"
+        )
+    cfg = model.config
+    stacked = [dcp.tensors[n].shape[0] for n, k in keys.items() if k.stacked]
+    layers = {1 + k.layer for k in keys.values() if k.layer is not None}
+    found = stacked[0] if stacked else max(layers, default=0)
+    if found != cfg.num_hidden_layers:
+        raise MappingError(
+            f"{where}: the checkpoint has {found} layers but --model gives num_hidden_layers={cfg.num_hidden_layers}"
+        )
+    return cfg, found
 
 
 def _check_backend(dcp: DcpCheckpoint, notes: list[str]) -> None:
