@@ -484,6 +484,109 @@ def write_megatron(out: str, qk_layernorm: bool = True) -> None:
     save_file({"tokens": tokens, "logits": logits.contiguous()}, out + ".logits.safetensors")
 
 
+def write_megatron_dsv3(out: str) -> None:
+    """Megatron-Core's GPTModel as DeepSeek-V3 (``MLATransformerConfig``: latent attention with q_lora, one dense
+    layer, then MoE layers of a shared expert and sigmoid-routed experts with group-limited top-k and a non-zero
+    ``expert_bias``), the local spec, saved by its own ``dist_checkpointing.save``, its logits beside it.
+
+    Besides :func:`write_megatron`'s shims, Megatron-Core 0.16.1's latent attention needs two on the local spec
+    (without Transformer Engine it fails to build): it hands its core attention ``k_channels``/``v_channels``,
+    which only TE's attention takes (the local one sizes its output from ``kv_channels``, set here to
+    ``v_head_dim``, and takes the softmax scale MLA passes, so the two are dropped); and it tests
+    ``isinstance(..., TELinear)`` with ``TELinear`` undefined (a class nothing is an instance of stands in).
+    """
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    class LocalAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    moe_utils.te_general_gemm = None
+    multi_latent_attention.TELinear = type("NoTELinear", (), {})
+    ps.initialize_model_parallel(1, 1)
+    initialize_rng_tracker(inference_rng_tracker=True)
+    torch.manual_seed(0)
+    t = TINY_DSV3
+    cfg = MLATransformerConfig(
+        num_layers=t["n_layers"],
+        hidden_size=t["dim"],
+        num_attention_heads=t["n_heads"],
+        kv_channels=t["v_head_dim"],
+        ffn_hidden_size=t["dense_hidden"],
+        q_lora_rank=t["q_lora_rank"],
+        kv_lora_rank=t["kv_lora_rank"],
+        qk_head_dim=t["qk_nope_head_dim"],
+        qk_pos_emb_head_dim=t["qk_rope_head_dim"],
+        v_head_dim=t["v_head_dim"],
+        rope_type="rope",
+        rotary_base=t["rope_theta"],
+        num_moe_experts=t["experts"],
+        moe_router_topk=t["top_k"],
+        moe_ffn_hidden_size=t["moe_hidden"],
+        moe_shared_expert_intermediate_size=t["moe_hidden"] * t["shared_experts"],
+        moe_layer_freq=[0] * t["n_dense_layers"] + [1] * (t["n_layers"] - t["n_dense_layers"]),
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=t["groups"],
+        moe_router_group_topk=t["limited_groups"],
+        moe_router_topk_scaling_factor=t["route_scale"],
+        use_cpu_initialization=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        add_bias_linear=False,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
+        bf16=False,
+        params_dtype=torch.float32,
+        layernorm_epsilon=1e-5,
+        moe_aux_loss_coeff=0.0,
+        moe_router_dtype="fp64",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    for layer_spec in spec.layer_specs:
+        layer_spec.submodules.self_attention.submodules.core_attention = LocalAttention
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=t["vocab"],
+        max_sequence_length=128,
+        position_embedding_type="rope",
+        rotary_base=int(t["rope_theta"]),
+        share_embeddings_and_output_weights=False,
+    ).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # norms start at ones: make every weight distinct
+            p.add_(torch.randn_like(p) * 0.05)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # a trained balancing bias: routing depends on it
+                b.copy_(torch.randn_like(b) * 0.05)
+    tokens = torch.randint(0, t["vocab"], (2, 16), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(16).repeat(2, 1)
+    mask = torch.triu(torch.ones(16, 16), diagonal=1).bool()[None, None]
+    with torch.no_grad():
+        logits = model(tokens, positions, attention_mask=mask)
+    os.makedirs(out, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), out)
+    save_file({"tokens": tokens, "logits": logits.contiguous()}, out + ".logits.safetensors")
+
+
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -494,6 +597,7 @@ def main() -> None:
             "titan-names": write_titan_names,
             "megatron": write_megatron,
             "megatron-mixtral": lambda o: write_megatron(o, qk_layernorm=False),
+            "megatron-dsv3": write_megatron_dsv3,
         }
         writers[kind](out)
         dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
