@@ -9,9 +9,10 @@
 * torchtitan DeepSeek-V3: its own model (MLA with q_lora, a dense layer, a MoE layer with a shared expert,
   group-limited sigmoid routing and a trained ``expert_bias_E``) parallelized by ``parallelize_deepseekv3`` over 2
   ranks (TP 2, EP 2); the same chain, with ``--model`` its Hugging Face config.json. transformers' logits equal
-  torchtitan's within 2e-4 (fp32, logits up to ~3: measured 5.4e-5; the latent attention's ops differ in order,
+  torchtitan's within 2e-4 (fp32, logits up to ~3: measured 5.4e-5; the two use different operations,
   complex-multiply RoPE against rotate-half and flex attention against sdpa, and the difference grows by layer from
-  6e-6 after the first attention); the exported weights are bit for bit what torchtitan's own adapter gives.
+  6e-6 after the first attention; see docs/interop.md); the exported weights are bit for bit what torchtitan's own
+  adapter gives.
 * Megatron-Core: its GPTModel with MoE layers saved by ``dist_checkpointing.save`` (torch_dist);
   ``import-dcp --mapping megatron`` -> ``export-hf`` -> transformers gives Megatron's own logits within 1e-5;
   the same model without q/k layer norms is a Mixtral: ``--mapping megatron --model`` its config.json gives
