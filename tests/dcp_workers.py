@@ -11,7 +11,8 @@ MoE layer of a shared expert and sigmoid-routed experts with group-limited top-k
 parallelized by ``parallelize_deepseekv3`` over 2 ranks (TP 2, EP 2 borrowing the TP ranks).
 
 ``megatron OUT``: Megatron-Core's tiny GPTModel with MoE layers, saved by its own ``dist_checkpointing.save``;
-``megatron-mixtral OUT``: the same model as Mixtral (no q/k layer norms).
+``megatron-mixtral OUT``: the same model as Mixtral (no q/k layer norms); ``megatron-dsv3 OUT``: Megatron's GPTModel
+as DeepSeek-V3 (multi-latent attention); ``megatron-families OUT``: both, in one process.
 
 ``titan-names OUT``: the same names, shapes and DTensor shardings without torchtitan installed: a Qwen3-MoE from
 moeckpt's plan renamed to torchtitan's names, sharded over a 2 x 2 mesh, with AdamW moments, through dcp.save.
@@ -428,8 +429,9 @@ def write_megatron(out: str, qk_layernorm: bool = True) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     moe_utils.te_general_gemm = None
-    ps.initialize_model_parallel(1, 1)
-    initialize_rng_tracker(inference_rng_tracker=True)
+    if not ps.model_parallel_is_initialized():  # one process may write several models
+        ps.initialize_model_parallel(1, 1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(0)
     t = TINY
     cfg = TransformerConfig(
@@ -516,8 +518,9 @@ def write_megatron_dsv3(out: str) -> None:
 
     moe_utils.te_general_gemm = None
     multi_latent_attention.TELinear = type("NoTELinear", (), {})
-    ps.initialize_model_parallel(1, 1)
-    initialize_rng_tracker(inference_rng_tracker=True)
+    if not ps.model_parallel_is_initialized():  # one process may write several models
+        ps.initialize_model_parallel(1, 1)
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     torch.manual_seed(0)
     t = TINY_DSV3
     cfg = MLATransformerConfig(
@@ -598,6 +601,8 @@ def main() -> None:
             "megatron": write_megatron,
             "megatron-mixtral": lambda o: write_megatron(o, qk_layernorm=False),
             "megatron-dsv3": write_megatron_dsv3,
+            # both in one process (one start of torch and Megatron): OUT.mixtral and OUT.dsv3
+            "megatron-families": lambda o: (write_megatron(o + ".mixtral", False), write_megatron_dsv3(o + ".dsv3")),
         }
         writers[kind](out)
         dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)

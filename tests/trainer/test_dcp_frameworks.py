@@ -293,12 +293,23 @@ def test_megatron_chain(megatron_dcp, tmp_path, moeckpt_cli):
 
 
 @pytest.fixture(scope="module")
-def megatron_mixtral_dcp(tmp_path_factory) -> str:
+def megatron_families(tmp_path_factory) -> str:
+    """Megatron's Mixtral at ``<dir>.mixtral`` and its DeepSeek-V3 at ``<dir>.dsv3``, written by one torchrun."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     pytest.importorskip("psutil", reason="megatron-core's saver needs psutil")
-    out = str(tmp_path_factory.mktemp("megatron-mixtral") / "dcp")
-    torchrun("megatron-mixtral", out, 1)
+    out = str(tmp_path_factory.mktemp("megatron-families") / "dcp")
+    torchrun("megatron-families", out, 1)
     return out
+
+
+@pytest.fixture(scope="module")
+def megatron_mixtral_dcp(megatron_families) -> str:
+    return megatron_families + ".mixtral"
+
+
+@pytest.fixture(scope="module")
+def megatron_dsv3_dcp(megatron_families) -> str:
+    return megatron_families + ".dsv3"
 
 
 def test_megatron_mixtral_chain(megatron_mixtral_dcp, tmp_path, moeckpt_cli):
@@ -338,15 +349,6 @@ def test_megatron_mixtral_refuses_a_config_that_does_not_fit(megatron_mixtral_dc
         args = ["--model", str(config)]
     code, out, err = moeckpt_cli("import-dcp", megatron_mixtral_dcp, tmp_path / "ck", "--mapping", "megatron", *args)
     assert code == 2 and what in err and "Traceback" not in err, (out, err)
-
-
-@pytest.fixture(scope="module")
-def megatron_dsv3_dcp(tmp_path_factory) -> str:
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
-    pytest.importorskip("psutil", reason="megatron-core's saver needs psutil")
-    out = str(tmp_path_factory.mktemp("megatron-dsv3") / "dcp")
-    torchrun("megatron-dsv3", out, 1)
-    return out
 
 
 def test_megatron_deepseek_v3_chain(megatron_dsv3_dcp, tmp_path, moeckpt_cli):
