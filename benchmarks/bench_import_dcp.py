@@ -73,7 +73,7 @@ def torchtitan_tensors(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """torchtitan's names and shapes of the model (moeckpt's export naming)."""
     out = {}
     for p in spec.param_specs():
-        for name, box in torchtitan.export_names(p.name, tuple(p.shape)):
+        for name, box in torchtitan.family(spec.arch, "benchmark").export_names(p.name, tuple(p.shape)):
             out[name] = box.shape
     return out
 

@@ -22,8 +22,8 @@ from .params import Text
     "--mapping",
     type=click.Choice(EXPORT_MAPPINGS),
     default=None,
-    help="torchtitan: torchtitan's Qwen3-MoE names and flattened optimizer; none: our tensor names  "
-    "[default: torchtitan for a qwen3_moe checkpoint, else none]",
+    help="torchtitan: torchtitan's names (Qwen3-MoE or DeepSeek-V3) and flattened optimizer; none: our tensor "
+    "names  [default: torchtitan for a qwen3_moe or deepseek_v3 checkpoint, else none]",
 )
 @click.option("--overwrite", is_flag=True, help="replace whatever OUT holds; it says what it removes first")
 def command(ckpt, out, mapping, overwrite) -> None:

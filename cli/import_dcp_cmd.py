@@ -33,8 +33,9 @@ from .params import Text
     type=click.Choice(MAPPINGS),
     default="none",
     show_default=True,
-    help="none: keep the names (a generic checkpoint); torchtitan, megatron: map onto the bundled "
-    "qwen3_moe model (trainable, exportable to Hugging Face)",
+    help="none: keep the names (a generic checkpoint); torchtitan: map onto the plan of its family (qwen3_moe, "
+    "or deepseek_v3 with --model its config.json); megatron: onto qwen3_moe, or with --model mixtral (no q/k "
+    "norms) or deepseek_v3 (latent attention)",
 )
 @click.option("--overwrite", is_flag=True, help="replace whatever DST holds; it says what it removes first")
 @workers_option

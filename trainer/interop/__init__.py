@@ -1,7 +1,8 @@
 """Checkpoints of other frameworks: torch DCP (torchtitan, Megatron-Core ``torch_dist``) in and out.
 
 ``dcp_import`` converts a DCP checkpoint into any moeckpt layout (``--mapping none`` keeps it generic;
-``torchtitan`` and ``megatron`` map it onto the bundled ``qwen3_moe``); ``dcp_export`` writes a moeckpt checkpoint
+``torchtitan`` maps it onto the plan of its family, ``qwen3_moe`` or ``deepseek_v3``, and ``megatron`` onto
+``qwen3_moe``, ``mixtral`` or ``deepseek_v3``); ``dcp_export`` writes a moeckpt checkpoint
 back as a standard DCP checkpoint with torch's own ``dcp.save``.
 """
 

@@ -102,6 +102,28 @@ def check_shapes(tensors: dict, slots: list[Slot], dcp, where: str) -> None:
             )
 
 
+def check_covers(tensors: dict, slots: list[Slot], dcp, where: str) -> None:
+    """Refuse slots that read outside their DCP tensor, or leave part of a logical tensor unfilled (a config whose
+    shapes differ from the checkpoint's: a head dim, an expert size)."""
+    filled = dict.fromkeys(tensors, 0)
+    for s in slots:
+        have = dcp.tensors[s.source].shape
+        end = tuple(o + n for o, n in zip(s.region.offsets, s.region.shape))
+        if len(end) != len(have) or any(e > n for e, n in zip(end, have)):
+            raise MappingError(
+                f"{where}: {s.source} has shape {list(have)}, smaller than the model config implies for {s.target}; "
+                "pass the config the checkpoint was trained with"
+            )
+        filled[s.target] += s.region.numel
+    short = [n for n, got in filled.items() if got != Box.full(tensors[n].shape).numel]
+    if short:
+        raise MappingError(
+            f"{where}: {short[0]} (shape {list(tensors[short[0]].shape)}) is not filled exactly by the checkpoint's "
+            f"tensors{f' ({len(short)} tensors in all)' if len(short) > 1 else ''}; pass the config the checkpoint "
+            "was trained with"
+        )
+
+
 def qkv_group_slots(
     source: str, shape: tuple[int, ...], layer: int | None, prefix: str, role: str, cfg: Qwen3MoeConfig
 ) -> list[Slot]:

@@ -1,8 +1,9 @@
 """Export a moeckpt checkpoint (any layout, any storage) as a standard torch DCP checkpoint, written by torch's own
 ``dcp.save`` from one process.
 
-``--mapping torchtitan`` writes a ``qwen3_moe`` checkpoint under torchtitan's names (what ``dcp.load`` into a
-torchtitan Qwen3-MoE model and its flattened optimizer reads): the model at the top level, AdamW moments as
+``--mapping torchtitan`` writes a ``qwen3_moe`` or ``deepseek_v3`` checkpoint under torchtitan's names (what
+``dcp.load`` into a torchtitan Qwen3-MoE or DeepSeek-V3 model and its flattened optimizer reads; the names of each
+family are its module's in :mod:`.torchtitan`): the model at the top level, AdamW moments as
 ``optimizer.state.<fqn>.exp_avg`` / ``exp_avg_sq`` with ``.step``, ``train_state.step``, and the non-tensor values
 an import from torchtitan kept (``param_groups``, ``lr_scheduler``, ``dataloader``). ``--mapping none`` writes every
 logical tensor under its own name.
@@ -27,7 +28,6 @@ from moeckpt.formats.errors import DestinationNotEmptyError
 from moeckpt.formats.storages import open_storage
 
 from ..models import ModelSpec
-from ..models.qwen3_moe import ARCH as QWEN3_MOE
 from . import torchtitan
 from .common import MappingError
 from .unmapped import VALUES_KEY
@@ -36,8 +36,8 @@ EXPORT_MAPPINGS = ("torchtitan", "none")
 
 
 def default_mapping(reader: CheckpointReader) -> str:
-    """torchtitan for a qwen3_moe checkpoint (the architecture torchtitan has), else none."""
-    return "torchtitan" if reader.index.model.get("arch") == QWEN3_MOE else "none"
+    """torchtitan for a checkpoint of an architecture torchtitan has (qwen3_moe, deepseek_v3), else none."""
+    return "torchtitan" if reader.index.model.get("arch") in torchtitan.FAMILIES else "none"
 
 
 @dataclass(frozen=True)
@@ -74,33 +74,30 @@ def _plan_none(reader: CheckpointReader) -> dict[str, Source]:
 
 def _plan_torchtitan(reader: CheckpointReader) -> tuple[dict[str, Source], dict[str, torch.Tensor]]:
     index = reader.index
-    if index.model.get("arch") != QWEN3_MOE:
-        raise MappingError(
-            f"{reader.location}: --mapping torchtitan writes qwen3_moe checkpoints; this one is "
-            f"{index.model.get('arch')!r} (use --mapping none)"
-        )
+    family = torchtitan.family(str(index.model.get("arch")), f"{reader.location}: --mapping torchtitan")
     spec = ModelSpec.from_json(index.model)
+    untrained = spec.untrained()  # the balancing biases: torchtitan's buffers, no optimizer state
+    trained = [p for p in spec.param_specs() if p.name not in untrained]
     out: dict[str, Source] = {}
-    roles = [r for r in ("exp_avg", "exp_avg_sq") if all(f"{r}/{p.name}" in index.tensors for p in spec.param_specs())]
+    roles = [r for r in ("exp_avg", "exp_avg_sq") if all(f"{r}/{p.name}" in index.tensors for p in trained)]
     for p in spec.param_specs():
         if p.name not in index.tensors:
-            raise MappingError(f"{reader.location}: parameter {p.name} of the qwen3_moe model is missing")
-        for tt, box in torchtitan.export_names(p.name, tuple(p.shape)):
+            raise MappingError(f"{reader.location}: parameter {p.name} of the {spec.arch} model is missing")
+        for tt, box in family.export_names(p.name, tuple(p.shape)):
             out[tt] = _whole(reader, p.name, box)
-            if tt.endswith(("wq.weight", "wk.weight", "wv.weight")):
-                continue  # torchtitan's optimizer holds the fused wqkv parameter: below
+            if p.name in untrained or family.in_fused_optimizer(tt):
+                continue  # no optimizer state, or torchtitan's optimizer holds it fused (below)
             for role in roles:
                 out[f"optimizer.state.{tt}.{role}"] = _whole(reader, f"{role}/{p.name}", box)
     cfg = spec.config
-    for layer in range(cfg.num_hidden_layers):
-        fqn, parts = torchtitan.export_wqkv(layer, cfg)
+    for fqn, parts in family.export_fused_optimizer(cfg):
         for role in roles:
             dtype = index.tensors[f"{role}/{parts[0][0]}"].dtype
             rows = sum(b.shape[0] for _, b, _ in parts)
             out[f"optimizer.state.{fqn}.{role}"] = Source(
                 (rows, cfg.hidden_size), dtype, tuple(Part(f"{role}/{n}", b, o) for n, b, o in parts)
             )
-    extra = {name: torch.zeros(shape) for name, shape in torchtitan.export_extra(spec.config).items()}
+    extra = {name: torch.zeros(shape) for name, shape in family.export_extra(cfg).items()}
     return out, extra
 
 

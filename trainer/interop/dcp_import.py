@@ -44,8 +44,8 @@ def apply_mapping(dcp: DcpCheckpoint, mapping: str, model: ModelSpec | None = No
         )
         if hint:
             mapped.notes.append(
-                f"the names look like {hint}'s: --mapping {hint} converts them into the bundled "
-                "qwen3_moe model (trainable, exportable to Hugging Face)"
+                f"the names look like {hint}'s: --mapping {hint} converts them into a model plan "
+                "(exportable to Hugging Face)"
             )
         return mapped
     if mapping == "torchtitan":

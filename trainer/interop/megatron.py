@@ -1,4 +1,5 @@
-"""Megatron-Core's GPTModel with MoE layers (``dist_checkpointing``, ``torch_dist`` backend) -> ``qwen3_moe``.
+"""Megatron-Core's GPTModel with MoE layers (``dist_checkpointing``, ``torch_dist`` backend) -> ``qwen3_moe``
+(with q/k layer norms), ``mixtral`` (without) or ``deepseek_v3`` (multi-latent attention).
 
 Megatron saves *sharded keys*, not module names: a layer's tensors are stacked along a leading layer dim
 (``decoder.layers.self_attention.linear_qkv.weight [L, ...]``; per layer ``decoder.layers.<i>.`` when the layers
@@ -15,7 +16,22 @@ differ), local-spec layer norms are saved under the Transformer Engine names
 * the distributed optimizer in model space (``fully_reshardable``, ``fully_sharded_model_space``) and the plain
   optimizer save ``optimizer.state.{exp_avg,exp_avg_sq,param|fp32_param}.<model key>``, shaped as the model key.
 
-Every one of these becomes slots of the bundled plan's tensors: no tensor is reshaped in memory. ``common.pt``
+Both plans hold these tensors under the same Hugging Face names (Qwen3-MoE adds ``q_norm``/``k_norm``), so one set
+of slots serves both. A Mixtral import needs ``--model`` (its ``config.json``): without q/k layer norms no shape
+tells the head dim, and the tensors must then cover the config's plan exactly. Megatron's router (top-k of the
+logits, then a softmax over those, ``moe_router_pre_softmax=False``) is Mixtral's (a softmax, top-k, then the k
+weights renormalized): the same weights.
+
+A model with multi-latent attention (``MLATransformerConfig``; ``linear_kv_down_proj``) is a DeepSeek-V3 and needs
+``--model`` too: ``linear_q_down_proj``/``q_layernorm``/``linear_q_up_proj`` (or ``linear_q_proj``),
+``linear_kv_down_proj`` (its last ``qk_pos_emb_head_dim`` rows the shared rotary key), ``kv_layernorm``,
+``linear_kv_up_proj`` are the plan's ``q_a_proj``/``q_a_layernorm``/``q_b_proj`` (``q_proj``),
+``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` row for row: Megatron's latent attention de-interleaves
+the rotary dims as transformers' ``rope_interleave`` does. Dense layers' and shared experts' ``linear_fc1`` (gate
+rows, then up rows) become ``gate_proj`` and ``up_proj``; the router's ``expert_bias`` is its
+``e_score_correction_bias`` (no optimizer state).
+
+Every one of these becomes slots of the plan's tensors: no tensor is reshaped in memory. ``common.pt``
 (Megatron's pickled common state: arguments, RNG, the optimizer step) is never read.
 """
 
@@ -29,12 +45,16 @@ import torch
 from moeckpt.formats.box import Box
 from moeckpt.formats.dcp import DcpCheckpoint
 from moeckpt.reshard.dcp_source import Slot
+from moeckpt.reshard.tensors import logical_tensors
 
 from ..models import ModelSpec
+from ..models.deepseek_v3 import ARCH as DEEPSEEK_V3
+from ..models.mixtral import ARCH as MIXTRAL
 from ..models.qwen3_moe import ARCH as QWEN3_MOE
 from .common import (
     Mapped,
     MappingError,
+    check_covers,
     check_shapes,
     qkv_group_slots,
     qwen3_config,
@@ -57,6 +77,32 @@ _LAYER = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.router.weight": "mlp.gate.weight",
 }
+#: DeepSeek-V3 (multi-latent attention): per-layer names, whole tensors.
+_MLA_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_experts.down_proj.weight",
+}
+#: DeepSeek-V3: a swiglu ``linear_fc1`` (gate rows, then up rows) -> the plan's separate gate and up.
+_MLA_SPLIT = {
+    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.shared_experts.linear_fc1.weight": (
+        "mlp.shared_experts.gate_proj.weight",
+        "mlp.shared_experts.up_proj.weight",
+    ),
+}
+_MLA_KEY = "self_attention.linear_kv_down_proj.weight"
 _QKV = "self_attention.linear_qkv.weight"
 _BIAS = "mlp.router.expert_bias"
 _FUSED_EXPERTS = {
@@ -102,7 +148,8 @@ class _Key:
 
 
 def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
-    """A Megatron-Core GPT MoE checkpoint as the bundled ``qwen3_moe`` model, optimizer state included."""
+    """A Megatron-Core GPT MoE checkpoint as a ``qwen3_moe`` (q/k layer norms) or ``mixtral`` model, optimizer
+    state included."""
     where = dcp.location
     notes: list[str] = []
     _check_backend(dcp, notes)
@@ -116,23 +163,42 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
         else:
             model_keys.append(name)
     keys = {n: _Key(n) for n in model_keys}
-    unknown = [n for n, k in keys.items() if not _known(k)]
+    mla = any(k.rest == _MLA_KEY for k in keys.values())
+    table, split = (_MLA_LAYER, _MLA_SPLIT) if mla else (_LAYER, {})
+    unknown = [n for n, k in keys.items() if not _known(k, table, split)]
     if unknown:
         raise MappingError(
-            f"{where}: {len(unknown)} tensor(s) are not part of a Megatron GPT MoE model the bundled qwen3_moe has, "
-            f"e.g. {unknown[:3]} (dense MLP layers, shared experts and biases are not in qwen3_moe); use --mapping none"
+            f"{where}: {len(unknown)} tensor(s) are not part of a Megatron GPT MoE model the "
+            + ("deepseek_v3 plan has" if mla else "qwen3_moe and mixtral plans have")
+            + f", e.g. {unknown[:3]}"
+            + ("" if mla else " (dense MLP layers, shared experts and biases are not in them)")
+            + "; use --mapping none"
         )
     if "embedding.word_embeddings.weight" not in keys:
         raise MappingError(f"{where}: no embedding.word_embeddings.weight: not a Megatron GPT checkpoint")
     for n, k in keys.items():
-        if k.rest == _BIAS and torch.count_nonzero(dcp.read_tensor(n)).item():
+        if not mla and k.rest == _BIAS and torch.count_nonzero(dcp.read_tensor(n)).item():
             raise MappingError(
-                f"{where}: {n} is not zero: the router was trained with expert biases, which Qwen3-MoE does not compute"
+                f"{where}: {n} is not zero: the router was trained with expert biases, which neither Qwen3-MoE nor "
+                "Mixtral computes"
             )
-    shapes, layers = _shapes(dcp, keys, where)
-    cfg = qwen3_config(shapes, "output_layer.weight" not in keys, model, where, notes)
     dtype = dcp.tensors["embedding.word_embeddings.weight"].dtype
-    real = [n for n, k in keys.items() if k.rest != _BIAS]
+    qk_norms = any(k.rest == "self_attention.q_layernorm.weight" for k in keys.values())
+    if mla:
+        arch = DEEPSEEK_V3
+        cfg, layers = _given_config(dcp, keys, model, where, arch, "with multi-latent attention", "the routing")
+    elif qk_norms:
+        shapes, layers = _shapes(dcp, keys, where)
+        cfg = qwen3_config(shapes, "output_layer.weight" not in keys, model, where, notes)
+        arch = QWEN3_MOE
+    else:
+        arch = MIXTRAL
+        cfg, layers = _given_config(dcp, keys, model, where, arch, "without q/k layer norms", "its head dim")
+    spec = ModelSpec(arch, cfg)
+    untrained = spec.untrained()
+    # the parameters: Qwen3-MoE and Mixtral drop the (zero) expert bias, DeepSeek-V3 keeps it as its correction bias
+    params = [n for n, k in keys.items() if mla or k.rest != _BIAS]
+    real = [n for n in params if keys[n].rest != _BIAS]  # what an optimizer steps
     have = {r for n in real for r in opt.get(n, {})}
     full = {"exp_avg", "exp_avg_sq"} | ({"master"} if dtype != "float32" else set())
     with_optimizer = all(full <= set(opt.get(n, {})) for n in real)
@@ -148,19 +214,49 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
             "the AdamW step count is in Megatron's common.pt, which moeckpt does not unpickle: bias "
             "correction restarts from step 0"
         )
-    tensors = qwen3_tensors(cfg, dtype, with_optimizer)
     roles = ["param"] + (sorted(full) if with_optimizer else [])
+    if arch == QWEN3_MOE:
+        tensors = qwen3_tensors(cfg, dtype, with_optimizer)
+    else:
+        tensors = logical_tensors(
+            spec.param_specs(),
+            param_dtype=dtype,
+            optimizer_roles=lambda name: () if name in untrained else tuple(roles[1:]),
+        )
     if with_optimizer and dtype == "float32" and any("master" in opt.get(n, {}) for n in real):
         notes.append("fp32 master copies dropped: the parameters are fp32 and are their own master")
     slots: list[Slot] = []
-    for n in real:
-        for role in roles:
+    for n in params:
+        for role in roles if n in real else ["param"]:
             src = n if role == "param" else opt[n][role]
-            slots += _slots(keys[n], src, dcp.tensors[src].shape, role, cfg, layers)
+            slots += _slots(keys[n], src, dcp.tensors[src].shape, role, cfg, layers, table, split)
     check_shapes(tensors, slots, dcp, where)
+    check_covers(tensors, slots, dcp, where)
     return Mapped(
-        model={"arch": QWEN3_MOE, "config": cfg.to_json()}, tensors=tensors, slots=slots, notes=notes, train_state={}
+        model={"arch": arch, "config": cfg.to_json()}, tensors=tensors, slots=slots, notes=notes, train_state={}
     )
+
+
+def _given_config(
+    dcp: DcpCheckpoint, keys: dict[str, _Key], model: ModelSpec | None, where: str, arch: str, kind: str, what: str
+):
+    """The ``--model`` config of a family the shapes cannot describe (``arch``), and its layer count."""
+    if model is None or model.arch != arch:
+        raise MappingError(
+            f"{where}: a Megatron GPT MoE checkpoint {kind} maps onto {arch}, which needs --model with the model's "
+            f"{arch} config.json"
+            + (f" (got a {model.arch} model)" if model is not None else "")
+            + f": no tensor shape tells {what}, top-k or RoPE theta"
+        )
+    cfg = model.config
+    stacked = [dcp.tensors[n].shape[0] for n, k in keys.items() if k.stacked]
+    layers = {1 + k.layer for k in keys.values() if k.layer is not None}
+    found = stacked[0] if stacked else max(layers, default=0)
+    if found != cfg.num_hidden_layers:
+        raise MappingError(
+            f"{where}: the checkpoint has {found} layers but --model gives num_hidden_layers={cfg.num_hidden_layers}"
+        )
+    return cfg, found
 
 
 def _check_backend(dcp: DcpCheckpoint, notes: list[str]) -> None:
@@ -181,12 +277,13 @@ def _check_backend(dcp: DcpCheckpoint, notes: list[str]) -> None:
         )
 
 
-def _known(k: _Key) -> bool:
+def _known(k: _Key, table: dict[str, str], split: dict) -> bool:
     if not k.in_layer:
         return k.key in _TOP
     return (
-        k.rest in _LAYER
-        or k.rest in (_QKV, _BIAS)
+        k.rest in table
+        or k.rest in split
+        or (table is _LAYER and k.rest in (_QKV, _BIAS))
         or k.rest in _FUSED_EXPERTS
         or any(p.match(k.rest) for p, _ in _ONE_EXPERT)
     )
@@ -212,7 +309,9 @@ def _layer_of(k: _Key) -> int:
     return k.layer
 
 
-def _slots(k: _Key, src: str, shape: tuple[int, ...], role: str, cfg, layers: int) -> list[Slot]:
+def _slots(
+    k: _Key, src: str, shape: tuple[int, ...], role: str, cfg, layers: int, table: dict[str, str], split: dict
+) -> list[Slot]:
     if not k.in_layer:
         target = role_name(_TOP[k.key], role)
         return [Slot(src, Box.full(shape), target, (0,) * len(shape))]
@@ -220,16 +319,21 @@ def _slots(k: _Key, src: str, shape: tuple[int, ...], role: str, cfg, layers: in
     for layer in range(layers) if k.stacked else [_layer_of(k)]:
         drop = 1 if k.stacked else 0
         pre = f"model.layers.{layer}."
-        if k.rest in _LAYER:
+        if k.rest in table:
             out.append(
                 Slot(
                     src,
                     _region(shape, k.stacked, layer),
-                    role_name(pre + _LAYER[k.rest], role),
+                    role_name(pre + table[k.rest], role),
                     (0,) * (len(shape) - drop),
                     drop,
                 )
             )
+        elif k.rest in split:  # gate rows, then up rows
+            rows, cols = (shape[1:] if k.stacked else shape)[-2:]
+            for j, part in enumerate(split[k.rest]):
+                region = _region(shape, k.stacked, layer, (j * (rows // 2), 0), (rows // 2, cols))
+                out.append(Slot(src, region, role_name(pre + part, role), (0, 0), drop))
         elif k.rest == _QKV:
             out += qkv_group_slots(src, shape, layer if k.stacked else None, pre, role, cfg)
         elif k.rest in _FUSED_EXPERTS:

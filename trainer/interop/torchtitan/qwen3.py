@@ -3,9 +3,8 @@
 torchtitan's checkpoint (``CheckpointManager``, or ``dcp.save`` of its states) holds the model's state dict at the
 top level, the optimizer flattened by parameter (``optimizer.state.<fqn>.exp_avg``, ``.exp_avg_sq``, ``.step``;
 ``optimizer.param_groups.<fqn>.lr``...), and ``train_state.step``, ``lr_scheduler.*``, ``dataloader.*`` values.
-Its names map one to one onto the Hugging Face names of our plan, except the experts: torchtitan keeps
-``w1 [E, I, H]`` (gate), ``w3 [E, I, H]`` (up) and ``w2 [E, H, I]`` (down) where the plan fuses gate and up into
-``gate_up_proj [E, 2I, H]``; w1 and w3 become its two blocks. Older torchtitan names (``attention.wq``,
+Its names map one to one onto the Hugging Face names of our plan, except the experts (see
+:data:`.shared.EXPERTS`) and the fused ``wqkv`` of its optimizer state. Older torchtitan names (``attention.wq``,
 ``moe.experts.w1``) are read too. ``moe.expert_bias_E`` (auxiliary-loss-free balancing) must be zero: Qwen3-MoE
 routes without a bias, so a trained bias would change what the model computes.
 """
@@ -21,9 +20,9 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.dcp import DcpCheckpoint
 from moeckpt.reshard.dcp_source import Slot, whole
 
-from ..models import ModelSpec
-from ..models.qwen3_moe import ARCH as QWEN3_MOE
-from .common import (
+from ...models import ModelSpec
+from ...models.qwen3_moe import ARCH
+from ..common import (
     Mapped,
     MappingError,
     check_shapes,
@@ -32,13 +31,12 @@ from .common import (
     qwen3_tensors,
     role_name,
 )
-from .unmapped import VALUES_KEY, read_values
+from .shared import BIAS as _BIAS
+from .shared import EXPERTS as _EXPERTS
+from .shared import LAYER_RE as _LAYER_RE
+from .shared import TOP as _TOP
+from .shared import expert_slot, export_expert_names, optimizer_notes, split_names, train_state
 
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "lm_head.weight": "lm_head.weight",
-}
 #: per-layer names, torchtitan 0.3 first (the names export writes), then older spellings.
 _LAYER = {
     "attention.qkv_linear.wq.weight": "self_attn.q_proj.weight",
@@ -54,22 +52,8 @@ _LAYER = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
 }
-#: expert tensors: torchtitan name -> (plan name, block of gate_up_proj along dim 1, or None for down_proj)
-_EXPERTS = {
-    "moe.routed_experts.inner_experts.w1_EFD": ("mlp.experts.gate_up_proj", 0),
-    "moe.routed_experts.inner_experts.w3_EFD": ("mlp.experts.gate_up_proj", 1),
-    "moe.routed_experts.inner_experts.w2_EDF": ("mlp.experts.down_proj", None),
-    "moe.experts.w1": ("mlp.experts.gate_up_proj", 0),
-    "moe.experts.w3": ("mlp.experts.gate_up_proj", 1),
-    "moe.experts.w2": ("mlp.experts.down_proj", None),
-}
-_BIAS = ("moe.expert_bias_E", "moe.expert_bias")
-#: buffers older torchtitan saves that the model recomputes from its config (the RoPE table): dropped with a note.
-_DERIVED = ("freqs_cis", "rope.cache")
 #: the fused Q/K/V parameter (per key/value group); its model state is saved split, its optimizer state is not.
 _WQKV = "attention.qkv_linear.wqkv.weight"
-_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_OPT_RE = re.compile(r"^optimizer\.state\.(.+)\.(exp_avg|exp_avg_sq|step)$")
 
 
 def _plan_name(name: str) -> tuple[str, int | str | None] | str | None:
@@ -92,29 +76,15 @@ def _plan_name(name: str) -> tuple[str, int | str | None] | str | None:
     return None
 
 
-def looks_like(names) -> bool:
-    """Whether a DCP checkpoint's tensor names are torchtitan's."""
-    return "tok_embeddings.weight" in names
-
-
-def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
+def map_checkpoint(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
     """torchtitan's Qwen3-MoE checkpoint as the bundled ``qwen3_moe`` model, optimizer moments included."""
     where = dcp.location
     notes: list[str] = []
     model_keys: dict[str, Any] = {}
-    opt_keys: dict[str, Any] = {}
     unknown: list[str] = []
     biases: list[str] = []
-    derived = [n for n in dcp.tensors if n in _DERIVED]
-    if derived:
-        notes.append(f"{', '.join(derived)} dropped: the RoPE table is recomputed from rope_theta")
-    for name in dcp.tensors:
-        if name in _DERIVED:
-            continue
-        m = _OPT_RE.match(name)
-        if m:
-            opt_keys.setdefault(m.group(1), {})[m.group(2)] = name
-            continue
+    names, opt_keys = split_names(dcp, notes)
+    for name in names:
         plan = _plan_name(name)
         if plan == "bias":
             biases.append(name)
@@ -148,17 +118,7 @@ def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped
     with_optimizer = (
         bool(opt_params) and set(opt_params) <= moments and _covers(opt_params, model_keys) and (dtype == "float32")
     )
-    if opt_keys and not with_optimizer:
-        notes.append(
-            "optimizer state dropped: "
-            + (
-                f"parameters are {dtype} and the checkpoint has no fp32 master copy"
-                if dtype != "float32"
-                else "it does not hold exp_avg and exp_avg_sq for every parameter (not AdamW?)"
-            )
-        )
-    elif not opt_keys:
-        notes.append("no optimizer state in the checkpoint: the result holds parameters only")
+    optimizer_notes(opt_keys, with_optimizer, dtype, notes)
     tensors = qwen3_tensors(cfg, dtype, with_optimizer)
     slots = []
     for name, (plan, block) in model_keys.items():
@@ -169,23 +129,9 @@ def map_torchtitan(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped
                 src = opt_keys[fqn][role]
                 slots += _slots(src, dcp.tensors[src].shape, plan, block, role, cfg)
     check_shapes(tensors, slots, dcp, where)
-    train_state: dict = {}
-    values = read_values(dcp, dcp.values, notes)
-    if values:
-        train_state[VALUES_KEY] = values
-    step = values.get("train_state.step")
-    if type(step) is int and step >= 0:
-        train_state["step"] = step
-    if with_optimizer:
-        steps = {_scalar(dcp, opt_keys[n]["step"]) for n in opt_params if "step" in opt_keys[n]}
-        if len(steps) == 1 and type(next(iter(steps))) is int:
-            train_state["optimizer"] = {"steps": next(iter(steps))}
+    state = train_state(dcp, opt_keys, opt_params, with_optimizer, notes)
     return Mapped(
-        model={"arch": QWEN3_MOE, "config": cfg.to_json()},
-        tensors=tensors,
-        slots=slots,
-        train_state=train_state,
-        notes=notes,
+        model={"arch": ARCH, "config": cfg.to_json()}, tensors=tensors, slots=slots, train_state=state, notes=notes
     )
 
 
@@ -204,21 +150,12 @@ def _covers(opt_params: dict, model_keys: dict) -> bool:
     return targets(opt_params.values()) == targets(model_keys.values())
 
 
-def _scalar(dcp: DcpCheckpoint, name: str) -> int | None:
-    t = dcp.read_tensor(name)
-    if t.numel() != 1:
-        return None
-    v = float(t.reshape(()).item())
-    return int(v) if v.is_integer() and v >= 0 else None
-
-
 def _slots(source: str, shape: tuple[int, ...], plan: str, block: int | str | None, role: str, cfg) -> list[Slot]:
     if block == "qkv":  # plan is the layer prefix
         return qkv_group_slots(source, shape, None, plan, role, cfg)
-    target = role_name(plan, role)
-    if block is None:
-        return [whole(source, shape, target)]
-    return [Slot(source, Box.full(shape), target, (0, block * cfg.moe_intermediate_size, 0))]
+    if not isinstance(block, int):
+        return [whole(source, shape, role_name(plan, role))]
+    return [expert_slot(source, shape, plan, block, role, cfg.moe_intermediate_size)]
 
 
 def _shapes(dcp: DcpCheckpoint, keys: dict, where: str) -> dict[str, int]:
@@ -264,15 +201,9 @@ def export_names(plan: str, shape: tuple[int, ...]) -> list[tuple[str, Box]]:
     if not m:
         raise MappingError(f"{plan}: not a Qwen3-MoE tensor torchtitan has")
     layer, rest = m.groups()
-    if rest == "mlp.experts.gate_up_proj":
-        e, two_i, h = shape
-        i = two_i // 2
-        return [
-            (f"layers.{layer}.moe.routed_experts.inner_experts.w1_EFD", Box((0, 0, 0), (e, i, h))),
-            (f"layers.{layer}.moe.routed_experts.inner_experts.w3_EFD", Box((0, i, 0), (e, i, h))),
-        ]
-    if rest == "mlp.experts.down_proj":
-        return [(f"layers.{layer}.moe.routed_experts.inner_experts.w2_EDF", Box.full(shape))]
+    experts = export_expert_names(layer, rest, shape)
+    if experts is not None:
+        return experts
     for tt, hf in _LAYER.items():  # the first spelling of each name is torchtitan 0.3's
         if rest == hf:
             return [(f"layers.{layer}.{tt}", Box.full(shape))]
@@ -299,3 +230,13 @@ def export_wqkv(layer: int, cfg) -> tuple[str, list[tuple[str, Box, tuple[int, i
             (pre + "v_proj.weight", Box((g * hd, 0), (hd, h)), (base + (qpg + 1) * hd, 0)),
         ]
     return f"layers.{layer}.{_WQKV}", parts
+
+
+def export_fused_optimizer(cfg) -> list[tuple[str, list[tuple[str, Box, tuple[int, int]]]]]:
+    """The optimizer tensors torchtitan holds fused where the plan keeps parts: every layer's ``wqkv``."""
+    return [export_wqkv(layer, cfg) for layer in range(cfg.num_hidden_layers)]
+
+
+def in_fused_optimizer(name: str) -> bool:
+    """Whether torchtitan name ``name`` (a model tensor) has its optimizer state in a fused tensor instead."""
+    return name.endswith(("wq.weight", "wk.weight", "wv.weight"))
