@@ -14,6 +14,7 @@ import struct
 import threading
 from collections.abc import Collection, Iterable, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
@@ -23,6 +24,7 @@ from ..checksum import ALGORITHM, checksum
 from ..errors import ChecksumMismatchError, DataFileError, StorageError
 from ..index import FileEntry, Index, TensorEntry
 from ..pieces import Piece, PieceRef, block_span, tensor_bytes, verify_blocks
+from ..slices import SLICES_SUFFIX, column_span, verify_columns
 from ..storage import Storage, StorageReader
 from .base import BackendBase
 from .piece_stream import BlockHasher
@@ -142,14 +144,49 @@ def _pieces_from_header(
         if not isinstance(sums, str):
             raise DataFileError(f"{where}: piece {key!r} has no checksum in __metadata__")
         checks = tuple(sums.split(","))
-        if len(checks) != max(1, -(-nbytes // block)):
+        dim, widths = _slices_of(meta.get(key + SLICES_SUFFIX), box, where, key)
+        ref = PieceRef(
+            tensor,
+            box,
+            entry.dtype,
+            relpath,
+            data_start + start,
+            nbytes,
+            checks,
+            block,
+            None,
+            None,
+            "none",
+            dim,
+            widths,
+        )
+        want = max(1, -(-nbytes // block)) if ref.geometry is None else ref.geometry.count
+        if len(checks) != want:
             raise DataFileError(f"{where}: piece {key!r} lists {len(checks)} block checksums for {nbytes} bytes")
-        refs.append(PieceRef(tensor, box, entry.dtype, relpath, data_start + start, nbytes, checks, block))
+        refs.append(ref)
     if data_start + expected_offset != file_size:
         raise DataFileError(
             f"{where}: header describes {data_start + expected_offset} bytes but the file has {file_size}"
         )
     return refs
+
+
+def _slices_of(value: object, box: Box, where: str, key: str) -> tuple[int, tuple[int, ...]]:
+    """The checksum slices a header records for a piece (``"<dim>:<w0>,<w1>,..."``, format version 5), or
+    ``(0, ())`` where it records none."""
+    if value is None:
+        return 0, ()
+    try:
+        dim_text, _, widths_text = value.partition(":") if isinstance(value, str) else ("", "", "")
+        dim, widths = int(dim_text), tuple(int(w) for w in widths_text.split(","))
+    except ValueError:
+        dim, widths = -1, ()
+    if not 1 <= dim < box.ndim or len(widths) < 2 or min(widths) <= 0 or sum(widths) != box.shape[dim]:
+        raise DataFileError(
+            f"{where}: piece {key!r} has malformed checksum slices {value!r} (want '<dim>:<w0>,<w1>,...' along a "
+            f"dimension >= 1 adding up to the box's)"
+        )
+    return dim, widths
 
 
 def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
@@ -168,9 +205,10 @@ def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = N
     lo, hi = r0 * row_bytes, r1 * row_bytes
     if not shape:
         lo, hi = 0, ref.nbytes
-    b0 = lo // ref.block_bytes
-    b1 = -(-hi // ref.block_bytes) if hi > 0 else 1
-    read_lo, read_hi = b0 * ref.block_bytes, min(b1 * ref.block_bytes, ref.nbytes)
+    unit = ref.unit_bytes
+    b0 = lo // unit
+    b1 = -(-hi // unit) if hi > 0 else 1
+    read_lo, read_hi = b0 * unit, min(b1 * unit, ref.nbytes)
     buf = storage.read_range(ref.file, ref.start + read_lo, ref.start + read_hi)
     if len(buf) != read_hi - read_lo:
         raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
@@ -273,7 +311,12 @@ class SafetensorsBackend(BackendBase):
 
 def _verify_parts(parts: Sequence[memoryview], first_block: int, ref: PieceRef, where: str) -> None:
     """:func:`verify_blocks` over the concatenation of ``parts`` (whole blocks of ``ref`` from ``first_block``)
-    without joining them: a block that spans two parts is hashed in two updates."""
+    without joining them: a block that spans two parts is hashed in two updates. A sliced piece's row groups
+    (format version 5) are checked on one joined copy of the parts: each slice takes a part of every row."""
+    if ref.geometry is not None:
+        joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]) if parts else b""
+        verify_blocks(memoryview(joined), first_block, ref, where)
+        return
     size = ref.block_bytes
     block, filled, h = first_block, 0, xxhash.xxh3_64()
 
@@ -351,7 +394,7 @@ class SafetensorsReader:
         a, b = segments[0][0], segments[-1][0] + len(segments[-1][1])
         if a < 0 or b > ref.nbytes or b <= a:
             return False
-        block = ref.block_bytes
+        block = ref.unit_bytes
         b0 = a // block
         read_lo, read_hi = b0 * block, min(-(-b // block) * block, ref.nbytes)
         gaps = [off - end for (off, _), end in zip(segments, [read_lo] + [o + len(m) for o, m in segments[:-1]])]
@@ -369,6 +412,48 @@ class SafetensorsReader:
             parts.append(scratch[at:])
         where = self._read_whole(ref, read_lo, parts)
         _verify_parts(parts, b0, ref, where)
+        return True
+
+    def read_columns_into(self, ref: PieceRef, s0: int, s1: int, c0: int, c1: int, out: torch.Tensor) -> bool:
+        """Bytes ``[c0, c1)`` of each outer row ``s0 <= s < s1`` of a sliced piece (format version 5: rows are
+        the dimensions before its slice dimension) into ``out``, a CPU uint8 tensor of shape ``(s1 - s0, c1 - c0)``
+        whose rows are contiguous (a strided view of the destination is fine): a TP rank's columns of every row,
+        read row by row, and only the slices that hold them, each slice's checksums verified over the rows read
+        (widened to whole row groups and slices). False (nothing read) where this session cannot: a storage
+        without direct reads, a piece without slices, another ``out``."""
+        g = ref.geometry
+        if (
+            g is None
+            or not self._files.direct
+            or out.device.type != "cpu"
+            or out.dtype != torch.uint8
+            or tuple(out.shape) != (s1 - s0, c1 - c0)
+            or (s1 > s0 and out.stride(1) != 1)
+            or not 0 <= s0 < s1 <= g.rows
+            or not 0 <= c0 < c1 <= g.row_bytes
+        ):
+            return False
+        first_group, first_slice, r0, r1, a, b = column_span(g, s0, s1, c0, c1)
+        exact = (r0, r1, a, b) == (s0, s1, c0, c1)
+        rows = out.numpy() if exact else np.empty((r1 - r0, b - a), dtype=np.uint8)
+        where = self.storage.path(ref.file)
+        base = ref.start + r0 * g.row_bytes + a
+        try:
+            for i in range(r1 - r0):
+                view = rows[i].data
+                if self._files.read_into(ref.file, base + i * g.row_bytes, view) != len(view):
+                    raise DataFileError(
+                        f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated"
+                    )
+        except FileNotFoundError:
+            raise DataFileError(
+                f"{where}: data file is missing (listed in the index); the checkpoint is incomplete"
+            ) from None
+        except StorageError as e:
+            raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
+        verify_columns(rows, first_group, first_slice, g, ref.checksums, f"{where}: tensor {ref.tensor!r}")
+        if not exact:
+            out.numpy()[:] = rows[s0 - r0 : s1 - r0, c0 - a : c1 - a]
         return True
 
     def read_pieces_into(self, refs: Sequence[PieceRef], outs: Sequence[memoryview]) -> bool:

@@ -18,12 +18,15 @@ from ..checksum import checksum
 from ..errors import DataFileError
 from ..index import TensorEntry
 from ..pieces import CHECKSUM_BLOCK_BYTES
+from ..slices import SLICES_SUFFIX, SliceGeometry, piece_geometry, slice_widths
 
 NAME = "safetensors"
 #: header size limit, as in the safetensors reference implementation (100 MB): refuses hostile lengths early.
 MAX_HEADER_BYTES = 100_000_000
 META_VERSION_KEY = "moeckpt.format_version"
 META_BLOCK_KEY = "moeckpt.checksum_block_bytes"
+#: the data-file version of a file holding a sliced piece (format version 5); every other file says "1".
+SLICED_DATA_VERSION = "2"
 
 
 def piece_key(tensor: str, box: Box) -> str:
@@ -74,6 +77,10 @@ def header_doc(layout: Sequence[tuple[str, Box, Sequence[str]]], tensors: dict[s
             "data_offsets": [offset, offset + nbytes],
         }
         meta[key] = ",".join(sums)
+        sliced = slice_widths(entry.shape, entry.sharding, box)
+        if sliced is not None:  # version 5: the piece's checksums follow its tensor's TP split
+            meta[key + SLICES_SUFFIX] = f"{sliced[0]}:{','.join(str(w) for w in sliced[1])}"
+            meta[META_VERSION_KEY] = SLICED_DATA_VERSION
         offset += nbytes
     return {"__metadata__": meta, **header}
 
@@ -102,5 +109,14 @@ def final_header(
 
 
 def block_count(box: Box, entry: TensorEntry) -> int:
-    """How many checksum blocks the bytes of ``box`` of ``entry`` make (at least one: an empty piece has one)."""
+    """How many checksums the bytes of ``box`` of ``entry`` have: blocks (at least one: an empty piece has one),
+    or for a sliced piece one per slice and row group."""
+    geom = slicing(box, entry)
+    if geom is not None:
+        return geom.count
     return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // CHECKSUM_BLOCK_BYTES))
+
+
+def slicing(box: Box, entry: TensorEntry) -> SliceGeometry | None:
+    """The checksum slices a writer gives the piece ``box`` of ``entry`` (version 5), or None (version 1's blocks)."""
+    return piece_geometry(entry.shape, entry.sharding, box, entry.dtype, CHECKSUM_BLOCK_BYTES)
