@@ -21,6 +21,7 @@ from .backend import backend_compressions, backend_names
 from .checksum import is_checksum
 from .compression import NONE, check_compress
 from .errors import CheckpointIndexError, UnsafePathError, UnsupportedVersionError
+from .pieces import CHECKSUM_BLOCK_BYTES
 from .roles import ROLES
 from .slices import tensor_sliced
 
@@ -294,7 +295,10 @@ class Index:
         if self.backend != "safetensors":
             return False
         tp = self.layout.get("tp", 1) if isinstance(self.layout, dict) else 1
-        return any(tensor_sliced(e.shape, e.sharding, tp) for e in self.tensors.values())
+        return any(
+            tensor_sliced(e.shape, e.sharding, tp, dtypes.itemsize(e.dtype), CHECKSUM_BLOCK_BYTES)
+            for e in self.tensors.values()
+        )
 
     @property
     def nbytes(self) -> int:

@@ -13,6 +13,7 @@ checksums and a header member per piece (``<piece key>#slices``) change. docs/fo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,11 @@ from .errors import ChecksumMismatchError
 TP_SLICES = 8
 #: the member of a safetensors header's ``__metadata__`` that records a piece's slices: ``<piece key>#slices``.
 SLICES_SUFFIX = "#slices"
+#: the member that records the block size of a piece cut along dimension 0: ``<piece key>#block``.
+BLOCK_SUFFIX = "#block"
+#: a piece cut along dimension 0 takes blocks aligned with the cuts only where they are at least this large
+#: (narrower ones would make its checksum list long for little: such pieces are small).
+MIN_ROW_BLOCK_BYTES = 4096
 #: slices at least this wide in a row are hashed row by row straight from the buffer; narrower ones are gathered
 #: into one contiguous copy first (a hash call per narrow row costs more than the copy).
 _STREAM_SEGMENT_BYTES = 64 * 1024
@@ -45,7 +51,7 @@ def tensor_cuts(shape: tuple[int, ...], sharding: dict) -> tuple[int, tuple[int,
     block cut into equal parts), or None for a tensor that is not sliced (no TP split along a dimension >= 1, a
     ``window`` split, a 0-dimensional tensor)."""
     tp = _rule_tp(sharding)
-    if tp is None or not 1 <= tp["dim"] < len(shape):
+    if tp is None or not 0 <= tp["dim"] < len(shape):
         return None
     d = tp["dim"]
     blocks = tp.get("blocks") or [shape[d]]
@@ -62,7 +68,7 @@ def slice_widths(shape: tuple[int, ...], sharding: dict, box: Box) -> tuple[int,
     order, adding up to the box's), or None where no cut point lies strictly inside the box (the piece keeps the
     blocks of version 1)."""
     found = tensor_cuts(shape, sharding)
-    if found is None or box.is_empty():
+    if found is None or box.is_empty() or found[0] == 0:
         return None
     d, cuts = found
     lo, hi = box.offsets[d], box.offsets[d] + box.shape[d]
@@ -73,13 +79,51 @@ def slice_widths(shape: tuple[int, ...], sharding: dict, box: Box) -> tuple[int,
     return d, tuple(b - a for a, b in zip(edges, edges[1:]))
 
 
-def tensor_sliced(shape: tuple[int, ...], sharding: dict, tp: int) -> bool:
-    """Whether a piece of this tensor, stored in a layout of ``tp`` TP ranks, is sliced (what makes an index
-    version 5)."""
+def row_block(shape: tuple[int, ...], sharding: dict, itemsize: int, block: int) -> int | None:
+    """The checksum block size of a tensor cut along dimension 0 (``tp.dim`` 0): ``G0`` whole rows, ``G0`` the
+    largest divisor of ``g`` (the gcd of the cut points) whose rows fit in ``block``, so blocks end at the cuts;
+    None where that is ``block`` itself, does not exist, or is below :data:`MIN_ROW_BLOCK_BYTES`."""
+    found = tensor_cuts(shape, sharding)
+    if found is None or found[0] != 0:
+        return None
+    row = itemsize
+    for s in shape[1:]:
+        row *= s
+    g = 0
+    for c in found[1]:
+        g = math.gcd(g, c)
+    if not g or not row:
+        return None
+    rows = max((k for k in _divisors(g) if k * row <= block), default=0)
+    got = rows * row
+    return got if MIN_ROW_BLOCK_BYTES <= got < block else None
+
+
+def _divisors(n: int) -> list[int]:
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return small + [n // k for k in small]
+
+
+def piece_row_block(shape: tuple[int, ...], sharding: dict, box: Box, itemsize: int, block: int) -> int | None:
+    """:func:`row_block` for the piece ``box`` where a cut point lies strictly inside its rows, else None."""
+    b = row_block(shape, sharding, itemsize, block)
+    if b is None or box.is_empty():
+        return None
+    found = tensor_cuts(shape, sharding)
+    lo, hi = box.offsets[0], box.offsets[0] + box.shape[0]
+    return b if found is not None and any(lo < c < hi for c in found[1]) else None
+
+
+def tensor_sliced(shape: tuple[int, ...], sharding: dict, tp: int, itemsize: int = 1, block: int = 0) -> bool:
+    """Whether a piece of this tensor, stored in a layout of ``tp`` TP ranks, may be sliced or take a row block
+    (what makes an index version 5): its TP intervals hold a cut point strictly inside (and, cut along dimension
+    0, its :func:`row_block` is one)."""
     found = tensor_cuts(shape, sharding)
     if found is None or not all(shape):
         return False
     d, cuts = found
+    if d == 0 and row_block(shape, sharding, itemsize, block) is None:
+        return False
     rule = _rule_tp(sharding) or {}
     n = shape[d]
     intervals = [(0, n)]

@@ -265,7 +265,7 @@ def parse_index(raw: bytes) -> dict:
 def cut_points(entry: Entry) -> tuple[int, list[int]] | None:
     """Checksum slices (version 5): ``(d, cut points)`` of a sliceable tensor, else None."""
     tp = entry.sharding.get("tp") if entry.kind == "rule" else None
-    if not isinstance(tp, dict) or "window" in tp or not 1 <= tp["dim"] < len(entry.shape):
+    if not isinstance(tp, dict) or "window" in tp or not 0 <= tp["dim"] < len(entry.shape):
         return None
     d = tp["dim"]
     blocks = tp.get("blocks") or [entry.shape[d]]
@@ -280,7 +280,7 @@ def cut_points(entry: Entry) -> tuple[int, list[int]] | None:
 def slices_of(entry: Entry, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, list[int]] | None:
     """``(d, sizes)`` of the slices of a stored piece, or None where it is not sliced."""
     found = cut_points(entry)
-    if found is None:
+    if found is None or found[0] == 0:
         return None
     d, cuts = found
     lo, hi = offsets[d], offsets[d] + shape[d]
@@ -291,11 +291,38 @@ def slices_of(entry: Entry, offsets: tuple[int, ...], shape: tuple[int, ...]) ->
     return d, [b - a for a, b in zip(edges, edges[1:])]
 
 
+def tensor_row_block(entry: Entry) -> int | None:
+    """B0 of a tensor cut along dimension 0 (G0 rows, G0 the largest divisor of g that fits in B = 4194304,
+    moeckpt's block size), where 4096 <= B0 < B."""
+    found = cut_points(entry)
+    if found is None or found[0] != 0:
+        return None
+    g = 0
+    for c in found[1]:
+        g = math.gcd(g, c)
+    row = math.prod(entry.shape[1:]) * DTYPES[entry.dtype][1]
+    rows = max((k for k in range(1, g + 1) if g % k == 0 and k * row <= 4194304), default=0) if g and row else 0
+    b0 = rows * row
+    return b0 if 4096 <= b0 < 4194304 else None
+
+
+def row_block_of(entry: Entry, offsets: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
+    """The row block a writer gives this stored piece, or None."""
+    b0 = tensor_row_block(entry)
+    if b0 is None:
+        return None
+    lo, hi = offsets[0], offsets[0] + shape[0]
+    return b0 if any(lo < c < hi for c in cut_points(entry)[1]) else None
+
+
 def sliced_in_layout(entry: Entry, tp: int) -> bool:
+    """Sliced, or has row blocks, in a layout of ``tp`` TP ranks."""
     found = cut_points(entry)
     if found is None or not all(entry.shape):
         return False
     d, cuts = found
+    if d == 0 and tensor_row_block(entry) is None:
+        return False
     n = entry.shape[d]
     if tp == 1:
         intervals = [(0, n)]
@@ -567,6 +594,8 @@ class Piece:
     sums: list[str] = field(default_factory=list)
     #: safetensors, version 5: (d, slice sizes) of a sliced piece
     slices: tuple[int, list[int]] | None = None
+    #: safetensors: the file's block size (a piece's own, ``block``, differs where it has a row block)
+    file_block: int = 0
     #: zarr: the array's chunk grid and inner chunks
     grid: tuple[int, ...] = ()
     inner: tuple[int, ...] | None = None
@@ -655,6 +684,13 @@ class Checkpoint:
                 need(isinstance(sums, str) and sums, f"{relpath}: {key!r} has no checksums")
                 sums_list = sums.split(",")
                 sliced = None
+                piece_block = block
+                if key + "#block" in meta:
+                    need(self.version >= 5, f"{relpath}: {key!r} has a row block, which needs version 5")
+                    text = meta[key + "#block"]
+                    need(text.isdigit() and 1 <= int(text) <= block, f"{relpath}: {key!r} row block {text!r}")
+                    need(key + "#slices" not in meta, f"{relpath}: {key!r} has both a row block and slices")
+                    piece_block = int(text)
                 if key + "#slices" in meta:
                     need(self.version >= 5, f"{relpath}: {key!r} has checksum slices, which need version 5")
                     m = re.fullmatch(r"(\d+):(\d+(?:,\d+)+)", meta[key + "#slices"])
@@ -668,11 +704,24 @@ class Checkpoint:
                     group = max(1, block // (length // rows))
                     need(len(sums_list) == len(sizes) * -(-rows // group), f"{relpath}: {key!r} checksum count")
                 else:
-                    need(len(sums_list) == -(-length // block), f"{relpath}: {key!r} checksum count")
+                    need(len(sums_list) == -(-length // piece_block), f"{relpath}: {key!r} checksum count")
                 need(all(re.fullmatch(r"xxh3_64:[0-9a-f]{16}", s) for s in sums_list), f"{relpath}: {key!r} sums")
-                out.append(Piece(tensor, offsets, shape, relpath, data_start + start, length, block, sums_list, sliced))
+                out.append(
+                    Piece(
+                        tensor,
+                        offsets,
+                        shape,
+                        relpath,
+                        data_start + start,
+                        length,
+                        piece_block,
+                        sums_list,
+                        sliced,
+                        block,
+                    )
+                )
             need(data_start + expect == self.doc["files"][relpath]["size"], f"{relpath}: data does not fill the file")
-            extra = set(meta) - set(keys) - {k + "#slices" for k in keys}
+            extra = set(meta) - set(keys) - {k + "#slices" for k in keys} - {k + "#block" for k in keys}
             extra -= {"moeckpt.format_version", "moeckpt.checksum_block_bytes"}
             need(not extra, f"{relpath}: __metadata__ has other members {sorted(extra)}")
         return out
@@ -832,7 +881,7 @@ class Checkpoint:
             need(re.fullmatch(r"rank-\d{5,}\.safetensors", relpath), f"{relpath}: not a rank file name")
             need(relpath == f"rank-{int(relpath[5:-12]):05d}.safetensors", f"{relpath}: not zero-padded to 5")
             meta = self.header(relpath)[0]["__metadata__"]
-            sliced = any(k.endswith("#slices") for k in meta)
+            sliced = any(k.endswith("#slices") or k.endswith("#block") for k in meta)
             want_version = "2" if sliced else "1"
             need(
                 meta.get("moeckpt.format_version") == want_version,
@@ -853,6 +902,10 @@ class Checkpoint:
                 need(
                     p.slices == want_slices,
                     f"tensor {name!r} {p.offsets}: slices {p.slices}, the cut points give {want_slices}",
+                )
+                want_block = row_block_of(entry, p.offsets, p.shape) or p.file_block
+                need(
+                    p.block == want_block, f"tensor {name!r} {p.offsets}: block {p.block}, the rule gives {want_block}"
                 )
             for box, writer in expected.items():
                 want_file = f"rank-{writer:05d}.safetensors"

@@ -48,12 +48,12 @@ import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.backends.safetensors import file_name
-from moeckpt.formats.backends.safetensors_header import block_count, header_bytes, slicing
+from moeckpt.formats.backends.safetensors_header import block_count, header_bytes, piece_block, slicing
 from moeckpt.formats.box import Box
 from moeckpt.formats.checksum import checksum
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import FileEntry, TensorEntry
-from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, Piece
+from moeckpt.formats.pieces import Piece
 from moeckpt.formats.slices import slice_checksums
 
 if TYPE_CHECKING:
@@ -344,10 +344,11 @@ class MemoryRing:
         raw = memoryview(slot.mm) if self.size else memoryview(b"")
         # a job per checksum block; a piece sliced along its TP dimension (format version 5) is one job of its own
         geoms = [slicing(b, self.tensors[t]) for t, b in self.layout]
+        sizes = [piece_block(b, self.tensors[t]) for t, b in self.layout]
         jobs = [
-            (i, lo, min(lo + CHECKSUM_BLOCK_BYTES, off + n) if geoms[i] is None else off + n)
+            (i, lo, min(lo + sizes[i], off + n) if geoms[i] is None else off + n)
             for i, (off, n) in enumerate(self._offsets)
-            for lo in (range(off, off + n, CHECKSUM_BLOCK_BYTES) if n and geoms[i] is None else [off])
+            for lo in (range(off, off + n, sizes[i]) if n and geoms[i] is None else [off])
         ]
 
         def one(job: tuple[int, int, int]) -> list[str]:

@@ -25,22 +25,25 @@ _DIRECT_ROW_BYTES = 64 * 1024
 
 
 def stream_piece(
-    data: torch.Tensor, write: Callable[[memoryview], object] | None, geometry: SliceGeometry | None = None
+    data: torch.Tensor,
+    write: Callable[[memoryview], object] | None,
+    geometry: SliceGeometry | None = None,
+    block: int = CHECKSUM_BLOCK_BYTES,
 ) -> list[str]:
-    """Hash a piece's bytes block by block (slice by slice where ``geometry`` is given), passing each part to
-    ``write`` right after hashing it."""
+    """Hash a piece's bytes in blocks of ``block`` bytes (slice by slice where ``geometry`` is given), passing
+    each part to ``write`` right after hashing it."""
     if data.device.type != "cpu":
         data = data.cpu()
-    if geometry is None and data.is_contiguous() and data.numel() * data.element_size() <= CHECKSUM_BLOCK_BYTES:
+    if geometry is None and data.is_contiguous() and data.numel() * data.element_size() <= block:
         # Most pieces (norms, biases, small projections) are one contiguous block: skip the machinery below.
         mv = _contiguous_bytes(data)
         if write is not None:
             write(mv)
         return [checksum(mv)]
-    hasher: BlockHasher | SliceHasher = BlockHasher() if geometry is None else SliceHasher(geometry)
+    hasher: BlockHasher | SliceHasher = BlockHasher(block) if geometry is None else SliceHasher(geometry)
     for frag in _fragments(data):
-        for i in range(0, len(frag), CHECKSUM_BLOCK_BYTES):
-            part = frag[i : i + CHECKSUM_BLOCK_BYTES]
+        for i in range(0, len(frag), block):
+            part = frag[i : i + block]
             hasher.update(part)
             if write is not None:
                 write(part)

@@ -24,7 +24,7 @@ from ..checksum import ALGORITHM, checksum
 from ..errors import ChecksumMismatchError, DataFileError, StorageError
 from ..index import FileEntry, Index, TensorEntry
 from ..pieces import Piece, PieceRef, block_span, tensor_bytes, verify_blocks
-from ..slices import SLICES_SUFFIX, column_span, verify_columns
+from ..slices import BLOCK_SUFFIX, SLICES_SUFFIX, column_span, verify_columns
 from ..storage import Storage, StorageReader
 from .base import BackendBase
 from .piece_stream import BlockHasher
@@ -145,6 +145,7 @@ def _pieces_from_header(
             raise DataFileError(f"{where}: piece {key!r} has no checksum in __metadata__")
         checks = tuple(sums.split(","))
         dim, widths = _slices_of(meta.get(key + SLICES_SUFFIX), box, where, key)
+        piece_block = _block_of(meta.get(key + BLOCK_SUFFIX), block, where, key)
         ref = PieceRef(
             tensor,
             box,
@@ -153,14 +154,11 @@ def _pieces_from_header(
             data_start + start,
             nbytes,
             checks,
-            block,
-            None,
-            None,
-            "none",
-            dim,
-            widths,
+            piece_block,
+            slice_dim=dim,
+            slices=widths,
         )
-        want = max(1, -(-nbytes // block)) if ref.geometry is None else ref.geometry.count
+        want = max(1, -(-nbytes // piece_block)) if ref.geometry is None else ref.geometry.count
         if len(checks) != want:
             raise DataFileError(f"{where}: piece {key!r} lists {len(checks)} block checksums for {nbytes} bytes")
         refs.append(ref)
@@ -169,6 +167,15 @@ def _pieces_from_header(
             f"{where}: header describes {data_start + expected_offset} bytes but the file has {file_size}"
         )
     return refs
+
+
+def _block_of(value: object, block: int, where: str, key: str) -> int:
+    """A piece's own checksum block size (``"<bytes>"``, format version 5), or the file's ``block``."""
+    if value is None:
+        return block
+    if not isinstance(value, str) or not value.isdigit() or not 0 < int(value) <= block:
+        raise DataFileError(f"{where}: piece {key!r} has a malformed checksum block size {value!r}")
+    return int(value)
 
 
 def _slices_of(value: object, box: Box, where: str, key: str) -> tuple[int, tuple[int, ...]]:

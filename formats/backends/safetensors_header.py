@@ -18,7 +18,7 @@ from ..checksum import checksum
 from ..errors import DataFileError
 from ..index import TensorEntry
 from ..pieces import CHECKSUM_BLOCK_BYTES
-from ..slices import SLICES_SUFFIX, SliceGeometry, piece_geometry, slice_widths
+from ..slices import BLOCK_SUFFIX, SLICES_SUFFIX, SliceGeometry, piece_geometry, piece_row_block, slice_widths
 
 NAME = "safetensors"
 #: header size limit, as in the safetensors reference implementation (100 MB): refuses hostile lengths early.
@@ -81,6 +81,10 @@ def header_doc(layout: Sequence[tuple[str, Box, Sequence[str]]], tensors: dict[s
         if sliced is not None:  # version 5: the piece's checksums follow its tensor's TP split
             meta[key + SLICES_SUFFIX] = f"{sliced[0]}:{','.join(str(w) for w in sliced[1])}"
             meta[META_VERSION_KEY] = SLICED_DATA_VERSION
+        row_block = piece_block(box, entry)
+        if row_block != CHECKSUM_BLOCK_BYTES:  # version 5: blocks that end at the TP split's rows
+            meta[key + BLOCK_SUFFIX] = str(row_block)
+            meta[META_VERSION_KEY] = SLICED_DATA_VERSION
         offset += nbytes
     return {"__metadata__": meta, **header}
 
@@ -114,7 +118,14 @@ def block_count(box: Box, entry: TensorEntry) -> int:
     geom = slicing(box, entry)
     if geom is not None:
         return geom.count
-    return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // CHECKSUM_BLOCK_BYTES))
+    return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // piece_block(box, entry)))
+
+
+def piece_block(box: Box, entry: TensorEntry) -> int:
+    """The checksum block size of the piece ``box`` of ``entry``: the file's, or for a piece that TP cuts along
+    dimension 0 one whose blocks end at the cuts (version 5)."""
+    b = piece_row_block(entry.shape, entry.sharding, box, dtypes.itemsize(entry.dtype), CHECKSUM_BLOCK_BYTES)
+    return CHECKSUM_BLOCK_BYTES if b is None else b
 
 
 def slicing(box: Box, entry: TensorEntry) -> SliceGeometry | None:
