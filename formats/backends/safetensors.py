@@ -22,7 +22,7 @@ from .. import dtypes
 from ..box import Box
 from ..checksum import ALGORITHM, checksum
 from ..errors import ChecksumMismatchError, DataFileError, StorageError
-from ..index import FileEntry, Index, TensorEntry
+from ..index import SLICED_FORMAT_VERSION, FileEntry, Index, TensorEntry
 from ..pieces import Piece, PieceRef, block_span, tensor_bytes, verify_blocks
 from ..slices import BLOCK_SUFFIX, SLICES_SUFFIX, column_span, verify_columns
 from ..storage import Storage, StorageReader
@@ -62,8 +62,11 @@ __all__ = [
 ]
 
 
-def read_header(storage: Storage, entry: FileEntry, tensors: dict[str, TensorEntry]) -> list[PieceRef]:
-    """Read and validate one file's header against the index; returns its pieces."""
+def read_header(
+    storage: Storage, entry: FileEntry, tensors: dict[str, TensorEntry], *, slices: bool = True
+) -> list[PieceRef]:
+    """Read and validate one file's header against the index; returns its pieces. Without ``slices`` (an index
+    of a version before 5), a piece with checksum slices or a row block is refused."""
     where = storage.path(entry.path)
     try:
         actual = storage.size(entry.path)
@@ -92,7 +95,18 @@ def read_header(storage: Storage, entry: FileEntry, tensors: dict[str, TensorEnt
         doc = json.loads(head[8:].decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataFileError(f"{where}: header is not valid JSON ({e})") from None
-    return _pieces_from_header(doc, 8 + hlen, actual, where, entry.path, tensors)
+    refs = _pieces_from_header(doc, 8 + hlen, actual, where, entry.path, tensors)
+    if not slices and any(r.slices or r.block_bytes != block_size(doc) for r in refs):
+        raise DataFileError(
+            f"{where}: a piece has checksum slices or a row block (format version 5), but the index says an "
+            "earlier version: the index or the file is not the one written with it"
+        )
+    return refs
+
+
+def block_size(doc: dict) -> int:
+    """The checksum block size a (validated) header records for its file."""
+    return int(doc["__metadata__"][META_BLOCK_KEY])
 
 
 def _pieces_from_header(
@@ -228,10 +242,12 @@ def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = N
     return flat.view(dtypes.to_torch(ref.dtype)).reshape(out_shape)
 
 
-def list_pieces(storage: Storage, files: Iterable[FileEntry], tensors: dict[str, TensorEntry]) -> list[PieceRef]:
+def list_pieces(
+    storage: Storage, files: Iterable[FileEntry], tensors: dict[str, TensorEntry], *, slices: bool = True
+) -> list[PieceRef]:
     out: list[PieceRef] = []
     for f in files:
-        out.extend(read_header(storage, f, tensors))
+        out.extend(read_header(storage, f, tensors, slices=slices))
     return out
 
 
@@ -292,7 +308,7 @@ class SafetensorsBackend(BackendBase):
         if writers is not None:
             wanted = {file_name(w) for w in writers}
             files = [f for f in files if f.path in wanted]
-        refs = list_pieces(storage, files, index.tensors)
+        refs = list_pieces(storage, files, index.tensors, slices=index.format_version >= SLICED_FORMAT_VERSION)
         if tensors is not None:
             keep = set(tensors)
             refs = [r for r in refs if r.tensor in keep]
