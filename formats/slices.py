@@ -56,7 +56,8 @@ def tensor_cuts(shape: tuple[int, ...], sharding: dict) -> tuple[int, tuple[int,
     d = tp["dim"]
     blocks = tp.get("blocks") or [shape[d]]
     k = next((k for k in (TP_SLICES, 4, 2) if k <= TP_SLICES and all(b % k == 0 for b in blocks)), 1)
-    cuts, start = set(), 0
+    cuts: set[int] = set()
+    start = 0
     for b in blocks:
         cuts.update(start + i * (b // k) for i in range(k))
         start += b
@@ -185,13 +186,13 @@ def _slice_digest(rows: np.ndarray, c0: int, c1: int) -> str:
     """The checksum of bytes ``[c0, c1)`` of every row of ``rows`` (a 2-D uint8 array), in row order."""
     seg = rows[:, c0:c1]
     if seg.flags.c_contiguous:
-        return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(seg)}"
+        return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(seg.data)}"
     if c1 - c0 >= _STREAM_SEGMENT_BYTES:
         h = xxhash.xxh3_64()
         for row in seg:
-            h.update(row)
+            h.update(row.data)
         return _digest(h)
-    return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(np.ascontiguousarray(seg))}"
+    return f"{ALGORITHM}:{xxhash.xxh3_64_hexdigest(np.ascontiguousarray(seg).data)}"
 
 
 def slice_checksums(data, geom: SliceGeometry) -> list[str]:
@@ -262,16 +263,16 @@ class SliceHasher:
         while len(mv):
             if self._col == 0 and len(mv) >= g.row_bytes:
                 n = min(len(mv) // g.row_bytes, g.group_rows - self._row)
-                a = np.frombuffer(mv[: n * g.row_bytes], dtype=np.uint8).reshape(n, g.row_bytes)
+                whole = np.frombuffer(mv[: n * g.row_bytes], dtype=np.uint8).reshape(n, g.row_bytes)
                 for j in range(self._n):
-                    seg = a[:, g.cols[j] : g.cols[j + 1]]
+                    seg = whole[:, g.cols[j] : g.cols[j + 1]]
                     if seg.flags.c_contiguous:
-                        self._h[j].update(seg)
+                        self._h[j].update(seg.data)
                     elif g.cols[j + 1] - g.cols[j] >= _STREAM_SEGMENT_BYTES:
                         for row in seg:
-                            self._h[j].update(row)
+                            self._h[j].update(row.data)
                     else:
-                        self._h[j].update(np.ascontiguousarray(seg))
+                        self._h[j].update(np.ascontiguousarray(seg).data)
                 mv = mv[n * g.row_bytes :]
                 self._rows_done(n)
                 continue

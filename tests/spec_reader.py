@@ -337,7 +337,11 @@ def sliced_in_layout(entry: Entry, tp: int) -> bool:
 def written_version(doc: dict) -> int:
     """The version the spec says a writer gives this index; for an index of an earlier version, the rule of that
     version (a writer before version 5 never wrote 5: its checkpoints of TP-split tensors are version 1)."""
-    if doc["version"] >= 5 and doc["backend"] == "safetensors" and any(sliced_in_layout(e, layout_of(doc)[0]) for e in doc["entries"].values()):
+    if (
+        doc["version"] >= 5
+        and doc["backend"] == "safetensors"
+        and any(sliced_in_layout(e, layout_of(doc)[0]) for e in doc["entries"].values())
+    ):
         return 5
     if doc["compressed"]:
         return 4

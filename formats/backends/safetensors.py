@@ -337,8 +337,8 @@ def _verify_parts(parts: Sequence[memoryview], first_block: int, ref: PieceRef, 
     without joining them: a block that spans two parts is hashed in two updates. A sliced piece's row groups
     (format version 5) are checked on one joined copy of the parts: each slice takes a part of every row."""
     if ref.geometry is not None:
-        joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]) if parts else b""
-        verify_blocks(memoryview(joined), first_block, ref, where)
+        joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]) if parts else np.empty(0, np.uint8)
+        verify_blocks(joined.data, first_block, ref, where)
         return
     size = ref.block_bytes
     block, filled, h = first_block, 0, xxhash.xxh3_64()
