@@ -198,7 +198,7 @@ class _Strided(NamedTuple):
 
 def _blocks_around(ref: PieceRef, a: int, b: int) -> int:
     """Bytes of the whole checksum blocks around bytes ``[a, b)`` of ``ref`` (what a verified read of them fetches)."""
-    block = ref.block_bytes
+    block = ref.unit_bytes
     return min(-(-b // block) * block, ref.nbytes) - a // block * block
 
 
@@ -220,7 +220,7 @@ def _vectored_parts(
     own. Into a device every range is a part of its own (it goes through a staging buffer)."""
     g = _Strided.of(ref, item, dest, span)
     seg = g.c1 - g.c0
-    block = ref.block_bytes
+    block = ref.unit_bytes
     step = max(block, chunk_bytes // block * block)
     flat = dest.reshape(-1).view(torch.uint8)
     merged: list[list[int]] = []  # [source byte, destination byte, length]
@@ -280,7 +280,7 @@ def _copied_parts(
     buffer and copied from it into every range's place, one strided copy for the rows it holds whole."""
     g = _Strided.of(ref, item, dest, span)
     flat = dest.reshape(-1).view(torch.uint8)
-    step = max(ref.block_bytes, COPY_PART_BYTES // ref.block_bytes * ref.block_bytes)
+    step = max(ref.unit_bytes, COPY_PART_BYTES // ref.unit_bytes * ref.unit_bytes)
     lo, hi = g.s0 * g.src_sub + g.c0, (g.s1 - 1) * g.src_sub + g.c1
     out: list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]] = []
     a = lo
@@ -362,7 +362,7 @@ def read_in_place(
             parts += [(span.positions, *part) for part in scatter_parts(ref, span, grid, rows_into)]
         elif span is None:
             r0, r1 = item.rows
-            per = max(1, chunk_rows(ref.box, ref.dtype, grid, ref.block_bytes))
+            per = max(1, chunk_rows(ref.box, ref.dtype, grid, ref.unit_bytes))
             # parts on the chunk grid: every thread gets work, no checksum block is read twice
             for lo, hi in grid_spans(r0, r1, per):
                 fill = functools.partial(rows_into, ref, lo, hi)
