@@ -117,6 +117,25 @@ def test_a_tp2_rank_of_a_tp1_checkpoint_reads_only_its_bytes(tp1, monkeypatch, s
         assert sum(preads) <= 1.05 * stats.bytes_needed, (sum(preads), stats.bytes_needed)
 
 
+def test_zero_parts_that_cut_row_groups_read_their_columns_verified(tmp_path, monkeypatch):
+    """An optimizer moment at tp=2 dp=3: each rank's ZeRO part starts and ends inside a row group of the stored
+    tp=1 piece, so the reads widen to whole groups (only of the rank's slices) and copy the rows it holds."""
+    entry = _entry("exp_avg/o", (8192, 1024), "float32", ShardingRule(tp=TpSplit(dim=1)), role="exp_avg")
+    tensors = {"exp_avg/o": entry}
+    path = str(tmp_path / "c")
+    save_full_tensors(path, tensors=tensors, layout=Layout(tp=1), values=_value, model={"arch": "toy", "config": {}})
+    full = _value(entry)
+    for staged in (False, True):
+        monkeypatch.setattr(staging, "STAGE_HOST_MEMORY", staged)
+        for rank in range(6):
+            stats = LoadStats()
+            state = load_rank_state(path, Layout(tp=2, dp=3), rank, stats=stats)
+            for box, got in state["exp_avg/o"]:
+                assert torch.equal(got, full[box.slices()]), (rank, box)
+            # at most a group of 1,024 rows of its half (2 MiB) more at each end
+            assert stats.bytes_read <= stats.bytes_needed + 2 * (2 << 20), (rank, stats)
+
+
 def test_whole_tensors_and_an_offline_reshard_verify_every_slice(tp1, tmp_path):
     reader = CheckpointReader(tp1)
     for name, entry in TENSORS.items():
