@@ -120,9 +120,7 @@ def verify_blocks(data: bytes | bytearray | memoryview, first_block: int, ref: P
     piece: its row groups, every slice)."""
     mv = memoryview(data).cast("B")
     if ref.geometry is not None:
-        verify_rows(
-            mv, first_block, ref.geometry, ref.checksums, f"{where}: tensor {ref.tensor!r} box {ref.box.to_json()}"
-        )
+        verify_rows(mv, first_block, ref.geometry, ref.checksums, where, f"{ref.tensor!r} box {ref.box.to_json()}")
         return
     for i, off in enumerate(range(0, max(len(mv), 1), ref.block_bytes)):
         block = first_block + i

@@ -212,6 +212,7 @@ def verify_columns(
     first_slice: int,
     geom: SliceGeometry,
     checksums: tuple[str, ...],
+    where: str,
     what: str,
 ) -> None:
     """Check the slices held by ``rows`` (a 2-D uint8 array: whole groups of rows from group ``first_group``,
@@ -230,19 +231,19 @@ def verify_columns(
             if k >= geom.groups or got != checksums[at]:
                 want = checksums[at] if k < geom.groups else "none"
                 raise ChecksumMismatchError(
-                    f"{what}: checksum mismatch in slice {j} rows group {k} (expected {want}, got {got}); "
+                    f"{where}: checksum mismatch in tensor {what} slice {j} rows group {k} (expected {want}, got {got}); "
                     "the file is corrupt"
                 )
 
 
-def verify_rows(data, first_group: int, geom: SliceGeometry, checksums: tuple[str, ...], what: str) -> None:
+def verify_rows(data, first_group: int, geom: SliceGeometry, checksums: tuple[str, ...], where: str, what: str) -> None:
     """Check whole rows ``data`` (groups from ``first_group``, all slices) against their checksums."""
     mv = memoryview(data).cast("B")
     n = len(mv) // geom.row_bytes if geom.row_bytes else 0
     if n * geom.row_bytes != len(mv):
-        raise ChecksumMismatchError(f"{what}: a read of {len(mv)} bytes is not whole rows of a sliced piece")
+        raise ChecksumMismatchError(f"{where}: a read of {len(mv)} bytes is not whole rows of sliced tensor {what}")
     a = np.frombuffer(mv, dtype=np.uint8).reshape(n, geom.row_bytes)
-    verify_columns(a, first_group, 0, geom, checksums, what)
+    verify_columns(a, first_group, 0, geom, checksums, where, what)
 
 
 class SliceHasher:

@@ -316,7 +316,9 @@ class SafetensorsReader:
             ) from None
         except StorageError as e:
             raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
-        verify_columns(rows, first_group, first_slice, g, ref.checksums, f"{where}: tensor {ref.tensor!r}")
+        verify_columns(
+            rows, first_group, first_slice, g, ref.checksums, where, f"{ref.tensor!r} box {ref.box.to_json()}"
+        )
         if not exact:
             out.numpy()[:] = rows[s0 - r0 : s1 - r0, c0 - a : c1 - a]
         return True
