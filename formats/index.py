@@ -21,12 +21,14 @@ from .backend import backend_compressions, backend_names
 from .checksum import is_checksum
 from .compression import NONE, check_compress
 from .errors import CheckpointIndexError, UnsafePathError, UnsupportedVersionError
+from .pieces import CHECKSUM_BLOCK_BYTES
 from .roles import ROLES
+from .slices import tensor_sliced
 
 INDEX_NAME = "moeckpt.json"
 FORMAT_NAME = "moeckpt"
 #: the newest version this moeckpt reads; it writes 1 unless the index needs what a later version added.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 #: the version an index with device-mesh shardings (or stored-piece shardings) is written as.
 MESH_FORMAT_VERSION = 2
 #: the version an index is written as when its tensor names are escaped DCP keys (``model.config.dcp``, written
@@ -36,6 +38,9 @@ DCP_FORMAT_VERSION = 3
 #: the version an index is written as when its data files may be compressed (member ``compress``, not ``none``):
 #: a reader of version 3 would take a compressed zarr chunk for a raw one and refuse it as the wrong length.
 COMPRESS_FORMAT_VERSION = 4
+#: the version a safetensors index is written as when a tensor's pieces are checksummed in column slices along its
+#: TP dimension (:mod:`~moeckpt.formats.slices`): a reader of version 4 would refuse their checksum counts.
+SLICED_FORMAT_VERSION = 5
 #: the member of ``model.config`` that says the tensor names are escaped DCP keys and holds DCP's own metadata.
 DCP_CONFIG_KEY = "dcp"
 #: the sharding of a tensor whose pieces, and the files holding them, only the data files' headers list (no rule
@@ -269,7 +274,10 @@ class Index:
         """The format version this index is written as: 4 when it was written compressed (``compress`` is not
         ``none``); else 3 when its names are escaped DCP keys or a tensor has a dtype of version 3; else 2 when it
         has device meshes or stored-piece shardings (a version-1 reader could not locate those tensors' pieces);
-        else 1."""
+        else 1. Before all of them, 5 when the backend is safetensors and the pieces of a tensor in this layout are
+        checksummed in slices (:func:`~moeckpt.formats.slices.tensor_sliced`)."""
+        if self.sliced:
+            return SLICED_FORMAT_VERSION
         if self.compress != NONE:
             return COMPRESS_FORMAT_VERSION
         config = self.model.get("config")
@@ -280,6 +288,17 @@ class Index:
         if self.meshes or any(e.sharding == STORED_SHARDING for e in self.tensors.values()):
             return MESH_FORMAT_VERSION
         return 1
+
+    @property
+    def sliced(self) -> bool:
+        """Whether some tensor's pieces are checksummed in column slices (format version 5: safetensors only)."""
+        if self.backend != "safetensors":
+            return False
+        tp = self.layout.get("tp", 1) if isinstance(self.layout, dict) else 1
+        return any(
+            tensor_sliced(e.shape, e.sharding, tp, dtypes.itemsize(e.dtype), CHECKSUM_BLOCK_BYTES)
+            for e in self.tensors.values()
+        )
 
     @property
     def nbytes(self) -> int:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
+from . import dtypes
 from .box import Box
 from .checksum import checksum
 from .errors import ChecksumMismatchError
+from .slices import SliceGeometry, geometry, verify_rows
 
 #: Pieces are checksummed in blocks of this many bytes, so a reader that needs part of a piece (a new ZeRO split
 #: reading a row range of an old one) can verify exactly the blocks it reads instead of the whole piece.
@@ -52,6 +55,24 @@ class PieceRef:
     #: zarr only: the compression setting of the object's chunks (:mod:`~moeckpt.formats.compression`); with any
     #: but ``"none"`` a read decodes whole (inner) chunks, whatever rows it wants.
     compress: str = "none"
+    #: safetensors, version 5: the piece's checksum slices along dimension ``slice_dim`` (their sizes, in order;
+    #: :mod:`~moeckpt.formats.slices`); empty: blocks of ``block_bytes`` along the flat bytes (version 1).
+    slice_dim: int = 0
+    slices: tuple[int, ...] = ()
+
+    @cached_property
+    def geometry(self) -> SliceGeometry | None:
+        """The slice geometry of a sliced piece, else None."""
+        if not self.slices:
+            return None
+        return geometry(self.box.shape, dtypes.itemsize(self.dtype), self.slice_dim, self.slices, self.block_bytes)
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of a verification unit: a checksum block, or for a sliced piece a group of whole rows (every
+        slice's block over the same rows). Reads of whole rows are widened to these, from multiples of them."""
+        g = self.geometry
+        return self.block_bytes if g is None else g.unit_bytes
 
 
 def block_span(ref: PieceRef, lo: int, hi: int) -> tuple[int, int, int, int, int]:
@@ -59,7 +80,7 @@ def block_span(ref: PieceRef, lo: int, hi: int) -> tuple[int, int, int, int, int
     them: the first block's number and bytes ``[read_lo, read_hi)`` (what a verified read fetches)."""
     row = ref.nbytes // ref.box.shape[0] if ref.box.shape[0] else 0
     a, b = lo * row, hi * row
-    block = ref.block_bytes
+    block = ref.unit_bytes
     b0 = a // block
     return a, b, b0, b0 * block, min(-(-b // block) * block if b else block, ref.nbytes)
 
@@ -70,7 +91,7 @@ def fetched_bytes(ref: PieceRef, lo: int, hi: int) -> int:
     if not ref.box.ndim or not ref.box.shape[0]:
         return ref.nbytes
     if not ref.block_bytes:
-        return (hi - lo) * (ref.nbytes // ref.box.shape[0])
+        return (hi - lo) * (ref.nbytes // ref.box.shape[0])  # rows a function produces: no blocks
     _, _, _, read_lo, read_hi = block_span(ref, lo, hi)
     return read_hi - read_lo
 
@@ -95,8 +116,12 @@ def block_checksums(data: memoryview | bytes | bytearray, block_bytes: int = CHE
 
 
 def verify_blocks(data: bytes | bytearray | memoryview, first_block: int, ref: PieceRef, where: str) -> None:
-    """Check the blocks ``first_block, first_block+1, ...`` of ``ref`` that ``data`` holds, whole."""
+    """Check the blocks ``first_block, first_block+1, ...`` of ``ref`` that ``data`` holds, whole (for a sliced
+    piece: its row groups, every slice)."""
     mv = memoryview(data).cast("B")
+    if ref.geometry is not None:
+        verify_rows(mv, first_block, ref.geometry, ref.checksums, where, f"{ref.tensor!r} box {ref.box.to_json()}")
+        return
     for i, off in enumerate(range(0, max(len(mv), 1), ref.block_bytes)):
         block = first_block + i
         if block >= len(ref.checksums):

@@ -150,7 +150,7 @@ class ChunkReader:
 
     def chunk_rows(self, ref: PieceRef) -> int:
         """Rows per chunk of the stored piece ``ref`` (:func:`chunk_rows` on its own checksum blocks)."""
-        return chunk_rows(ref.box, ref.dtype, self.chunk_bytes, ref.block_bytes)
+        return chunk_rows(ref.box, ref.dtype, self.chunk_bytes, ref.unit_bytes)
 
     def rows(self, tensor: str, box: Box, r0: int, r1: int, *, until: int | None = None) -> torch.Tensor:
         """Rows ``[r0, r1)`` (piece coordinates) of the stored piece ``(tensor, box)``.

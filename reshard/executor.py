@@ -318,7 +318,7 @@ class _Writers:
             ref = self.refs.get((item.tensor, item.src_box))
             if ref is None:
                 return []  # reported by the chunk cache when the writer reads it
-            per = chunk_rows(ref.box, ref.dtype, self.options.chunk_bytes, ref.block_bytes)
+            per = chunk_rows(ref.box, ref.dtype, self.options.chunk_bytes, ref.unit_bytes)
             return [(key, fetched_bytes(ref, key[3], key[4])) for key in chunk_keys(ref, item.rows, per)]
 
         return sharing_groups(self.plan.ranks, chunks_of, self.options.workers)

@@ -23,6 +23,7 @@ import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
+from moeckpt.formats.slices import column_span, columns_fetched
 
 from .chunks import ChunkReader, chunk_rows, grid_spans
 from .options import LOAD_STAGE_BYTES
@@ -45,6 +46,7 @@ from .staging import (
 )
 
 SegmentsInto = Callable[[PieceRef, list[tuple[int, memoryview]]], bool]
+ColumnsInto = Callable[[PieceRef, int, int, int, int, torch.Tensor], bool]
 
 
 def _cannot_read(ref: PieceRef, lo: int, hi: int, out: torch.Tensor) -> bool:
@@ -121,12 +123,50 @@ def spans_in_place(
         return None
     for ref, (_, span) in zip(refs_of, spans):
         row = ref.nbytes // ref.box.shape[0]
+        if sliced_columns(ref, span):
+            continue  # read by slices: exactly the rows' columns, into place or through staging
         if stages(dest):
             if span.sub != 1 or row < 2 * ref.block_bytes:
                 return None
         elif span.c1 - span.c0 < VECTORED_RANGE_BYTES and row // span.sub - (span.c1 - span.c0) >= ref.block_bytes:
             return None
     return spans
+
+
+def sliced_columns(ref: PieceRef, span: RowSpan) -> bool:
+    """Whether a span of a sliced stored piece (format version 5) is read by its slices: the span's sub-rows are
+    the piece's outer rows (the dimensions before its slice dimension), and the slices around the span's bytes
+    leave some of each row out."""
+    g = ref.geometry
+    if g is None or not ref.box.shape[0] or ref.nbytes // ref.box.shape[0] != span.sub * g.row_bytes:
+        return False
+    *_, a, b = column_span(g, 0, 1, span.c0, span.c1)
+    return b - a < g.row_bytes
+
+
+def _column_parts(
+    ref: PieceRef, item: ReadItem, dest: torch.Tensor, span: RowSpan, chunk_bytes: int, columns_into: ColumnsInto
+) -> list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]]:
+    """The parts of a span read by slices (:func:`sliced_columns`): the span's outer rows cut at row groups about
+    every ``chunk_bytes`` of its columns, each part read straight into its rows of the destination (a strided
+    view) or through staging."""
+    g = _Strided.of(ref, item, dest, span)
+    geom = ref.geometry
+    if geom is None:  # sliced_columns chose this span: never
+        return []
+    width = g.c1 - g.c0
+    q = geom.group_rows
+    per = max(q, chunk_bytes // max(1, width) // q * q)
+    flat = dest.reshape(-1).view(torch.uint8)
+    out: list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]] = []
+    lo = g.s0
+    while lo < g.s1:
+        hi = min(g.s1, (lo // per + 1) * per)
+        target = flat.as_strided((hi - lo, width), (g.dest_sub, 1), flat.storage_offset() + g.dest_at(lo))
+        fill = functools.partial(columns_into, ref, lo, hi, g.c0, g.c1)
+        out.append((columns_fetched(geom, lo, hi, g.c0, g.c1), fill, target))
+        lo = hi
+    return out
 
 
 class _Strided(NamedTuple):
@@ -158,7 +198,7 @@ class _Strided(NamedTuple):
 
 def _blocks_around(ref: PieceRef, a: int, b: int) -> int:
     """Bytes of the whole checksum blocks around bytes ``[a, b)`` of ``ref`` (what a verified read of them fetches)."""
-    block = ref.block_bytes
+    block = ref.unit_bytes
     return min(-(-b // block) * block, ref.nbytes) - a // block * block
 
 
@@ -180,7 +220,7 @@ def _vectored_parts(
     own. Into a device every range is a part of its own (it goes through a staging buffer)."""
     g = _Strided.of(ref, item, dest, span)
     seg = g.c1 - g.c0
-    block = ref.block_bytes
+    block = ref.unit_bytes
     step = max(block, chunk_bytes // block * block)
     flat = dest.reshape(-1).view(torch.uint8)
     merged: list[list[int]] = []  # [source byte, destination byte, length]
@@ -240,7 +280,7 @@ def _copied_parts(
     buffer and copied from it into every range's place, one strided copy for the rows it holds whole."""
     g = _Strided.of(ref, item, dest, span)
     flat = dest.reshape(-1).view(torch.uint8)
-    step = max(ref.block_bytes, COPY_PART_BYTES // ref.block_bytes * ref.block_bytes)
+    step = max(ref.unit_bytes, COPY_PART_BYTES // ref.unit_bytes * ref.unit_bytes)
     lo, hi = g.s0 * g.src_sub + g.c0, (g.s1 - 1) * g.src_sub + g.c1
     out: list[tuple[int, Callable[[torch.Tensor], bool], torch.Tensor]] = []
     a = lo
@@ -296,6 +336,7 @@ def read_in_place(
     rows_into: ReadInto = getattr(chunks.pieces, "read_rows_into", no_read)
     bytes_into: ReadInto = getattr(chunks.pieces, "read_bytes_into", no_read)
     segments_into: SegmentsInto = getattr(chunks.pieces, "read_segments_into", _cannot_read_segments)
+    columns_into: ColumnsInto | None = getattr(chunks.pieces, "read_columns_into", None)
     spans_ok = bytes_into is not no_read and segments_into is not _cannot_read_segments
     usable = [j for j in jobs if (spans_ok if isinstance(j[3], RowSpan) else rows_into is not no_read)]
     failed = set().union(*map(positions, jobs)) - set().union(*map(positions, usable))
@@ -321,11 +362,13 @@ def read_in_place(
             parts += [(span.positions, *part) for part in scatter_parts(ref, span, grid, rows_into)]
         elif span is None:
             r0, r1 = item.rows
-            per = max(1, chunk_rows(ref.box, ref.dtype, grid, ref.block_bytes))
+            per = max(1, chunk_rows(ref.box, ref.dtype, grid, ref.unit_bytes))
             # parts on the chunk grid: every thread gets work, no checksum block is read twice
             for lo, hi in grid_spans(r0, r1, per):
                 fill = functools.partial(rows_into, ref, lo, hi)
                 parts.append(({pos}, fetched_bytes(ref, lo, hi), fill, dest[lo - r0 : hi - r0]))
+        elif columns_into is not None and sliced_columns(ref, span):
+            parts += [({pos}, *part) for part in _column_parts(ref, item, dest, span, grid, columns_into)]
         else:
             if span.c1 - span.c0 >= VECTORED_RANGE_BYTES or staged:
                 found = _vectored_parts(ref, item, dest, span, grid, bytes_into, segments_into)

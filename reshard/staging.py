@@ -225,7 +225,7 @@ def scatter_parts(ref: PieceRef, group: RowsGroup, stage_bytes: int, rows_into: 
     checksum blocks, each read whole and its regions scattered into place (one copy where a single region is the
     rows' full width and lands contiguous)."""
     r0, r1 = group.rows
-    per = max(1, chunk_rows(ref.box, ref.dtype, stage_bytes, ref.block_bytes))
+    per = max(1, chunk_rows(ref.box, ref.dtype, stage_bytes, ref.unit_bytes))
     shape = tuple(group.src_box.shape[1:])
     where = []
     for _, item, dest in group.lands:

@@ -27,7 +27,7 @@ import numpy as np
 import xxhash
 from numcodecs import blosc
 
-KNOWN_VERSIONS = (1, 2, 3, 4)
+KNOWN_VERSIONS = (1, 2, 3, 4, 5)
 BACKENDS = ("safetensors", "zarr")
 ROLES = ("param", "master", "exp_avg", "exp_avg_sq", "momentum", "buffer")
 ZERO_ROLES = ("master", "exp_avg", "exp_avg_sq", "momentum")
@@ -185,7 +185,7 @@ def parse_index(raw: bytes) -> dict:
     need(isinstance(doc, dict) and doc.get("format") == "moeckpt", 'index: no "format": "moeckpt"')
     version = doc.get("format_version")
     need(_is_int(version), f"index: format_version {version!r} is not an integer")
-    need(version in KNOWN_VERSIONS, f"index: format version {version} is not known (1, 2, 3 and 4 are)")
+    need(version in KNOWN_VERSIONS, f"index: format version {version} is not known (1 to 5 are)")
     need(doc.get("backend") in BACKENDS, f"index: backend {doc.get('backend')!r}")
     need(_is_int(doc.get("step")) and doc["step"] >= 0, "index: step")
     layout = doc.get("layout")
@@ -262,8 +262,87 @@ def parse_index(raw: bytes) -> dict:
     return doc
 
 
+def cut_points(entry: Entry) -> tuple[int, list[int]] | None:
+    """Checksum slices (version 5): ``(d, cut points)`` of a sliceable tensor, else None."""
+    tp = entry.sharding.get("tp") if entry.kind == "rule" else None
+    if not isinstance(tp, dict) or "window" in tp or not 0 <= tp["dim"] < len(entry.shape):
+        return None
+    d = tp["dim"]
+    blocks = tp.get("blocks") or [entry.shape[d]]
+    k = next((k for k in (8, 4, 2) if all(b % k == 0 for b in blocks)), 1)
+    cuts, start = [], 0
+    for b in blocks:
+        cuts += [start + i * (b // k) for i in range(k)]
+        start += b
+    return d, sorted(set(cuts))
+
+
+def slices_of(entry: Entry, offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[int, list[int]] | None:
+    """``(d, sizes)`` of the slices of a stored piece, or None where it is not sliced."""
+    found = cut_points(entry)
+    if found is None or found[0] == 0:
+        return None
+    d, cuts = found
+    lo, hi = offsets[d], offsets[d] + shape[d]
+    inside = [c for c in cuts if lo < c < hi]
+    if not inside:
+        return None
+    edges = [lo, *inside, hi]
+    return d, [b - a for a, b in zip(edges, edges[1:])]
+
+
+def tensor_row_block(entry: Entry) -> int | None:
+    """B0 of a tensor cut along dimension 0 (G0 rows, G0 the largest divisor of g that fits in B = 4194304,
+    moeckpt's block size), where 4096 <= B0 < B."""
+    found = cut_points(entry)
+    if found is None or found[0] != 0:
+        return None
+    g = 0
+    for c in found[1]:
+        g = math.gcd(g, c)
+    row = math.prod(entry.shape[1:]) * DTYPES[entry.dtype][1]
+    rows = max((k for k in range(1, g + 1) if g % k == 0 and k * row <= 4194304), default=0) if g and row else 0
+    b0 = rows * row
+    return b0 if 4096 <= b0 < 4194304 else None
+
+
+def row_block_of(entry: Entry, offsets: tuple[int, ...], shape: tuple[int, ...]) -> int | None:
+    """The row block a writer gives this stored piece, or None."""
+    b0 = tensor_row_block(entry)
+    if b0 is None:
+        return None
+    lo, hi = offsets[0], offsets[0] + shape[0]
+    return b0 if any(lo < c < hi for c in cut_points(entry)[1]) else None
+
+
+def sliced_in_layout(entry: Entry, tp: int) -> bool:
+    """Sliced, or has row blocks, in a layout of ``tp`` TP ranks."""
+    found = cut_points(entry)
+    if found is None or not all(entry.shape):
+        return False
+    d, cuts = found
+    if d == 0 and tensor_row_block(entry) is None:
+        return False
+    n = entry.shape[d]
+    if tp == 1:
+        intervals = [(0, n)]
+    else:
+        intervals, start = [], 0
+        for b in entry.sharding["tp"].get("blocks") or [n]:
+            intervals += [(start + r * (b // tp), start + (r + 1) * (b // tp)) for r in range(tp)]
+            start += b
+    return any(lo < c < hi for lo, hi in intervals for c in cuts)
+
+
 def written_version(doc: dict) -> int:
-    """The version the spec says a writer gives this index."""
+    """The version the spec says a writer gives this index; for an index of an earlier version, the rule of that
+    version (a writer before version 5 never wrote 5: its checkpoints of TP-split tensors are version 1)."""
+    if (
+        doc["version"] >= 5
+        and doc["backend"] == "safetensors"
+        and any(sliced_in_layout(e, layout_of(doc)[0]) for e in doc["entries"].values())
+    ):
+        return 5
     if doc["compressed"]:
         return 4
     if "dcp" in doc["model"].get("config", {}) or any(e.dtype in VERSION_3_DTYPES for e in doc["entries"].values()):
@@ -518,6 +597,10 @@ class Piece:
     length: int = 0
     block: int = 0
     sums: list[str] = field(default_factory=list)
+    #: safetensors, version 5: (d, slice sizes) of a sliced piece
+    slices: tuple[int, list[int]] | None = None
+    #: safetensors: the file's block size (a piece's own, ``block``, differs where it has a row block)
+    file_block: int = 0
     #: zarr: the array's chunk grid and inner chunks
     grid: tuple[int, ...] = ()
     inner: tuple[int, ...] | None = None
@@ -605,11 +688,46 @@ class Checkpoint:
                 sums = meta.get(key, "")
                 need(isinstance(sums, str) and sums, f"{relpath}: {key!r} has no checksums")
                 sums_list = sums.split(",")
-                need(len(sums_list) == -(-length // block), f"{relpath}: {key!r} checksum count")
+                sliced = None
+                piece_block = block
+                if key + "#block" in meta:
+                    need(self.version >= 5, f"{relpath}: {key!r} has a row block, which needs version 5")
+                    text = meta[key + "#block"]
+                    need(text.isdigit() and 1 <= int(text) <= block, f"{relpath}: {key!r} row block {text!r}")
+                    need(key + "#slices" not in meta, f"{relpath}: {key!r} has both a row block and slices")
+                    piece_block = int(text)
+                if key + "#slices" in meta:
+                    need(self.version >= 5, f"{relpath}: {key!r} has checksum slices, which need version 5")
+                    m = re.fullmatch(r"(\d+):(\d+(?:,\d+)+)", meta[key + "#slices"])
+                    need(m is not None, f"{relpath}: {key!r} slices {meta[key + '#slices']!r}")
+                    d, sizes = int(m.group(1)), [int(w) for w in m.group(2).split(",")]
+                    need(
+                        1 <= d < len(shape) and min(sizes) >= 1 and sum(sizes) == shape[d], f"{relpath}: {key!r} slices"
+                    )
+                    sliced = (d, sizes)
+                    rows = math.prod(shape[:d])
+                    group = max(1, block // (length // rows))
+                    need(len(sums_list) == len(sizes) * -(-rows // group), f"{relpath}: {key!r} checksum count")
+                else:
+                    need(len(sums_list) == -(-length // piece_block), f"{relpath}: {key!r} checksum count")
                 need(all(re.fullmatch(r"xxh3_64:[0-9a-f]{16}", s) for s in sums_list), f"{relpath}: {key!r} sums")
-                out.append(Piece(tensor, offsets, shape, relpath, data_start + start, length, block, sums_list))
+                out.append(
+                    Piece(
+                        tensor,
+                        offsets,
+                        shape,
+                        relpath,
+                        data_start + start,
+                        length,
+                        piece_block,
+                        sums_list,
+                        sliced,
+                        block,
+                    )
+                )
             need(data_start + expect == self.doc["files"][relpath]["size"], f"{relpath}: data does not fill the file")
-            extra = set(meta) - set(keys) - {"moeckpt.format_version", "moeckpt.checksum_block_bytes"}
+            extra = set(meta) - set(keys) - {k + "#slices" for k in keys} - {k + "#block" for k in keys}
+            extra -= {"moeckpt.format_version", "moeckpt.checksum_block_bytes"}
             need(not extra, f"{relpath}: __metadata__ has other members {sorted(extra)}")
         return out
 
@@ -650,10 +768,32 @@ class Checkpoint:
         if self.backend == "safetensors":
             data = self._read(p.file, p.start, p.start + p.length)
             need(len(data) == p.length, f"{p.file}: ends early")
+            if p.slices is not None:
+                self._check_slices(p, data)
+                return data
             for k, want in enumerate(p.sums):
                 need(checksum(data[k * p.block : (k + 1) * p.block]) == want, f"{p.file}: block {k} of {p.tensor}")
             return data
         return self._cell_bytes(p)
+
+    def _check_slices(self, p: Piece, data: bytes) -> None:
+        """Checksum slices (version 5): outer rows in groups, each slice of each group its own checksum."""
+        d, sizes = p.slices
+        rows = math.prod(p.shape[:d])
+        width = p.length // rows
+        unit = width // p.shape[d]
+        group = max(1, p.block // width)
+        groups = -(-rows // group)
+        cols = [0]
+        for w in sizes:
+            cols.append(cols[-1] + w * unit)
+        for j in range(len(sizes)):
+            for k in range(groups):
+                stream = b"".join(
+                    data[r * width + cols[j] : r * width + cols[j + 1]]
+                    for r in range(k * group, min((k + 1) * group, rows))
+                )
+                need(checksum(stream) == p.sums[j * groups + k], f"{p.file}: slice {j} group {k} of {p.tensor}")
 
     def _cell_bytes(self, p: Piece) -> bytes:
         entry = self.entries[p.tensor]
@@ -746,7 +886,12 @@ class Checkpoint:
             need(re.fullmatch(r"rank-\d{5,}\.safetensors", relpath), f"{relpath}: not a rank file name")
             need(relpath == f"rank-{int(relpath[5:-12]):05d}.safetensors", f"{relpath}: not zero-padded to 5")
             meta = self.header(relpath)[0]["__metadata__"]
-            need(meta.get("moeckpt.format_version") == "1", f"{relpath}: data-file version is not 1")
+            sliced = any(k.endswith("#slices") or k.endswith("#block") for k in meta)
+            want_version = "2" if sliced else "1"
+            need(
+                meta.get("moeckpt.format_version") == want_version,
+                f"{relpath}: data-file version is not {want_version}",
+            )
         if all(e.kind == "rule" for e in self.entries.values()):
             tp, _, dp = layout_of(self.doc)
             want = {f"rank-{r:05d}.safetensors" for r in range(tp * dp)}
@@ -757,6 +902,16 @@ class Checkpoint:
             if expected is None:
                 continue
             need(set(stored) == set(expected), f"tensor {name!r}: stored boxes differ from the sharding's")
+            for p in self.pieces()[name] if self.version >= 5 else ():  # earlier writers never sliced
+                want_slices = slices_of(entry, p.offsets, p.shape)
+                need(
+                    p.slices == want_slices,
+                    f"tensor {name!r} {p.offsets}: slices {p.slices}, the cut points give {want_slices}",
+                )
+                want_block = row_block_of(entry, p.offsets, p.shape) or p.file_block
+                need(
+                    p.block == want_block, f"tensor {name!r} {p.offsets}: block {p.block}, the rule gives {want_block}"
+                )
             for box, writer in expected.items():
                 want_file = f"rank-{writer:05d}.safetensors"
                 need(stored[box] == want_file, f"tensor {name!r} box {box}: in {stored[box]}, writer is {want_file}")

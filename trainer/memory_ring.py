@@ -48,12 +48,13 @@ import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.backends.safetensors import file_name
-from moeckpt.formats.backends.safetensors_header import header_bytes
+from moeckpt.formats.backends.safetensors_header import block_count, header_bytes, piece_block, slicing
 from moeckpt.formats.box import Box
 from moeckpt.formats.checksum import checksum
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import FileEntry, TensorEntry
-from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, Piece
+from moeckpt.formats.pieces import Piece
+from moeckpt.formats.slices import slice_checksums
 
 if TYPE_CHECKING:
     from moeckpt.formats.backend import Backend
@@ -349,14 +350,20 @@ class MemoryRing:
             elif slot.views[key] is not p.data:
                 slot.views[key].copy_(p.data)
         raw = memoryview(slot.mm) if self.size else memoryview(b"")
+        # a job per checksum block; a piece sliced along its TP dimension (format version 5) is one job of its own
+        geoms = [slicing(b, self.tensors[t]) for t, b in self.layout]
+        sizes = [piece_block(b, self.tensors[t]) for t, b in self.layout]
         jobs = [
-            (i, lo, min(lo + CHECKSUM_BLOCK_BYTES, off + n))
+            (i, lo, min(lo + sizes[i], off + n) if geoms[i] is None else off + n)
             for i, (off, n) in enumerate(self._offsets)
-            for lo in (range(off, off + n, CHECKSUM_BLOCK_BYTES) if n else [off])
+            for lo in (range(off, off + n, sizes[i]) if n and geoms[i] is None else [off])
         ]
 
-        def one(job: tuple[int, int, int]) -> str:
-            return checksum(raw[job[1] : job[2]])
+        def one(job: tuple[int, int, int]) -> list[str]:
+            geom = geoms[job[0]]
+            if geom is None:
+                return [checksum(raw[job[1] : job[2]])]
+            return slice_checksums(raw[job[1] : job[2]], geom)
 
         if threads > 1 and len(jobs) > 1 and self.size > 2 * CHECKSUM_BLOCK_BYTES:
             # One pool for the ring's life: a pool made per save costs the commit a few ms of thread starts, more
@@ -366,7 +373,7 @@ class MemoryRing:
             digests = [one(j) for j in jobs]
         sums: list[list[str]] = [[] for _ in self.layout]
         for (i, _, _), d in zip(jobs, digests):
-            sums[i].append(d)
+            sums[i].extend(d)
         head = header_bytes([(t, b, s) for (t, b), s in zip(self.layout, sums)], self.tensors)
         if len(head) != len(self._placeholder):
             raise MoeckptError(f"{slot.path}: the header changed length after hashing ({len(head)} bytes)")
@@ -417,7 +424,7 @@ class MemoryRing:
 
 
 def _blocks(box: Box, entry: TensorEntry) -> int:
-    return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // CHECKSUM_BLOCK_BYTES))
+    return block_count(box, entry)
 
 
 class RingWriter:

@@ -16,6 +16,7 @@ import torch
 
 from ..checksum import checksum
 from ..pieces import CHECKSUM_BLOCK_BYTES
+from ..slices import SliceGeometry, SliceHasher
 from ..writeback import Writeback
 
 #: rows of a strided piece at least this long are written straight from the trainer's tensor; shorter ones are
@@ -23,20 +24,26 @@ from ..writeback import Writeback
 _DIRECT_ROW_BYTES = 64 * 1024
 
 
-def stream_piece(data: torch.Tensor, write: Callable[[memoryview], object] | None) -> list[str]:
-    """Hash a piece's bytes block by block, passing each part to ``write`` right after hashing it."""
+def stream_piece(
+    data: torch.Tensor,
+    write: Callable[[memoryview], object] | None,
+    geometry: SliceGeometry | None = None,
+    block: int = CHECKSUM_BLOCK_BYTES,
+) -> list[str]:
+    """Hash a piece's bytes in blocks of ``block`` bytes (slice by slice where ``geometry`` is given), passing
+    each part to ``write`` right after hashing it."""
     if data.device.type != "cpu":
         data = data.cpu()
-    if data.is_contiguous() and data.numel() * data.element_size() <= CHECKSUM_BLOCK_BYTES:
+    if geometry is None and data.is_contiguous() and data.numel() * data.element_size() <= block:
         # Most pieces (norms, biases, small projections) are one contiguous block: skip the machinery below.
         mv = _contiguous_bytes(data)
         if write is not None:
             write(mv)
         return [checksum(mv)]
-    hasher = BlockHasher()
+    hasher: BlockHasher | SliceHasher = BlockHasher(block) if geometry is None else SliceHasher(geometry)
     for frag in _fragments(data):
-        for i in range(0, len(frag), CHECKSUM_BLOCK_BYTES):
-            part = frag[i : i + CHECKSUM_BLOCK_BYTES]
+        for i in range(0, len(frag), block):
+            part = frag[i : i + block]
             hasher.update(part)
             if write is not None:
                 write(part)

@@ -9,20 +9,20 @@ are in :mod:`.safetensors_write`.
 
 from __future__ import annotations
 
-import json
-import struct
 import threading
 from collections.abc import Collection, Iterable, Sequence
 
+import numpy as np
 import torch
 import xxhash
 
 from .. import dtypes
 from ..box import Box
-from ..checksum import ALGORITHM, checksum
+from ..checksum import ALGORITHM
 from ..errors import ChecksumMismatchError, DataFileError, StorageError
-from ..index import FileEntry, Index, TensorEntry
+from ..index import SLICED_FORMAT_VERSION, FileEntry, Index, TensorEntry
 from ..pieces import Piece, PieceRef, block_span, tensor_bytes, verify_blocks
+from ..slices import column_span, verify_columns
 from ..storage import Storage, StorageReader
 from .base import BackendBase
 from .piece_stream import BlockHasher
@@ -36,6 +36,7 @@ from .safetensors_header import (
     parse_piece_key,
     piece_key,
 )
+from .safetensors_read import list_pieces, read_header
 from .safetensors_write import encode, write_file, write_file_parallel, write_file_stream
 
 __all__ = [
@@ -60,98 +61,6 @@ __all__ = [
 ]
 
 
-def read_header(storage: Storage, entry: FileEntry, tensors: dict[str, TensorEntry]) -> list[PieceRef]:
-    """Read and validate one file's header against the index; returns its pieces."""
-    where = storage.path(entry.path)
-    try:
-        actual = storage.size(entry.path)
-    except FileNotFoundError:
-        raise DataFileError(
-            f"{where}: data file is missing (listed in the index); the checkpoint is incomplete"
-        ) from None
-    if actual != entry.size:
-        raise DataFileError(
-            f"{where}: size is {actual} bytes, the index says {entry.size}: the file is truncated or replaced"
-        )
-    if actual < 8:
-        raise DataFileError(f"{where}: too short to be a safetensors file")
-    first = bytes(storage.read_range(entry.path, 0, min(actual, 8 + 64 * 1024)))
-    (hlen,) = struct.unpack("<Q", first[:8])
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > actual:
-        raise DataFileError(f"{where}: header length {hlen} is impossible for a {actual}-byte file")
-    head = (
-        first[: 8 + hlen]
-        if 8 + hlen <= len(first)
-        else first + bytes(storage.read_range(entry.path, len(first), 8 + hlen))
-    )
-    if checksum(head) != entry.checksum:
-        raise DataFileError(f"{where}: header checksum differs from the index: the header is corrupt")
-    try:
-        doc = json.loads(head[8:].decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataFileError(f"{where}: header is not valid JSON ({e})") from None
-    return _pieces_from_header(doc, 8 + hlen, actual, where, entry.path, tensors)
-
-
-def _pieces_from_header(
-    doc: object, data_start: int, file_size: int, where: str, relpath: str, tensors: dict[str, TensorEntry]
-) -> list[PieceRef]:
-    if not isinstance(doc, dict) or not isinstance(doc.get("__metadata__"), dict):
-        raise DataFileError(f"{where}: header has no __metadata__ with the piece checksums")
-    meta = doc["__metadata__"]
-    try:
-        block = int(meta.get(META_BLOCK_KEY, ""))
-    except ValueError:
-        raise DataFileError(f"{where}: header lacks {META_BLOCK_KEY}") from None
-    if block <= 0:
-        raise DataFileError(f"{where}: checksum block size {block} must be positive")
-    refs: list[PieceRef] = []
-    expected_offset = 0
-    for key, info in doc.items():
-        if key == "__metadata__":
-            continue
-        try:
-            tensor, offsets = parse_piece_key(key)
-        except ValueError as e:
-            raise DataFileError(f"{where}: {e}") from None
-        entry = tensors.get(tensor)
-        if entry is None:
-            raise DataFileError(f"{where}: piece {key!r} names tensor {tensor!r}, which the index does not list")
-        if (
-            not isinstance(info, dict)
-            or not isinstance(info.get("shape"), list)
-            or not isinstance(info.get("data_offsets"), list)
-        ):
-            raise DataFileError(f"{where}: entry {key!r} needs 'dtype', 'shape' and 'data_offsets'")
-        if dtypes.from_safetensors(info.get("dtype")) != entry.dtype:
-            raise DataFileError(f"{where}: piece {key!r} has dtype {info.get('dtype')!r}, the index says {entry.dtype}")
-        try:
-            box = Box(offsets, tuple(int(s) for s in info["shape"]))
-            start, end = (int(v) for v in info["data_offsets"])
-        except (ValueError, TypeError):
-            raise DataFileError(f"{where}: piece {key!r} has a malformed shape or data_offsets") from None
-        if not box.within(entry.shape):
-            raise DataFileError(
-                f"{where}: piece {key!r} box {box.to_json()} lies outside tensor shape {list(entry.shape)}"
-            )
-        nbytes = box.numel * dtypes.itemsize(entry.dtype)
-        if start != expected_offset or end - start != nbytes:
-            raise DataFileError(f"{where}: piece {key!r} data_offsets {[start, end]} do not match its shape and order")
-        expected_offset = end
-        sums = meta.get(key)
-        if not isinstance(sums, str):
-            raise DataFileError(f"{where}: piece {key!r} has no checksum in __metadata__")
-        checks = tuple(sums.split(","))
-        if len(checks) != max(1, -(-nbytes // block)):
-            raise DataFileError(f"{where}: piece {key!r} lists {len(checks)} block checksums for {nbytes} bytes")
-        refs.append(PieceRef(tensor, box, entry.dtype, relpath, data_start + start, nbytes, checks, block))
-    if data_start + expected_offset != file_size:
-        raise DataFileError(
-            f"{where}: header describes {data_start + expected_offset} bytes but the file has {file_size}"
-        )
-    return refs
-
-
 def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Read a piece, or only rows ``[r0, r1)`` of its dim 0 (in piece coordinates), verifying what is read.
 
@@ -168,9 +77,10 @@ def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = N
     lo, hi = r0 * row_bytes, r1 * row_bytes
     if not shape:
         lo, hi = 0, ref.nbytes
-    b0 = lo // ref.block_bytes
-    b1 = -(-hi // ref.block_bytes) if hi > 0 else 1
-    read_lo, read_hi = b0 * ref.block_bytes, min(b1 * ref.block_bytes, ref.nbytes)
+    unit = ref.unit_bytes
+    b0 = lo // unit
+    b1 = -(-hi // unit) if hi > 0 else 1
+    read_lo, read_hi = b0 * unit, min(b1 * unit, ref.nbytes)
     buf = storage.read_range(ref.file, ref.start + read_lo, ref.start + read_hi)
     if len(buf) != read_hi - read_lo:
         raise DataFileError(f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated")
@@ -181,13 +91,6 @@ def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = N
     flat = torch.frombuffer(buf, dtype=torch.uint8, offset=lo - read_lo, count=hi - lo)
     del item
     return flat.view(dtypes.to_torch(ref.dtype)).reshape(out_shape)
-
-
-def list_pieces(storage: Storage, files: Iterable[FileEntry], tensors: dict[str, TensorEntry]) -> list[PieceRef]:
-    out: list[PieceRef] = []
-    for f in files:
-        out.extend(read_header(storage, f, tensors))
-    return out
 
 
 # -- streaming writes: the header is sized before the data exists -----------------------------------------------
@@ -247,7 +150,7 @@ class SafetensorsBackend(BackendBase):
         if writers is not None:
             wanted = {file_name(w) for w in writers}
             files = [f for f in files if f.path in wanted]
-        refs = list_pieces(storage, files, index.tensors)
+        refs = list_pieces(storage, files, index.tensors, slices=index.format_version >= SLICED_FORMAT_VERSION)
         if tensors is not None:
             keep = set(tensors)
             refs = [r for r in refs if r.tensor in keep]
@@ -273,7 +176,12 @@ class SafetensorsBackend(BackendBase):
 
 def _verify_parts(parts: Sequence[memoryview], first_block: int, ref: PieceRef, where: str) -> None:
     """:func:`verify_blocks` over the concatenation of ``parts`` (whole blocks of ``ref`` from ``first_block``)
-    without joining them: a block that spans two parts is hashed in two updates."""
+    without joining them: a block that spans two parts is hashed in two updates. A sliced piece's row groups
+    (format version 5) are checked on one joined copy of the parts: each slice takes a part of every row."""
+    if ref.geometry is not None:
+        joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]) if parts else np.empty(0, np.uint8)
+        verify_blocks(joined.data, first_block, ref, where)
+        return
     size = ref.block_bytes
     block, filled, h = first_block, 0, xxhash.xxh3_64()
 
@@ -351,7 +259,7 @@ class SafetensorsReader:
         a, b = segments[0][0], segments[-1][0] + len(segments[-1][1])
         if a < 0 or b > ref.nbytes or b <= a:
             return False
-        block = ref.block_bytes
+        block = ref.unit_bytes
         b0 = a // block
         read_lo, read_hi = b0 * block, min(-(-b // block) * block, ref.nbytes)
         gaps = [off - end for (off, _), end in zip(segments, [read_lo] + [o + len(m) for o, m in segments[:-1]])]
@@ -369,6 +277,50 @@ class SafetensorsReader:
             parts.append(scratch[at:])
         where = self._read_whole(ref, read_lo, parts)
         _verify_parts(parts, b0, ref, where)
+        return True
+
+    def read_columns_into(self, ref: PieceRef, s0: int, s1: int, c0: int, c1: int, out: torch.Tensor) -> bool:
+        """Bytes ``[c0, c1)`` of each outer row ``s0 <= s < s1`` of a sliced piece (format version 5: rows are
+        the dimensions before its slice dimension) into ``out``, a CPU uint8 tensor of shape ``(s1 - s0, c1 - c0)``
+        whose rows are contiguous (a strided view of the destination is fine): a TP rank's columns of every row,
+        read row by row, and only the slices that hold them, each slice's checksums verified over the rows read
+        (widened to whole row groups and slices). False (nothing read) where this session cannot: a storage
+        without direct reads, a piece without slices, another ``out``."""
+        g = ref.geometry
+        if (
+            g is None
+            or not self._files.direct
+            or out.device.type != "cpu"
+            or out.dtype != torch.uint8
+            or tuple(out.shape) != (s1 - s0, c1 - c0)
+            or (s1 > s0 and out.stride(1) != 1)
+            or not 0 <= s0 < s1 <= g.rows
+            or not 0 <= c0 < c1 <= g.row_bytes
+        ):
+            return False
+        first_group, first_slice, r0, r1, a, b = column_span(g, s0, s1, c0, c1)
+        exact = (r0, r1, a, b) == (s0, s1, c0, c1)
+        rows = out.numpy() if exact else np.empty((r1 - r0, b - a), dtype=np.uint8)
+        where = self.storage.path(ref.file)
+        base = ref.start + r0 * g.row_bytes + a
+        try:
+            for i in range(r1 - r0):
+                view = rows[i].data
+                if self._files.read_into(ref.file, base + i * g.row_bytes, view) != len(view):
+                    raise DataFileError(
+                        f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated"
+                    )
+        except FileNotFoundError:
+            raise DataFileError(
+                f"{where}: data file is missing (listed in the index); the checkpoint is incomplete"
+            ) from None
+        except StorageError as e:
+            raise StorageError(f"{where}: reading tensor {ref.tensor!r} failed: {e}") from e
+        verify_columns(
+            rows, first_group, first_slice, g, ref.checksums, where, f"{ref.tensor!r} box {ref.box.to_json()}"
+        )
+        if not exact:
+            out.numpy()[:] = rows[s0 - r0 : s1 - r0, c0 - a : c1 - a]
         return True
 
     def read_pieces_into(self, refs: Sequence[PieceRef], outs: Sequence[memoryview]) -> bool:

@@ -18,12 +18,15 @@ from ..checksum import checksum
 from ..errors import DataFileError
 from ..index import TensorEntry
 from ..pieces import CHECKSUM_BLOCK_BYTES
+from ..slices import BLOCK_SUFFIX, SLICES_SUFFIX, SliceGeometry, piece_geometry, piece_row_block, slice_widths
 
 NAME = "safetensors"
 #: header size limit, as in the safetensors reference implementation (100 MB): refuses hostile lengths early.
 MAX_HEADER_BYTES = 100_000_000
 META_VERSION_KEY = "moeckpt.format_version"
 META_BLOCK_KEY = "moeckpt.checksum_block_bytes"
+#: the data-file version of a file holding a sliced piece (format version 5); every other file says "1".
+SLICED_DATA_VERSION = "2"
 
 
 def piece_key(tensor: str, box: Box) -> str:
@@ -74,6 +77,14 @@ def header_doc(layout: Sequence[tuple[str, Box, Sequence[str]]], tensors: dict[s
             "data_offsets": [offset, offset + nbytes],
         }
         meta[key] = ",".join(sums)
+        sliced = slice_widths(entry.shape, entry.sharding, box)
+        if sliced is not None:  # version 5: the piece's checksums follow its tensor's TP split
+            meta[key + SLICES_SUFFIX] = f"{sliced[0]}:{','.join(str(w) for w in sliced[1])}"
+            meta[META_VERSION_KEY] = SLICED_DATA_VERSION
+        row_block = piece_block(box, entry)
+        if row_block != CHECKSUM_BLOCK_BYTES:  # version 5: blocks that end at the TP split's rows
+            meta[key + BLOCK_SUFFIX] = str(row_block)
+            meta[META_VERSION_KEY] = SLICED_DATA_VERSION
         offset += nbytes
     return {"__metadata__": meta, **header}
 
@@ -102,5 +113,21 @@ def final_header(
 
 
 def block_count(box: Box, entry: TensorEntry) -> int:
-    """How many checksum blocks the bytes of ``box`` of ``entry`` make (at least one: an empty piece has one)."""
-    return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // CHECKSUM_BLOCK_BYTES))
+    """How many checksums the bytes of ``box`` of ``entry`` have: blocks (at least one: an empty piece has one),
+    or for a sliced piece one per slice and row group."""
+    geom = slicing(box, entry)
+    if geom is not None:
+        return geom.count
+    return max(1, -(-box.numel * dtypes.itemsize(entry.dtype) // piece_block(box, entry)))
+
+
+def piece_block(box: Box, entry: TensorEntry) -> int:
+    """The checksum block size of the piece ``box`` of ``entry``: the file's, or for a piece that TP cuts along
+    dimension 0 one whose blocks end at the cuts (version 5)."""
+    b = piece_row_block(entry.shape, entry.sharding, box, dtypes.itemsize(entry.dtype), CHECKSUM_BLOCK_BYTES)
+    return CHECKSUM_BLOCK_BYTES if b is None else b
+
+
+def slicing(box: Box, entry: TensorEntry) -> SliceGeometry | None:
+    """The checksum slices a writer gives the piece ``box`` of ``entry`` (version 5), or None (version 1's blocks)."""
+    return piece_geometry(entry.shape, entry.sharding, box, entry.dtype, CHECKSUM_BLOCK_BYTES)

@@ -19,10 +19,20 @@ from ..checksum import checksum
 from ..errors import MoeckptError, StorageError
 from ..index import FileEntry, TensorEntry
 from ..pieces import Piece, block_checksums, tensor_bytes
+from ..slices import SliceGeometry, SliceHasher, slice_checksums
 from ..storage import Storage
 from ..writeback import Writeback
 from .piece_stream import BlockHasher, Coalescer, WritebackKick, flat_if_scalar, stream_piece
-from .safetensors_header import CHECKSUM_PLACEHOLDER, block_count, dump_header, final_header, header_bytes, header_doc
+from .safetensors_header import (
+    CHECKSUM_PLACEHOLDER,
+    block_count,
+    dump_header,
+    final_header,
+    header_bytes,
+    header_doc,
+    piece_block,
+    slicing,
+)
 
 
 def encode(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> tuple[bytes, list[memoryview]]:
@@ -32,7 +42,11 @@ def encode(pieces: Sequence[Piece], tensors: dict[str, TensorEntry]) -> tuple[by
     """
     plan = _plan(pieces, tensors)
     buffers = [tensor_bytes(flat_if_scalar(p.data)) for p in plan]
-    sums = [block_checksums(b) for b in buffers]
+    geoms = [slicing(p.box, tensors[p.tensor]) for p in plan]
+    sums = [
+        block_checksums(b, piece_block(p.box, tensors[p.tensor])) if g is None else slice_checksums(b, g)
+        for p, b, g in zip(plan, buffers, geoms)
+    ]
     return header_bytes([(p.tensor, p.box, s) for p, s in zip(plan, sums)], tensors), buffers
 
 
@@ -63,19 +77,19 @@ def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors:
             f.write(placeholder)
             with Writeback(_writeback_fd(f)) as writeback:
                 sink = Coalescer(f.write, WritebackKick(f, len(placeholder), writeback))
-                sums = [stream_piece(p.data, sink.write) for p in plan]
+                sums = [stream_piece(p.data, sink.write, *_hashing(p.box, tensors[p.tensor])) for p in plan]
                 sink.flush()
             head = final_header(doc, keys, sums, placeholder, storage.path(relpath))
             f.seek(0)
             f.write(head)
             f.seek(0, 2)
         else:
-            sums = [stream_piece(p.data, None) for p in plan]
+            sums = [stream_piece(p.data, None, *_hashing(p.box, tensors[p.tensor])) for p in plan]
             head = header(sums)
             f.write(head)
             sink = Coalescer(f.write)
             for p in plan:
-                stream_piece(p.data, sink.write)
+                stream_piece(p.data, sink.write, *_hashing(p.box, tensors[p.tensor]))
             sink.flush()
     data_bytes = doc[keys[-1]]["data_offsets"][1] if keys else 0
     return FileEntry(path=relpath, size=len(head) + data_bytes, checksum=checksum(head))
@@ -115,7 +129,7 @@ def write_file_parallel(
                     done += os.pwrite(fd, mv[done:], at[0] + done)
                 at[0] += len(mv)
 
-            sums = stream_piece(plan[i].data, write)
+            sums = stream_piece(plan[i].data, write, *_hashing(plan[i].box, tensors[plan[i].tensor]))
             if at[0] - start >= WritebackKick.EVERY // 8:  # small pieces are left to the closing fsync
                 writeback.start(start, at[0] - start)
             return sums
@@ -161,7 +175,7 @@ def write_file_stream(
     head_len = len(
         header_bytes([(t, b, [CHECKSUM_PLACEHOLDER] * block_count(b, tensors[t])) for t, b in kept], tensors)
     )
-    hashers = [BlockHasher() for _ in layout]
+    hashers = [_hasher(b, tensors[t]) for t, b in layout]
     sizes = [b.numel * dtypes.itemsize(tensors[t].dtype) for t, b in layout]
     written = [0] * len(layout)
 
@@ -234,6 +248,17 @@ def write_file_stream(
     if failed:
         raise failed[0]
     return FileEntry(path=relpath, size=head_len + sum(sizes), checksum=checksum(head))
+
+
+def _hasher(box: Box, entry: TensorEntry) -> BlockHasher | SliceHasher:
+    """The hasher of a streamed piece: blocks, or slices (version 5) where its tensor's TP split cuts it."""
+    geom = slicing(box, entry)
+    return BlockHasher(piece_block(box, entry)) if geom is None else SliceHasher(geom)
+
+
+def _hashing(box: Box, entry: TensorEntry) -> tuple[SliceGeometry | None, int]:
+    """How a piece is hashed: its slices (version 5) or None, and its block size."""
+    return slicing(box, entry), piece_block(box, entry)
 
 
 class _SourceFailed(Exception):

@@ -118,7 +118,10 @@ def test_checkpoints_of_moeckpt_init_conform_and_read_alike(tmp_path, moeckpt_cl
     code, _, err = moeckpt_cli(*args, "--with-optimizer", "--dtype", "bf16")
     assert code == 0, err
     ckpt = conforms(path)
-    assert ckpt.version == 1 and {e.role for e in ckpt.entries.values()} >= {"param", "master", "exp_avg"}
+    # zaya and qwen3_moe split row-parallel weights along dim 1: at tp < 8 their safetensors pieces are
+    # checksummed in slices of the split (version 5); zarr does not slice and stays version 1
+    assert ckpt.version == (5 if fmt == "safetensors" else 1)
+    assert {e.role for e in ckpt.entries.values()} >= {"param", "master", "exp_avg"}
 
 
 def _state_dict() -> dict:
