@@ -137,12 +137,24 @@ def dir_bytes(root: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
 
 
+#: runs its arguments as a child and writes that child's peak RSS (KiB, from wait4) to the file named first. A
+#: child's peak RSS counts its parent's high-water mark at the exec (Linux keeps the old address space's), so the
+#: command must be forked by this small process, not by the benchmark that held the source's tensors.
+PEAK_WRAPPER = (
+    "import os, subprocess, sys; p = subprocess.Popen(sys.argv[2:]); _, s, r = os.wait4(p.pid, 0); "
+    "open(sys.argv[1], 'w').write(str(r.ru_maxrss)); sys.exit(os.waitstatus_to_exitcode(s))"
+)
+
+
 def timed(cmd: list[str], settle: float) -> dict:
     """Run ``cmd`` with a cold page cache: wall seconds, CPU seconds and peak RSS (bytes) of it and its children."""
     dropped = drop_caches()
     time.sleep(settle)
+    peak_file = f"/tmp/bench_families_peak_{os.getpid()}"
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PEAK_WRAPPER, peak_file, *cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     out = proc.stdout.read() if proc.stdout else b""
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
@@ -152,7 +164,7 @@ def timed(cmd: list[str], settle: float) -> dict:
     return {
         "s": round(wall, 3),
         "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
-        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "peak_rss_bytes": int(open(peak_file).read()) * 1024,
         "cache_dropped": dropped,
     }
 
