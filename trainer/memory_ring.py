@@ -53,7 +53,7 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.checksum import checksum
 from moeckpt.formats.errors import MoeckptError
 from moeckpt.formats.index import FileEntry, TensorEntry
-from moeckpt.formats.pieces import Piece
+from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES, Piece
 from moeckpt.formats.slices import slice_checksums
 
 if TYPE_CHECKING:
