@@ -19,7 +19,6 @@ from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.dcp import open_dcp
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.interop import MappingError, import_dcp
-from moeckpt.trainer.local_world import free_port
 
 from ..dcp_workers import TINY, hf_config_json
 
@@ -41,7 +40,9 @@ def torchrun(kind: str, out: str, nproc: int) -> None:
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
+        # the agent's store binds a port of the kernel's choosing: a port picked here and bound later by torchrun
+        # was taken in between by another test's process once in CI (EADDRINUSE)
+        "--standalone",
         os.path.join(HERE, "dcp_workers.py"),
         kind,
         out,
@@ -490,7 +491,7 @@ def torchrun_megatron_like(path: str) -> None:
             "-m",
             "torch.distributed.run",
             "--nproc-per-node=2",
-            f"--master-port={free_port()}",
+            "--standalone",
             script,
             path,
         ],
