@@ -606,8 +606,27 @@ def main() -> None:
         }
         writers[kind](out)
         dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_without_teardown()
+
+
+def exit_without_teardown() -> None:
+    """End a writer whose work is done and agreed (the barrier) without the interpreter's teardown.
+
+    Tearing down gloo's worker threads at interpreter exit aborts the process now and then ("terminate called
+    without an active exception", SIGABRT), after a save that succeeded; torchrun then reports the run failed.
+    The process group is destroyed while Python is intact and the process ends at once, as reshard/processes.py
+    ends its children.
+    """
+    import gc
+
+    gc.collect()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
-from tests.dcp_workers import TINY, _noise, torchtitan_config, torchtitan_logits
+from tests.dcp_workers import TINY, _noise, exit_without_teardown, torchtitan_config, torchtitan_logits
 from tests.titan_manager import JsonDataloaderState, MoeckptCheckpointManager
 
 SEQ, BATCH = 16, 2
@@ -324,8 +324,10 @@ def main() -> None:
         else:
             load(out, dp, tp, ep, sys.argv[6], sys.argv[7] if len(sys.argv) > 7 else None)
         dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -24,15 +24,13 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, wh
 
 
 def _torchrun(nproc: int, *args: str) -> None:
-    from moeckpt.trainer.local_world import free_port
-
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
+        "--standalone",  # the agent's store binds a port of the kernel's choosing (see test_dcp_import.py)
         os.path.join(HERE, "titan_workers.py"),
         *args,
     ]

@@ -9,7 +9,6 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state, local_tensors
 from moeckpt.reshard.options import LoadOptions, ReshardOptions
 from moeckpt.reshard.placement import model_parallel_boxes, rule_of
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.models import presets
 
 from ..reshard_models import layouts, models, save_model
@@ -77,44 +77,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, port: int, world: int, location: str, layout: dict, out_dir: str) -> None:
+def _worker(rank: int, location: str, layout: dict, out_dir: str) -> None:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        target = Layout(**layout)
-        together, alone = LoadStats(), LoadStats()
-        # Small rounds so the exchange takes several all_to_all rounds.
-        state = load_rank_state(
-            location, target, rank, group=dist.group.WORLD, stats=together, options=LoadOptions(round_bytes=64 * 1024)
+    target = Layout(**layout)
+    together, alone = LoadStats(), LoadStats()
+    # Small rounds so the exchange takes several all_to_all rounds.
+    state = load_rank_state(
+        location, target, rank, group=dist.group.WORLD, stats=together, options=LoadOptions(round_bytes=64 * 1024)
+    )
+    solo = load_rank_state(location, target, rank, stats=alone)
+    own_stats = LoadStats()
+    # Over the group without the exchange: each rank reads its own bytes, only the outcome is agreed.
+    own = load_rank_state(location, target, rank, group=dist.group.WORLD, exchange=False, stats=own_stats)
+
+    def equal(x, y):
+        return x.keys() == y.keys() and all(
+            a[0] == b[0] and torch.equal(a[1], b[1]) for n in x for a, b in zip(x[n], y[n])
         )
-        solo = load_rank_state(location, target, rank, stats=alone)
-        own_stats = LoadStats()
-        # Over the group without the exchange: each rank reads its own bytes, only the outcome is agreed.
-        own = load_rank_state(location, target, rank, group=dist.group.WORLD, exchange=False, stats=own_stats)
 
-        def equal(x, y):
-            return x.keys() == y.keys() and all(
-                a[0] == b[0] and torch.equal(a[1], b[1]) for n in x for a, b in zip(x[n], y[n])
-            )
-
-        same = equal(state, solo) and equal(own, solo) and own_stats.bytes_read == alone.bytes_read
-        reader = CheckpointReader(location)
-        exact = all(torch.equal(t, reader.read_box(n, box)) for n, boxes in state.items() for box, t in boxes)
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(
-                {
-                    "same": same,
-                    "exact": exact,
-                    "together": together.bytes_read,
-                    "alone": alone.bytes_read,
-                    "needed": together.bytes_needed,
-                    "rounds": together.rounds,
-                },
-                f,
-            )
-    finally:
-        dist.destroy_process_group()
+    same = equal(state, solo) and equal(own, solo) and own_stats.bytes_read == alone.bytes_read
+    reader = CheckpointReader(location)
+    exact = all(torch.equal(t, reader.read_box(n, box)) for n, boxes in state.items() for box, t in boxes)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(
+            {
+                "same": same,
+                "exact": exact,
+                "together": together.bytes_read,
+                "alone": alone.bytes_read,
+                "needed": together.bytes_needed,
+                "rounds": together.rounds,
+            },
+            f,
+        )
 
 
 @pytest.mark.slow
@@ -124,7 +120,7 @@ def test_collective_load_reads_the_checkpoint_about_once(tmp_path, backend):
     # zarr at tp 2 stores ZAYA's fused conv bias (tp blocks of 32 and 16) as 16-element cells: placements span cells
     tensors, _ = save_model(str(tmp_path / "a"), spec, Layout(tp=2, ep=2, dp=2), backend=backend)
     target = Layout(tp=1, ep=2, dp=4)  # 4 ranks; parameters replicated 4x (2x for experts)
-    mp.spawn(_worker, args=(_free_port(), 4, str(tmp_path / "a"), target.to_json(), str(tmp_path)), nprocs=4)
+    run_local_world(_worker, 4, str(tmp_path / "a"), target.to_json(), str(tmp_path), timeout_s=300)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     assert all(r["same"] and r["exact"] for r in results)
     assert all(r["rounds"] > 1 for r in results)
@@ -182,7 +178,6 @@ def test_a_damaged_piece_fails_every_rank_of_a_collective_load_alike(tmp_path, e
     """One rank meets a checksum mismatch; the others must not wait for it in the exchange until the timeout, and
     all of them raise the same error class (so a trainer can fall back to an older checkpoint on every rank);
     without the exchange, the ranks that read clean bytes raise it too."""
-    from moeckpt.trainer.local_world import run_local_world
 
     from ..helpers import flip_byte
 

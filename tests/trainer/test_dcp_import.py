@@ -479,7 +479,9 @@ def torchrun_megatron_like(path: str) -> None:
         "    sd[k] = init_from_local_shards(shards, list(v.shape))\n"
         "dcp.save(sd, checkpoint_id=sys.argv[1])\n"
         "dist.barrier()  # every rank done before any tears its gloo connections down\n"
-        "dist.destroy_process_group()\n"
+        "import gc, os; gc.collect(); dist.destroy_process_group()\n"
+        "sys.stdout.flush(); sys.stderr.flush()\n"
+        "os._exit(0)  # no interpreter teardown: gloo's threads abort it now and then (see dcp_workers.py)\n"
     )
     script = path + ".save.py"
     with open(script, "w") as f:
