@@ -617,13 +617,20 @@ def exit_without_teardown() -> None:
 
     Tearing down gloo's worker threads at interpreter exit aborts the process now and then ("terminate called
     without an active exception", SIGABRT), after a save that succeeded; torchrun then reports the run failed.
-    The process group is destroyed while Python is intact and the process ends at once, as reshard/processes.py
-    ends its children.
+    The process group is destroyed and the children this process started are ended while Python is intact, then
+    the process ends at once, as reshard/processes.py ends its children.
     """
     import gc
+    import multiprocessing
 
     gc.collect()
     dist.destroy_process_group()
+    # A child the writer's framework started (Megatron's saver starts a multiprocessing Manager) holds the
+    # inherited stdout and stderr pipes open: without the teardown that would end it, the test reading those
+    # pipes waits for it forever.
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(timeout=30)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
