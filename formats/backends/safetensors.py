@@ -39,6 +39,10 @@ from .safetensors_header import (
 from .safetensors_read import list_pieces, read_header
 from .safetensors_write import encode, write_file, write_file_parallel, write_file_stream
 
+#: a sliced piece's columns of at least this many rows are copied from a mapping of the file (one strided copy)
+#: rather than read by a call per row, where the storage maps its files.
+MAPPED_COLUMN_ROWS = 4
+
 __all__ = [
     "MAX_HEADER_BYTES",
     "META_BLOCK_KEY",
@@ -304,12 +308,17 @@ class SafetensorsReader:
         where = self.storage.path(ref.file)
         base = ref.start + r0 * g.row_bytes + a
         try:
-            for i in range(r1 - r0):
-                view = rows[i].data
-                if self._files.read_into(ref.file, base + i * g.row_bytes, view) != len(view):
-                    raise DataFileError(
-                        f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated"
-                    )
+            if r1 - r0 < MAPPED_COLUMN_ROWS or not self._copy_columns_mapped(ref.file, base, g.row_bytes, rows):
+                for i in range(r1 - r0):
+                    view = rows[i].data
+                    if self._files.read_into(ref.file, base + i * g.row_bytes, view) != len(view):
+                        raise DataFileError(
+                            f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated"
+                        )
+        except EOFError:
+            raise DataFileError(
+                f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated"
+            ) from None
         except FileNotFoundError:
             raise DataFileError(
                 f"{where}: data file is missing (listed in the index); the checkpoint is incomplete"
@@ -321,6 +330,25 @@ class SafetensorsReader:
         )
         if not exact:
             out.numpy()[:] = rows[s0 - r0 : s1 - r0, c0 - a : c1 - a]
+        return True
+
+    def _copy_columns_mapped(self, file: str, base: int, stride: int, rows: np.ndarray) -> bool:
+        """``rows[i]`` filled from ``len(rows[i])`` bytes of ``file`` at ``base + i * stride``, copied from a mapping
+        of the file in one strided copy; False where the storage maps nothing. A read call per row costs more than
+        its bytes where rows are narrow (a TP rank's half of a matrix row is a few KiB): the calls, not the bytes,
+        were what such a load spent its time on. Only the pages holding the rows' bytes are touched."""
+        n, width = rows.shape
+        found = self._files.map(file, base, (n - 1) * stride + width)
+        if found is None:
+            return False
+        mapped, at = found
+        src = np.lib.stride_tricks.as_strided(
+            np.frombuffer(mapped, dtype=np.uint8, count=(n - 1) * stride + width, offset=at),
+            shape=(n, width),
+            strides=(stride, 1),
+            writeable=False,
+        )
+        np.copyto(rows, src)
         return True
 
     def read_pieces_into(self, refs: Sequence[PieceRef], outs: Sequence[memoryview]) -> bool:

@@ -15,6 +15,7 @@ import struct
 import pytest
 import torch
 
+from moeckpt.formats.backends import safetensors
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError, DataFileError
 from moeckpt.formats.index import TensorEntry
@@ -92,10 +93,13 @@ def test_a_tp1_checkpoint_of_tp_split_tensors_is_version_5_with_slices_and_row_b
     assert len(meta["o@0,0"].split(",")) == 8 * 4  # 8 slices x 4 groups of 2,048 rows (2 KiB each)
 
 
+@pytest.mark.parametrize("mapped", [False, True], ids=["read-per-row", "mapped"])
 @pytest.mark.parametrize("staged", [False, True])
-def test_a_tp2_rank_of_a_tp1_checkpoint_reads_only_its_bytes(tp1, monkeypatch, staged):
+def test_a_tp2_rank_of_a_tp1_checkpoint_reads_only_its_bytes(tp1, monkeypatch, staged, mapped):
     if staged:  # the device path (pinned staging, device copies), run on the host
         monkeypatch.setattr(staging, "STAGE_HOST_MEMORY", True)
+    if not mapped:  # every sliced read by a read call per row, as where the storage maps nothing
+        monkeypatch.setattr(safetensors, "MAPPED_COLUMN_ROWS", 1 << 62)
     preads = []
     real = os.preadv
 
@@ -104,7 +108,19 @@ def test_a_tp2_rank_of_a_tp1_checkpoint_reads_only_its_bytes(tp1, monkeypatch, s
         preads.append(n)
         return n
 
+    copy_mapped = safetensors.SafetensorsReader._copy_columns_mapped
+
+    def counting_mapped(self, file, base, stride, rows):  # the bytes copied out of a mapping: each row's width
+        copied = copy_mapped(self, file, base, stride, rows)
+        if copied:
+            preads.append(rows.size)
+            mapped_copies.append(rows.size)
+        return copied
+
+    mapped_copies: list[int] = []
+
     monkeypatch.setattr(os, "preadv", counting)
+    monkeypatch.setattr(safetensors.SafetensorsReader, "_copy_columns_mapped", counting_mapped)
     for rank in (0, 1):
         preads.clear()
         stats = LoadStats()
@@ -115,6 +131,7 @@ def test_a_tp2_rank_of_a_tp1_checkpoint_reads_only_its_bytes(tp1, monkeypatch, s
             assert torch.equal(local[name], want), name
         assert stats.bytes_read <= 1.05 * stats.bytes_needed, (stats.bytes_read, stats.bytes_needed)
         assert sum(preads) <= 1.05 * stats.bytes_needed, (sum(preads), stats.bytes_needed)
+    assert bool(mapped_copies) == mapped  # the path the case names is the one taken
 
 
 def test_zero_parts_that_cut_row_groups_read_their_columns_verified(tmp_path, monkeypatch):
@@ -174,6 +191,19 @@ def test_a_flipped_byte_in_one_ranks_columns_fails_that_rank_only(tp1, tmp_path)
         CheckpointReader(path).read_tensor("o")
     with pytest.raises(spec_reader.SpecError, match="slice 5 group 2"):
         spec_reader.Checkpoint(path).tensor("o")
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["read-per-row", "mapped"])
+def test_a_truncated_file_fails_a_sliced_read_with_a_typed_error(tp1, tmp_path, monkeypatch, mapped):
+    if not mapped:
+        monkeypatch.setattr(safetensors, "MAPPED_COLUMN_ROWS", 1 << 62)
+    path = str(tmp_path / "c")
+    shutil.copytree(tp1, path)
+    info = _header(path)["o@0,0"]
+    (n,) = struct.unpack("<Q", open(os.path.join(path, "rank-00000.safetensors"), "rb").read(8))
+    os.truncate(os.path.join(path, "rank-00000.safetensors"), 8 + n + info["data_offsets"][0] + 6000 * 1024 * 2)
+    with pytest.raises(DataFileError, match="truncated"):
+        load_rank_state(path, Layout(tp=2), 0, tensors=["o"])
 
 
 def test_the_spec_reader_verifies_version_5_and_the_golden_bytes_are_pinned(tmp_path):
