@@ -26,6 +26,7 @@ Times end after ``torch.cuda.synchronize()``. Results: ``docs/benchmarks/gpu/loa
 
     python benchmarks/bench_load_gpu.py --reps 5                     # H200: zaya-small + AdamW, 6.46 GB
     python benchmarks/bench_load_gpu.py --device cpu --gb 0.1        # a CPU-only check of the script
+    python benchmarks/bench_load_gpu.py --device cpu --stage-host     # the device path's staging, on the host
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.reshard import staging
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
 from moeckpt.reshard.options import LoadOptions
@@ -142,8 +144,16 @@ def main() -> None:
         help="cProfile moeckpt's last load of each case (the calling thread's calls; the fill threads' work shows "
         "as waits): OUT/NAME_profile.txt",
     )
+    ap.add_argument(
+        "--stage-host",
+        action="store_true",
+        help="with --device cpu: load through the staged device path (staging buffers and their copies) on the host, "
+        "as the tests of that path do, to measure it on a machine without a GPU",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.stage_host:
+        staging.STAGE_HOST_MEMORY = True
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no GPU here: run with --device cpu for a check of the script", file=sys.stderr)
         raise SystemExit(0)
@@ -262,6 +272,7 @@ def main() -> None:
         "moeckpt_from": os.path.dirname(os.path.dirname(os.path.abspath(sys.modules["moeckpt.reshard"].__file__))),
         "payload_gb": round(payload / 1e9, 4),
         "threads": threads,
+        "stage_host": args.stage_host,
         "raw_threads": raw_threads,
         "stage_bytes": getattr(options, "stage_bytes", None),
         "cases": results,
