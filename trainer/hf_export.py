@@ -28,6 +28,7 @@ from moeckpt.formats.hf_shards import (
 )
 from moeckpt.formats.pieces import tensor_bytes
 from moeckpt.formats.roles import PARAM
+from moeckpt.reshard.runtime import single_threaded_torch
 from moeckpt.reshard.state_dict_checkpoints import is_state_dict
 
 from .interop.bundled import match_model_names
@@ -200,5 +201,9 @@ def export_hf(
 
     sources = {t.name: t.source for t in tensors}
     shards = pack_shards((ShardTensor(t.name, dtype, t.shape) for t in tensors), max_shard_size)
-    written = write_shards(out, shards, produce, overwrite=overwrite, extra_files=configs, on_bytes=on_bytes)
+    # One tensor after another on this thread: torch's intra-op pool spreading each conversion over the cores
+    # bought no time and cost CPU that a training job beside the export wants (docs/benchmarks/README.md,
+    # "Figures behind the code's defaults").
+    with single_threaded_torch():
+        written = write_shards(out, shards, produce, overwrite=overwrite, extra_files=configs, on_bytes=on_bytes)
     return ExportResult(files=written.files, total_size=written.total_size, num_tensors=len(tensors), dtype=dtype)
