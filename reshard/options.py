@@ -19,8 +19,10 @@ OFFLINE_WORKERS = 4
 #: offline: source pieces are read in row chunks of about this size (one checksum block, so that writers needing
 #: different rows of one stored piece rarely share a chunk, and no block is read twice).
 OFFLINE_CHUNK_BYTES = 4 * MiB
-#: offline: byte budget of the chunk cache shared by all writers.
-OFFLINE_CACHE_BYTES = 128 * MiB
+#: offline: byte budget of the chunk cache shared by all writers. On local disk its chunks are mappings of the
+#: page cache, not copies; a smaller budget let the writers of a TP change with uneven dp outrun it, and the
+#: chunks they shared were evicted and read again (docs/benchmarks/README.md, "Figures behind the code's defaults").
+OFFLINE_CACHE_BYTES = 512 * MiB
 #: offline: target pieces are assembled and written in row slabs of about this size.
 SLAB_BYTES = 16 * MiB
 #: offline: a backend that stores pieces one by one (zarr) is handed a writer's pieces in batches of this size.
