@@ -228,6 +228,18 @@ class ChunkReader:
         unnamed = self._uses.get(key, 0) - sum(by.values())
         return unnamed + sum(n for r, n in by.items() if r != reader and r in self._running)
 
+    def _behind(self, reader: object) -> int:
+        """Chunks other readers took that ``reader`` still needs (caller holds the lock). A reader sharing chunks
+        with two others (the middle of a chain of ZeRO re-splits) is ahead of one and behind the other: had it
+        waited for being ahead at all, the readers behind it waited on it in turn, one reader read on alone, and
+        the cache grew past its hard cap (chunks read twice). It waits while it is ahead by at least as many
+        chunks as it is behind (two readers even on both counts: one of them waits, as before)."""
+        n = 0
+        for key, ahead in self._ahead_of.items():
+            if ahead and reader not in ahead and self._uses_by.get(key, {}).get(reader, 0) > 0:
+                n += 1
+        return n
+
     def _used(self, key: tuple) -> None:
         """One planned use of chunk ``key`` is over; after the last, the chunk leaves the cache."""
         with self._lock:
@@ -324,7 +336,9 @@ class ChunkReader:
                     return Future()
                 me = self._me()
                 while (
-                    self._cached >= self.cache_bytes and self._ahead.get(me, 0) and self._waiting + 1 < self._consumers
+                    self._cached >= self.cache_bytes
+                    and 0 < self._ahead.get(me, 0) >= self._behind(me)
+                    and self._waiting + 1 < self._consumers
                 ):
                     self._waiting += 1
                     self._freed.notify_all()  # a reader that waits may let another one go (see the loop's test)
