@@ -252,7 +252,15 @@ def _tensor(name: str, item: Any, records: dict, where: str) -> DcpTensor:
     for c in chunks:
         if not isinstance(c, _cls("torch.distributed.checkpoint.metadata", "ChunkStorageMetadata")):
             raise _fail(here, f"a chunk is {bounded_repr(c)}, not a ChunkStorageMetadata")
-        box = Box(_size(c.get("offsets"), here, "a chunk's offsets"), _size(c.get("sizes"), here, "a chunk's sizes"))
+        offsets = _size(c.get("offsets"), here, "a chunk's offsets")
+        sizes = _size(c.get("sizes"), here, "a chunk's sizes")
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise _fail(
+                here,
+                f"a chunk's offsets {list(offsets)} and sizes {list(sizes)} do not both have the tensor's "
+                f"{len(shape)} dimensions",
+            )
+        box = Box(offsets, sizes)
         if not box.within(shape):
             raise _fail(here, f"chunk {box.to_json()} does not lie inside its shape {list(shape)}")
         rec = records.get((name, box.offsets))

@@ -296,6 +296,20 @@ def test_integers_out_of_range_are_one_line(cli, honest_dir, tmp_path, site, val
     _assert_one_line(cli.run("import-dcp", ck, tmp_path / "dst"))
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [("offsets", torch.Size([])), ("offsets", torch.Size([0, 0, 0])), ("sizes", torch.Size([2]))],
+    ids=["no offsets", "three offsets", "one size"],
+)
+def test_a_chunk_of_another_rank_than_its_tensor_is_one_line(cli, honest_dir, tmp_path, field, value):
+    # found by test_fuzz_hostile_fields: empty offsets of a 2-d chunk raised ValueError from Box, a traceback
+    ck = _copy(honest_dir, tmp_path / "ck")
+    md = _md(ck)
+    setattr(md.state_dict_metadata["w"].chunks[0], field, value)
+    _write_md(ck, md)
+    _assert_one_line(cli.run("import-dcp", ck, tmp_path / "dst"), must="do not both have the tensor's 2 dimensions")
+
+
 def test_integers_are_range_checked_by_the_validation_too(honest_dir, tmp_path):
     # 2**63 fits the pickle's integer width (9 bytes); the metadata's own check refuses it before any arithmetic
     ck = _copy(honest_dir, tmp_path / "ck")
