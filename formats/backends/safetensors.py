@@ -312,9 +312,7 @@ class SafetensorsReader:
                 for i in range(r1 - r0):
                     view = rows[i].data
                     if self._files.read_into(ref.file, base + i * g.row_bytes, view) != len(view):
-                        raise DataFileError(
-                            f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated"
-                        )
+                        raise EOFError  # the mapping's short file too: one message below
         except EOFError:
             raise DataFileError(
                 f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated"
@@ -338,12 +336,13 @@ class SafetensorsReader:
         its bytes where rows are narrow (a TP rank's half of a matrix row is a few KiB): the calls, not the bytes,
         were what such a load spent its time on. Only the pages holding the rows' bytes are touched."""
         n, width = rows.shape
-        found = self._files.map(file, base, (n - 1) * stride + width)
+        span = (n - 1) * stride + width
+        found = self._files.map(file, base, span)
         if found is None:
             return False
         mapped, at = found
         src = np.lib.stride_tricks.as_strided(
-            np.frombuffer(mapped, dtype=np.uint8, count=(n - 1) * stride + width, offset=at),
+            np.frombuffer(mapped, dtype=np.uint8, count=span, offset=at),
             shape=(n, width),
             strides=(stride, 1),
             writeable=False,

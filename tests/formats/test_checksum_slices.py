@@ -109,6 +109,7 @@ def test_a_tp2_rank_of_a_tp1_checkpoint_reads_only_its_bytes(tp1, monkeypatch, s
         return n
 
     copy_mapped = safetensors.SafetensorsReader._copy_columns_mapped
+    mapped_copies: list[int] = []
 
     def counting_mapped(self, file, base, stride, rows):  # the bytes copied out of a mapping: each row's width
         copied = copy_mapped(self, file, base, stride, rows)
@@ -116,8 +117,6 @@ def test_a_tp2_rank_of_a_tp1_checkpoint_reads_only_its_bytes(tp1, monkeypatch, s
             preads.append(rows.size)
             mapped_copies.append(rows.size)
         return copied
-
-    mapped_copies: list[int] = []
 
     monkeypatch.setattr(os, "preadv", counting)
     monkeypatch.setattr(safetensors.SafetensorsReader, "_copy_columns_mapped", counting_mapped)
