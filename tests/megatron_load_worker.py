@@ -1,11 +1,13 @@
-"""Worker (run under torchrun, gloo on CPU) that loads checkpoints into Megatron-Core's own GPTModel with its own
-``dist_checkpointing.load``, for the ``export-dcp --mapping megatron`` tests.
+"""Worker (run under torchrun, 2 ranks, gloo on CPU) that loads checkpoints into Megatron-Core's own GPTModel with
+its own ``dist_checkpointing.load``, for the ``export-dcp --mapping megatron`` tests.
 
 ``megatron_load_worker.py SPEC OUT``: SPEC is a JSON list of ``{"family": "qwen3_moe"|"mixtral"|"deepseek_v3",
-"exported": DIR, "original": DIR}``. For each, the model of :mod:`dcp_workers` (the one that wrote ``original``)
-is built twice with every parameter and buffer set to NaN, one loaded from Megatron's own checkpoint, one from the
-export; OUT (JSON) gets, per family, the names whose tensors differ in bits, the names missing from either, and
-the export's logits (on the writer's tokens) as a list, for the test to compare with the writer's.
+"exported": DIR, "original": DIR}``. At each Megatron layout of :data:`LAYOUTS` (TP 1, then TP 2 x EP 2: Megatron
+reshards the one-chunk export to its own layout), the model of :mod:`dcp_workers` that wrote ``original`` is built
+twice with every parameter and buffer set to NaN, one loaded from Megatron's own checkpoint, one from the export.
+Each rank writes ``OUT.<rank>`` (JSON): per ``<family>@tp<T>ep<E>``, the names whose tensors differ in bits, the
+names missing from either, whether the two models' logits are equal, and the export's logits (the rank's vocabulary
+slice) as a list, for the test to compare with the writer's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ BUILDERS = {
     "mixtral": lambda: megatron_gpt(qk_layernorm=False),
     "deepseek_v3": megatron_dsv3_gpt,
 }
+#: (tensor parallel, expert parallel) of the loading model; the experts are not split by TP (expert TP 1).
+LAYOUTS = [(1, 1), (2, 2)]
 
 
 def _loaded(family: str, path: str):
@@ -45,27 +49,38 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def _compare(family: str, original_dir: str, exported_dir: str) -> dict:
+    reference = _loaded(family, original_dir)
+    model = _loaded(family, exported_dir)
+    original, exported = reference.state_dict(), model.state_dict()
+    tensors = [k for k, v in original.items() if isinstance(v, torch.Tensor)]
+    logits = megatron_logits(model)[1]
+    return {
+        "compared": len(tensors),
+        "missing": sorted(set(original) ^ set(exported)),
+        "differ": [k for k in tensors if k in exported and not torch.equal(_bits(original[k]), _bits(exported[k]))],
+        "same_logits": torch.equal(_bits(logits), _bits(megatron_logits(reference)[1])),
+        "logits": logits.tolist(),
+    }
+
+
 def main() -> None:
+    from megatron.core import parallel_state as ps
+
     spec_path, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     try:
-        results = {}
         with open(spec_path, encoding="utf-8") as f:
             cases = json.load(f)
-        for case in cases:
-            original = _loaded(case["family"], case["original"]).state_dict()
-            model = _loaded(case["family"], case["exported"])
-            exported = model.state_dict()
-            tensors = [k for k, v in original.items() if isinstance(v, torch.Tensor)]
-            results[case["family"]] = {
-                "compared": len(tensors),
-                "missing": sorted(set(original) ^ set(exported)),
-                "differ": [
-                    k for k in tensors if k in exported and not torch.equal(_bits(original[k]), _bits(exported[k]))
-                ],
-                "logits": megatron_logits(model)[1].tolist(),
-            }
-        with open(out, "w", encoding="utf-8") as f:
+        results = {}
+        for tp, ep in LAYOUTS:
+            ps.destroy_model_parallel()
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+            )
+            for case in cases:
+                results[f"{case['family']}@tp{tp}ep{ep}"] = _compare(case["family"], case["original"], case["exported"])
+        with open(f"{out}.{dist.get_rank()}", "w", encoding="utf-8") as f:
             json.dump(results, f)
         dist.barrier()
     except BaseException:

@@ -4,8 +4,9 @@ For each family the Megatron import maps (Qwen3-MoE, Mixtral, DeepSeek-V3): Mega
 checkpoint (the fixtures of :mod:`.test_dcp_frameworks`), ``import-dcp --mapping megatron`` reads it into a moeckpt
 layout (another per family), ``export-dcp --mapping megatron`` writes it back, and Megatron's own
 ``dist_checkpointing.load`` reads the export into a fresh GPTModel of the writer's config (every value NaN before
-the load) in one torchrun worker for the three: its parameters and buffers are bit for bit those Megatron loads
-from its own checkpoint, and its logits are the writer's, exactly.
+the load) in one torchrun worker for the three, at TP 1 and at TP 2 x EP 2: its parameters and buffers are bit for
+bit those Megatron loads from its own checkpoint at the same layout, its logits those of that model, and at TP 1
+the writer's, exactly (within 1e-5 at TP 2, whose reductions run in another order).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from .test_dcp_frameworks import (  # noqa: F401  (module fixtures: Megatron wri
 )
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the load worker's world: Megatron's TP 2 x EP 2 layout needs two ranks (its TP 1 layout is then DP 2)
+RANKS = 2
 
 #: family -> (the moeckpt layout and format it is imported at, its --model config)
 CASES = {
@@ -82,13 +85,15 @@ def megatron_exports(tmp_path_factory, request) -> dict:
                                 chains.items() if c["export"][0] == 0]))  # fmt: skip
     result = root / "loaded.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--standalone",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--standalone",
            os.path.join(HERE, "megatron_load_worker.py"), str(spec), str(result)]  # fmt: skip
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    loaded = json.loads(result.read_text())
+    by_rank = [json.loads((root / f"loaded.json.{r}").read_text()) for r in range(RANKS)]
     for family, chain in chains.items():
-        chain["loaded"] = loaded.get(family)
+        chain["loaded"] = {
+            key.split("@")[1]: [got[key] for got in by_rank] for key in by_rank[0] if key.startswith(f"{family}@")
+        }
     return chains
 
 
@@ -108,11 +113,20 @@ def test_megatron_loads_the_export_bit_for_bit(megatron_exports, family):
         a, b = theirs.read_tensor(name), mine.read_tensor(name)
         assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
     assert torch.load(os.path.join(chain["exported"], "common.pt"), weights_only=True) == {}
-    # and Megatron's dist_checkpointing.load reads it into its GPTModel
-    loaded = chain["loaded"]
-    assert loaded["compared"] > 20 and loaded["missing"] == [] and loaded["differ"] == [], loaded
+    # and Megatron's dist_checkpointing.load reads it into its GPTModel, at TP 1 and resharded to TP 2 x EP 2
+    assert set(chain["loaded"]) == {"tp1ep1", "tp2ep2"}, chain["loaded"].keys()
     want = load_file(chain["original"] + ".logits.safetensors")["logits"]
-    assert torch.equal(torch.tensor(loaded["logits"], dtype=want.dtype), want)
+    for layout, ranks in chain["loaded"].items():
+        for rank, got in enumerate(ranks):
+            where = (layout, rank)
+            assert got["compared"] > 20 and got["missing"] == [] and got["differ"] == [], (where, got)
+            assert got["same_logits"], where  # the same forward as from Megatron's own checkpoint, bit for bit
+            logits = torch.tensor(got["logits"], dtype=want.dtype)
+            if layout == "tp1ep1":
+                assert torch.equal(logits, want), where  # the writer's own logits, exactly
+            else:  # the rank's half of the vocabulary; TP 2 sums in another order than the writer's TP 1
+                part = want.shape[-1] // 2
+                assert (logits - want[..., rank * part : (rank + 1) * part]).abs().max() < 1e-5, where
 
 
 def test_export_refuses_a_family_megatron_has_not(tmp_path, moeckpt_cli):
