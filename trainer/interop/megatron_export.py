@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
@@ -131,7 +132,7 @@ def plan(reader: CheckpointReader) -> MegatronPlan:
 
     def put(key: str, inner: tuple[int, ...], layer: int | None, name: str, box: Box, at: tuple[int, ...]) -> None:
         if layer is not None and stacked:  # the leading layer dim of a stacked key
-            key, inner, at, box = f"decoder.layers.{key}", (layers, *inner), (layer, *at), box
+            key, inner, at = f"decoder.layers.{key}", (layers, *inner), (layer, *at)
         elif layer is not None:
             key = f"decoder.layers.{layer}.{key}"
         have, parts = tensors.setdefault(key, (inner, []))
@@ -165,7 +166,7 @@ def plan(reader: CheckpointReader) -> MegatronPlan:
         else:
             raise MappingError(
                 f"{where}: {p.name} has no place in Megatron's GPTModel as moeckpt writes it "
-                "(dense MLP layers of a Qwen3-MoE, biases); use --mapping none"
+                "(multi-token prediction layers, biases); use --mapping none"
             )
     _check_filled(tensors, where)
     roles = sorted({t.role for t in reader.index.tensors.values()} - {"param"})
@@ -180,7 +181,7 @@ def plan(reader: CheckpointReader) -> MegatronPlan:
     return MegatronPlan(tensors, _extra_states(tensors, stacked, layers), notes)
 
 
-def _put_qkv(put, cfg, layer: int | None, rest: str, name: str, shape: tuple[int, ...]) -> None:
+def _put_qkv(put: Callable[..., None], cfg: Any, layer: int | None, rest: str, name: str, shape: tuple[int, ...]):
     """q, k or v into Megatron's ``linear_qkv``, fused per query group: for each of the G groups its H/G query
     heads, then one key head, then one value head (the inverse of :func:`.common.qkv_group_slots`)."""
     hd, groups = cfg.head_dim, cfg.num_key_value_heads
