@@ -186,3 +186,41 @@ def test_a_transposed_slot_reads_each_row_transposed(tmp_path):
         virtual_pieces(d.chunks(["w"]), [half], index)
     with pytest.raises(ValueError, match="three or more"):
         Slot("w", Box.full((4, 5)), "t", (0, 0), transpose=True)
+
+
+def test_transposed_chunks_cut_along_the_matrix_dims_land_in_place():
+    """A TP-sharded expert matrix is stored as chunks cut along its out or in dim, each chunk C-ordered on its own:
+    each is read whole, transposed, and fills its own box of the target."""
+    from types import SimpleNamespace
+
+    from moeckpt.formats.box import Box
+    from moeckpt.formats.dcp.reader import StoredChunk
+    from moeckpt.reshard.dcp_source import DcpPieceReader, Slot, virtual_pieces
+
+    w = torch.arange(2 * 4 * 6, dtype=torch.float32).reshape(2, 4, 6)  # [E, out, in]
+    for dim in (1, 2):  # mlp1 is split along out (S(1)), mlp2 along in (S(2))
+        halves = torch.chunk(w, 2, dim=dim)
+        blob, chunks, at = b"", [], 0
+        for i, h in enumerate(halves):
+            data = h.contiguous().numpy().tobytes()
+            offsets = tuple(i * h.shape[d] if d == dim else 0 for d in range(3))
+            chunks.append(StoredChunk("w", Box(offsets, tuple(h.shape)), "float32", "f", at, len(data)))
+            blob, at = blob + data, at + len(data)
+
+        def read_into(file, start, out, blob=blob):
+            out.view(-1).copy_(torch.frombuffer(bytearray(blob[start : start + out.numel() * 4]), dtype=torch.float32))
+
+        index = SimpleNamespace(tensors={"t": SimpleNamespace(shape=(2, 6, 4), dtype="float32")})
+        slot = Slot("w", Box.full(w.shape), "t", (0, 0, 0), transpose=True)
+        refs, transposed = virtual_pieces({"w": chunks}, [slot], index)
+        reader = DcpPieceReader(
+            SimpleNamespace(
+                read_into=read_into, storage=SimpleNamespace(is_local=False, fork_safe=False), location="mem"
+            ),
+            index,
+            transposed,
+        )
+        got = torch.full((2, 6, 4), float("nan"))
+        for ref in refs:
+            got[ref.box.slices()] = reader.read_rows(ref, 0, ref.box.shape[0])
+        assert torch.equal(got, w.transpose(1, 2)), dim

@@ -7,7 +7,7 @@ hook, the attention ``sinks`` one logit per query head on both sides. Two things
 * the expert matrices: torchtitan's ``GptOssGroupedExperts`` holds ``mlp1_weight_EGD [E, 2I, H]`` and
   ``mlp2_weight_EDF [E, H, I]`` (out, in), the plan ``gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]``
   (in, out): the same matrices transposed, so they are read and written transposed (dim 0, the expert, stays, so
-  a whole expert is still one contiguous run of bytes). Gate and up interleave along ``2I`` in both (gate channel
+  an expert of a DCP chunk is still one contiguous run of bytes). Gate and up interleave along ``2I`` in both (gate channel
   ``j`` at ``2j``, up at ``2j + 1``: torchtitan's ``swiglu`` takes ``[..., ::2]`` and ``[..., 1::2]``, as
   transformers does), and the expert biases ``mlp1_bias_EG``/``mlp2_bias_ED`` are the plan's as they are. torchtitan
   0.3's adapter maps no expert tensor to a bf16 Hugging Face name (its names are the MXFP4 ``*_blocks``, without
