@@ -1,0 +1,106 @@
+"""DeepSeek-V3 in the bundled trainer: its correction biases held out of the optimizer and moved by the balancing
+rule, a bit-exact resume, and in a (tp=2, ep=2, dp=2) world the logits of transformers, the losses of one process
+(AdamW and Muon) and a resume from a one-process checkpoint.
+
+Every run trains the same 20 steps of the same data from the same (seed, name) initial weights, as in
+test_train_parallel.py, whose cross-layout tolerance this uses.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.trainer.balancing import balance_routers
+from moeckpt.trainer.metrics import read_metrics
+from moeckpt.trainer.train import TrainConfig, train
+
+MODEL = "deepseekv3-tiny"
+STEPS = 20
+BASE = {"steps": STEPS, "seq_len": 32, "global_batch": 8, "warmup_steps": 4, "cpu": True}
+#: test_train_parallel.py's cross-layout tolerance on the loss after up to 20 steps.
+ATOL = 2e-4
+RATE = 1e-3  # --bias-update-rate's default
+BIASES = [f"model.layers.{x}.mlp.gate.e_score_correction_bias" for x in (1, 2)]  # layer 0 is dense
+
+
+def _losses(run_dir) -> list[float]:
+    by_step = {r["step"]: r["loss"] for r in read_metrics(str(run_dir))}  # the last record of a step wins
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _config(run_dir, **kw) -> dict:
+    return TrainConfig(model=MODEL, run_dir=str(run_dir), **{**BASE, **kw}).to_json()
+
+
+def _biases(step_dir) -> list[torch.Tensor]:
+    reader = CheckpointReader(str(step_dir))
+    return [reader.read_tensor(n) for n in BIASES]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Layout (1,1,1), in this process, AdamW and Muon, each with a checkpoint at step 10."""
+    root = tmp_path_factory.mktemp("reference")
+    out = {"root": root}
+    for opt in ("adamw", "muon"):
+        train(TrainConfig.from_json(_config(root / opt, save_every=10, async_save=False, optimizer=opt)))
+        out[opt] = _losses(root / opt)
+        assert len(out[opt]) == STEPS
+    return out
+
+
+@pytest.mark.parametrize("opt", ["adamw", "muon"])
+def test_single_process_balances_the_biases_outside_the_optimizer_and_resumes_bit_exactly(reference, tmp_path, opt):
+    run = reference["root"] / opt
+    losses = reference[opt]
+    assert losses[-1] < losses[0] - 1.0  # it learns
+    index = CheckpointReader(str(run / "step-00000020")).index
+    for name in BIASES:
+        # a weight of the checkpoint, with no optimizer state (ModelSpec.untrained)
+        assert [e.role for e in index.tensors.values() if e.param == name] == ["param"]
+    others = {e.role for e in index.tensors.values() if e.param not in BIASES}
+    assert others == (
+        {"param", "exp_avg", "exp_avg_sq", "momentum"} if opt == "muon" else {"param", "exp_avg", "exp_avg_sq"}
+    )
+    # moved by the rule: every step moves each bias by -RATE, 0 or +RATE, so after 20 steps it sits on that grid
+    for bias in _biases(run / "step-00000020"):
+        steps = bias.double() / RATE
+        assert bias.abs().max() > 0 and bias.abs().max() <= STEPS * RATE * (1 + 1e-5)
+        assert torch.allclose(steps, steps.round(), atol=1e-3)
+
+    # 10 steps + resume + 10 steps == 20 straight, bit for bit, and the biases restored and moved identically
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    shutil.copytree(run / "step-00000010", resumed / "step-00000010")
+    records = train(TrainConfig.from_json(_config(resumed, async_save=False, optimizer=opt)))
+    assert [r["step"] for r in records] == list(range(11, STEPS + 1))
+    assert [r["loss"] for r in records] == losses[10:]
+    for got, want in zip(_biases(resumed / "step-00000020"), _biases(run / "step-00000020")):
+        assert torch.equal(got, want)
+
+
+def test_balancing_rule_moves_towards_the_mean_load_summed_over_ranks():
+    """bias += rate * sign(mean - load): an overloaded expert loses rate, an underloaded one gains it, a balanced
+    one stays; a rate of 0 holds the biases (the counters are still reset)."""
+
+    class Router(torch.nn.Module):
+        def __init__(self, load):
+            super().__init__()
+            self.e_score_correction_bias = torch.nn.Parameter(torch.zeros(4), requires_grad=False)
+            self.load = torch.tensor(load)
+
+        def take_load(self):
+            out, self.load = self.load, torch.zeros_like(self.load)
+            return out
+
+    a, b = Router([6, 2, 4, 4]), Router([1, 1, 1, 1])
+    balance_routers([a, b], 0.25)
+    assert a.e_score_correction_bias.tolist() == [-0.25, 0.25, 0.0, 0.0]
+    assert b.e_score_correction_bias.tolist() == [0.0, 0.0, 0.0, 0.0]
+    a.load = torch.tensor([9, 0, 0, 0])
+    balance_routers([a], 0.0)
+    assert a.e_score_correction_bias.tolist() == [-0.25, 0.25, 0.0, 0.0] and a.load.sum() == 0
