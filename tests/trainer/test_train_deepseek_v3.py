@@ -8,15 +8,21 @@ test_train_parallel.py, whose cross-layout tolerance this uses.
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.balancing import balance_routers
+from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.metrics import read_metrics
+from moeckpt.trainer.models import presets
 from moeckpt.trainer.train import TrainConfig, train
+
+from ..train_workers import logits_then_train
 
 MODEL = "deepseekv3-tiny"
 STEPS = 20
@@ -104,3 +110,52 @@ def test_balancing_rule_moves_towards_the_mean_load_summed_over_ranks():
     a.load = torch.tensor([9, 0, 0, 0])
     balance_routers([a], 0.0)
     assert a.e_score_correction_bias.tolist() == [-0.25, 0.25, 0.0, 0.0] and a.load.sum() == 0
+
+
+@pytest.mark.slow  # multi-process
+def test_tp2_ep2_dp2_logits_losses_and_resume_from_single_process(reference, tmp_path):
+    """One world of 4 ranks: logits equal transformers' with heads, MLPs, experts and vocabulary split; AdamW and
+    Muon losses equal the single-process ones; a (1,1,1) checkpoint continues in (2,2,2), biases included."""
+    from safetensors.torch import save_file
+
+    from .test_model_parity import perturbed_model, transformers_model
+
+    ours = perturbed_model(MODEL)
+    hf = transformers_model(MODEL, ours.state_dict())
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+    weights = tmp_path / "reference.safetensors"
+    save_file({**{k: v.contiguous() for k, v in ours.state_dict().items()}, "ids": ids, "logits": want}, str(weights))
+    layout = Layout(tp=2, ep=2, dp=2)
+    parity = tmp_path / "parity"
+    parity.mkdir()
+    resumed = {}
+    for opt in ("adamw", "muon"):
+        resumed[opt] = tmp_path / f"resumed-{opt}"
+        resumed[opt].mkdir()
+        shutil.copytree(reference["root"] / opt / "step-00000010", resumed[opt] / "step-00000010")
+    run_local_world(
+        logits_then_train,
+        4,
+        (MODEL, layout.to_json(), str(weights), str(parity)),
+        [
+            _config(tmp_path / "adamw", tp=2, ep=2),
+            _config(tmp_path / "muon", tp=2, ep=2, optimizer="muon"),
+            _config(resumed["adamw"], tp=2, ep=2),
+            _config(resumed["muon"], tp=2, ep=2, optimizer="muon"),
+        ],
+        timeout_s=400,
+    )
+    for rank in range(4):
+        got = json.loads((parity / f"rank{rank}.json").read_text())
+        assert got["shape"] == list(want.shape) and got["max_abs_diff"] <= 1e-5, (rank, got)
+    for opt in ("adamw", "muon"):
+        assert _losses(tmp_path / opt) == pytest.approx(reference[opt], abs=ATOL), opt
+        assert _losses(resumed[opt]) == pytest.approx(reference[opt][10:], abs=ATOL), opt
+        # integer loads summed over the data-parallel ranks: the same updates in every layout
+        ref_biases = _biases(reference["root"] / opt / "step-00000020")
+        for run in (tmp_path / opt, resumed[opt]):
+            assert all(torch.equal(g, w) for g, w in zip(_biases(run / "step-00000020"), ref_biases)), (opt, run)
+    assert Layout.from_json(CheckpointReader(str(resumed["muon"] / "step-00000020")).index.layout) == layout
+    assert presets()[MODEL].untrained() == frozenset(BIASES)
