@@ -16,21 +16,34 @@ across layouts. DeepSeek-V3 trained with ``rate = 0.001`` (its paper's bias upda
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol, cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["balance_routers", "balanced_routers"]
+__all__ = ["BalancedRouter", "balance_routers", "balanced_routers"]
 
 
-def balanced_routers(model: nn.Module) -> list[nn.Module]:
-    """The routers of ``model`` that count their load and carry a correction bias (``take_load``,
-    ``e_score_correction_bias``), in module order."""
-    return [m for m in model.modules() if hasattr(m, "take_load") and hasattr(m, "e_score_correction_bias")]
+class BalancedRouter(Protocol):
+    """A router that counts its load and carries a correction bias (DeepSeek-V3's ``GroupLimitedRouter``)."""
+
+    e_score_correction_bias: torch.Tensor
+
+    def take_load(self) -> torch.Tensor:
+        """Assignments per expert since the last call (int64 ``[experts]``), the counter reset."""
+        ...
+
+
+def balanced_routers(model: nn.Module) -> list[BalancedRouter]:
+    """The routers of ``model`` that count their load and carry a correction bias, in module order."""
+    found = [m for m in model.modules() if hasattr(m, "take_load") and hasattr(m, "e_score_correction_bias")]
+    return cast("list[BalancedRouter]", found)
 
 
 @torch.no_grad()
-def balance_routers(routers: list[nn.Module], rate: float, group=None, *, group_size: int = 1) -> None:
+def balance_routers(routers: Sequence[BalancedRouter], rate: float, group=None, *, group_size: int = 1) -> None:
     """Apply the balancing rule to every router's bias from the load counted since the last call (collective over
     ``group``, the data-parallel group of ``group_size`` ranks, when that is more than one; every rank calls it
     with the same ``rate``)."""

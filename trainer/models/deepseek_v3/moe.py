@@ -49,6 +49,8 @@ class GroupLimitedRouter(nn.Module):
     best biased scores), then the ``num_experts_per_tok`` best biased scores among them; the weights are the
     unbiased scores of the chosen, renormalised (``norm_topk_prob``) and scaled by ``routed_scaling_factor``."""
 
+    load: torch.Tensor
+
     def __init__(self, cfg: DeepseekV3Config, rt: Runtime) -> None:
         super().__init__()
         e = cfg.n_routed_experts
@@ -74,7 +76,9 @@ class GroupLimitedRouter(nn.Module):
             choice = choice.masked_fill(~keep.repeat_interleave(e // rt.n_group, dim=1), float("-inf"))
             index = choice.topk(rt.num_experts_per_tok, dim=-1, sorted=False)[1]
             if counting:
-                self.load += torch.bincount(index.reshape(-1), minlength=e)
+                # index_add, not bincount: bincount sizes its output from the data, a host sync on a GPU
+                flat = index.reshape(-1)
+                self.load.index_add_(0, flat, torch.ones_like(flat))
         weights = scores.gather(1, index)
         if rt.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
