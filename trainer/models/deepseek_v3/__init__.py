@@ -1,4 +1,4 @@
-"""DeepSeek-V3: config and presets, sharding plan and Hugging Face mapping (a checkpoint format: no trainer module)."""
+"""DeepSeek-V3: config and presets, sharding plan, Hugging Face mapping, and the trainer module (``model.py``)."""
 
 from .config import PRESETS, DeepseekV3Config
 from .plan import param_specs, untrained
