@@ -159,3 +159,44 @@ def test_tp2_ep2_dp2_logits_losses_and_resume_from_single_process(reference, tmp
             assert all(torch.equal(g, w) for g, w in zip(_biases(run / "step-00000020"), ref_biases)), (opt, run)
     assert Layout.from_json(CheckpointReader(str(resumed["muon"] / "step-00000020")).index.layout) == layout
     assert presets()[MODEL].untrained() == frozenset(BIASES)
+
+
+@pytest.mark.parametrize(
+    "hf_config,field",
+    [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 40}}, "rope scaling"),  # the 671B checkpoints' RoPE
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40}}, "rope scaling"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads"),
+        ({"n_group": 3}, "n_group"),
+        ({"topk_group": 3}, "topk_group"),
+        ({"num_experts_per_tok": 3}, "num_experts_per_tok"),  # more than one group of 2 holds
+        ({"routed_scaling_factor": "2.5"}, "routed_scaling_factor"),
+        ({"attention_dropout": 0.1}, "attention_dropout"),
+    ],
+)
+def test_configs_the_module_would_compute_differently_are_refused_by_name(hf_config, field):
+    import dataclasses
+
+    from moeckpt.formats.errors import MoeckptError
+    from moeckpt.trainer.models.layers import build_model
+
+    base = presets()[MODEL]
+    cfg = dataclasses.replace(base.config, hf_config={**base.config.hf_config, **hf_config})
+    with pytest.raises(MoeckptError, match=f"deepseek_v3 config: {field}"):
+        with torch.device("meta"):
+            build_model(dataclasses.replace(base, config=cfg))
+
+
+def test_cli_refuses_an_unsupported_config_before_any_worker_starts(tmp_path, moeckpt_cli):
+    """A DeepSeek-V3 config.json with YaRN RoPE (as the Hub's 671B one) is one line naming the field, exit 2."""
+    from moeckpt.trainer.hf_export import hf_module
+
+    spec = presets()[MODEL]
+    doc = hf_module(spec).to_hf_config(spec.config)
+    doc["rope_scaling"] = {"rope_type": "yarn", "factor": 40, "mscale_all_dim": 1.0}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    code, _, err = moeckpt_cli("train", "--model", path, "--run-dir", tmp_path / "run", "--nproc", 2, "--cpu")
+    assert code == 2 and "rope scaling" in err and "yarn" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists()

@@ -96,6 +96,9 @@ def _check(cfg: DeepseekV3Config, rt: Runtime, scaled: list) -> None:
     kv = cfg.hf("num_key_value_heads", cfg.num_attention_heads)
     if kv != cfg.num_attention_heads:
         _refuse("num_key_value_heads", kv, f"must equal num_attention_heads={cfg.num_attention_heads} (MLA)")
+    dropout = cfg.hf("attention_dropout", 0.0)
+    if dropout != 0:
+        _refuse("attention_dropout", dropout, "is not implemented by the trainer (no dropout)")
     if cfg.mtp_tensors:
         _refuse(
             "mtp_tensors",
