@@ -200,3 +200,21 @@ def test_cli_refuses_an_unsupported_config_before_any_worker_starts(tmp_path, mo
     code, _, err = moeckpt_cli("train", "--model", path, "--run-dir", tmp_path / "run", "--nproc", 2, "--cpu")
     assert code == 2 and "rope scaling" in err and "yarn" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
+
+
+def test_init_with_optimizer_writes_no_state_for_the_biases_and_trains_from_it(tmp_path, moeckpt_cli):
+    """``moeckpt init --with-optimizer`` stores the biases as the trainer does (a weight, no moments), so a run
+    started from it continues with every tensor of the checkpoint accounted for."""
+    code, _, err = moeckpt_cli(
+        "init", tmp_path / "ck", "--model", MODEL, "--with-optimizer", "--tp", 2, "--ep", 2, "--dp", 2
+    )
+    assert code == 0, err
+    index = CheckpointReader(str(tmp_path / "ck")).index
+    for name in BIASES:
+        assert [e.role for e in index.tensors.values() if e.param == name] == ["param"]
+    assert len([e for e in index.tensors.values() if e.role == "exp_avg"]) == len(presets()[MODEL].param_specs()) - 2
+    records = train(
+        TrainConfig(model="", init_from=str(tmp_path / "ck"), run_dir=str(tmp_path / "run"), **{**BASE, "steps": 2})
+    )
+    assert [r["step"] for r in records] == [1, 2]
+    assert set(CheckpointReader(str(tmp_path / "run")).index.tensors) == set(index.tensors)

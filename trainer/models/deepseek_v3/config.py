@@ -57,7 +57,7 @@ class DeepseekV3Config(CarriesMtp):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     # The fields below shape no tensor, so they live in ``hf_config`` (verbatim from the config.json); the trainer
-    # reads them with transformers' defaults. :func:`.runtime.check_trainable` checks their values before a build.
+    # reads them with transformers' defaults. :func:`.runtime.runtime` checks their values before a build.
 
     def hf(self, name: str, default):
         """``hf_config[name]``, or transformers' ``default`` where the config.json leaves it out (or null)."""
