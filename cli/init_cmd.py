@@ -9,6 +9,7 @@ import click
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.backend import get_backend
+from moeckpt.formats.roles import PARAM
 from moeckpt.formats.storages import open_storage
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.save import save_full_tensors
@@ -85,6 +86,9 @@ def command(out, model_name, tp, ep, dp, fmt, compress, with_optimizer, seed, dt
     params = spec.param_specs()
     init_of = {p.name: p.init for p in params}
     tensors = logical_tensors(params, param_dtype=DTYPES[dtype], with_optimizer=with_optimizer)
+    # parameters no optimizer steps (DeepSeek-V3's correction biases) have no optimizer state, as a trainer saves them
+    held = spec.untrained()
+    tensors = {n: e for n, e in tensors.items() if e.role == PARAM or e.param not in held}
     total = sum(e.nbytes for e in tensors.values())
     # Every value is made in memory before the files are written: refuse what cannot fit before making any.
     check_fits(

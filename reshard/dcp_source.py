@@ -36,7 +36,9 @@ class Slot:
 
     The first ``drop`` dims of ``region`` have size 1 and are dropped (a layer of a stacked tensor), and ``lift``
     dims of size 1 are put in front (one expert of a fused expert tensor): the box filled has shape
-    ``(1,) * lift + region.shape[drop:]``.
+    ``(1,) * lift + region.shape[drop:]``. With ``transpose`` the last two dims of a tensor of three or more swap
+    places (torchtitan's gpt-oss experts are ``[E, out, in]`` where the plan's are ``[E, in, out]``): dim 0 stays,
+    so a row of the target is still one contiguous run of source bytes, transposed as it is read.
     """
 
     source: str
@@ -45,17 +47,26 @@ class Slot:
     offsets: tuple[int, ...]
     drop: int = 0
     lift: int = 0
+    transpose: bool = False
 
     def __post_init__(self) -> None:
         if any(s != 1 for s in self.region.shape[: self.drop]) or (
             len(self.offsets) != self.region.ndim - self.drop + self.lift
         ):
             raise ValueError(f"slot {self}: dropped dims must have size 1 and offsets match the target's dims")
+        if self.transpose and (self.drop or self.lift or self.region.ndim < 3):
+            raise ValueError(f"slot {self}: a transposed slot keeps its dims (no drop or lift) and has three or more")
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The shape of the box of the target this slot fills."""
-        return (1,) * self.lift + self.region.shape[self.drop :]
+        shape = (1,) * self.lift + self.region.shape[self.drop :]
+        return _swapped(shape) if self.transpose else shape
+
+
+def _swapped(t: tuple[int, ...]) -> tuple[int, ...]:
+    """``t`` with its last two entries swapped (the shape or offsets of a transposed box)."""
+    return (*t[:-2], t[-1], t[-2])
 
 
 def whole(source: str, shape: Sequence[int], target: str | None = None) -> Slot:
@@ -93,12 +104,20 @@ def _linear(offsets: tuple[int, ...], shape: tuple[int, ...]) -> int:
     return pos
 
 
-def virtual_pieces(chunks: Mapping[str, Sequence[StoredChunk]], slots: Sequence[Slot], index: Index) -> list[PieceRef]:
-    """Every stored chunk cut by ``slots`` into pieces of ``index``'s tensors; checks each tensor is covered once."""
+#: a virtual piece whose rows are stored transposed (:attr:`Slot.transpose`): (tensor, file, start).
+PieceKey = tuple[str, str, int]
+
+
+def virtual_pieces(
+    chunks: Mapping[str, Sequence[StoredChunk]], slots: Sequence[Slot], index: Index
+) -> tuple[list[PieceRef], frozenset[PieceKey]]:
+    """Every stored chunk cut by ``slots`` into pieces of ``index``'s tensors, and the keys of the pieces whose
+    rows are stored transposed; checks each tensor is covered once."""
     by_source: dict[str, list[Slot]] = {}
     for s in slots:
         by_source.setdefault(s.source, []).append(s)
     refs: list[PieceRef] = []
+    transposed: set[PieceKey] = set()
     for source, its_slots in by_source.items():
         for chunk in chunks[source]:
             item = dtypes.itemsize(chunk.dtype)
@@ -109,13 +128,21 @@ def virtual_pieces(chunks: Mapping[str, Sequence[StoredChunk]], slots: Sequence[
                 sub = chunk.box.intersect(slot.region) if chunk.box.ndim else chunk.box
                 if sub is None or sub.is_empty():
                     continue
+                if slot.transpose and sub.shape[-2:] != chunk.box.shape[-2:]:
+                    # a row is transposed whole: it must be whole in the chunk, one contiguous run
+                    raise DcpFormatError(
+                        f"{source}: a chunk split along its last two dims ({list(chunk.box.shape)} of "
+                        f"{list(slot.region.shape)}) cannot be read transposed into {slot.target}"
+                    )
                 for part in _contiguous_parts(sub.relative_to(chunk.box), chunk.box.shape):
                     start = chunk.start + _linear(part.offsets, chunk.box.shape) * item
                     glob = [o + c for o, c in zip(part.offsets, chunk.box.offsets)]
-                    rel = [0] * slot.lift + [g - r for g, r in zip(glob, slot.region.offsets)][slot.drop :]
-                    box = Box(
-                        tuple(o + r for o, r in zip(slot.offsets, rel)), (1,) * slot.lift + part.shape[slot.drop :]
-                    )
+                    rel = tuple([0] * slot.lift + [g - r for g, r in zip(glob, slot.region.offsets)][slot.drop :])
+                    shape = (1,) * slot.lift + part.shape[slot.drop :]
+                    if slot.transpose:
+                        rel, shape = _swapped(rel), _swapped(shape)
+                        transposed.add((slot.target, chunk.file, start))
+                    box = Box(tuple(o + r for o, r in zip(slot.offsets, rel)), shape)
                     refs.append(
                         PieceRef(slot.target, box, chunk.dtype, chunk.file, start, box.numel * item, (), block_bytes=0)
                     )
@@ -126,37 +153,48 @@ def virtual_pieces(chunks: Mapping[str, Sequence[StoredChunk]], slots: Sequence[
         problem = covers_exactly_once(entry.shape, boxes[name])
         if problem is not None:
             raise DcpFormatError(f"tensor {name!r} is not covered exactly once by the mapped DCP chunks: {problem}")
-    return refs
+    return refs, frozenset(transposed)
 
 
 class DcpPieceReader:
     """A :class:`~moeckpt.formats.backend.PieceReader` over the virtual pieces of a DCP checkpoint: what the
     offline executor reads rows through."""
 
-    def __init__(self, dcp: DcpCheckpoint, index: Index):
+    def __init__(self, dcp: DcpCheckpoint, index: Index, transposed: frozenset[PieceKey] = frozenset()):
+        """``transposed``: the pieces whose rows are stored with their last two dims swapped
+        (:func:`virtual_pieces`); they are read, then transposed."""
         self.dcp = dcp
         self.index = index
+        self.transposed = transposed
         self.location = dcp.location
         # Forked writers (local files only: fsspec filesystems hold event-loop threads a fork would inherit dead)
         # run in groups that share the DCP chunks they read (reshard/sharing.py), so each chunk is still read once.
         self.fork_safe = dcp.storage.fork_safe
 
     def _span(self, ref: PieceRef, lo: int, hi: int) -> tuple[tuple[int, ...], int]:
+        """The shape the rows ``[lo, hi)`` of ``ref`` are stored in, and their first byte."""
         shape, start = ref.box.shape, ref.start
         if shape:
             start += lo * (ref.nbytes // shape[0] if shape[0] else 0)
             shape = (hi - lo,) + shape[1:]
+        if self._is_transposed(ref):
+            shape = _swapped(shape)
         return shape, start
+
+    def _is_transposed(self, ref: PieceRef) -> bool:
+        return bool(self.transposed) and (ref.tensor, ref.file, ref.start) in self.transposed
 
     def read_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
         shape, start = self._span(ref, lo, hi)
         out = torch.empty(shape, dtype=dtypes.to_torch(ref.dtype))
         self.dcp.read_into(ref.file, start, out)
+        if self._is_transposed(ref):
+            return out.transpose(-2, -1).contiguous()  # the writers take C-ordered rows of the target's shape
         return out
 
     def map_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor | None:
-        if not self.dcp.storage.is_local:
-            return None
+        if not self.dcp.storage.is_local or self._is_transposed(ref):
+            return None  # a transposed piece is read (and copied into the target's order), not mapped
         # Mapped, not read: the writers copy straight from the page cache (an offline conversion only; nothing of
         # a training rank's state is ever backed by a file).
         shape, start = self._span(ref, lo, hi)
@@ -194,9 +232,9 @@ def write_from_dcp(
     from .options import offline_options
 
     sources = sorted({s.source for s in slots})
-    refs = virtual_pieces(dcp.chunks(sources), slots, index)
+    refs, transposed = virtual_pieces(dcp.chunks(sources), slots, index)
     new_index, _plan, bytes_read = executor.convert(
-        executor.OfflineSource(DcpPieceReader(dcp, index), refs),
+        executor.OfflineSource(DcpPieceReader(dcp, index, transposed), refs),
         index,
         dst,
         target,

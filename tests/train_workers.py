@@ -182,3 +182,50 @@ def slow_persist_run(
                 },
                 f,
             )
+
+
+def sharded_logits_check(rank: int, preset: str, layout_json: dict, reference: str, out_dir: str) -> None:
+    """This rank's shard of ``preset``'s model in a layout, loaded with the boxes its plan gives it from the full
+    state in ``reference`` (a safetensors file with ``ids`` and transformers' ``logits`` besides the weights): the
+    vocabulary slices gathered over TP, writes the largest difference to transformers' logits to
+    ``out_dir/rank<r>.json``."""
+    import json
+    import os
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from moeckpt.reshard.layout import Layout
+    from moeckpt.reshard.placement import model_parallel_boxes
+    from moeckpt.reshard.tensors import logical_tensors
+    from moeckpt.trainer.distributed import build_parallel_model
+    from moeckpt.trainer.models import presets
+    from moeckpt.trainer.parallel import build_groups
+
+    torch.set_num_threads(1)
+    spec = presets()[preset]
+    layout = Layout.from_json(layout_json)
+    groups = build_groups(layout)
+    c = groups.coords
+    full = load_file(reference)
+    ids, want = full.pop("ids"), full.pop("logits")
+    local = {}
+    for name, entry in logical_tensors(spec.param_specs()).items():
+        boxes = model_parallel_boxes(entry, layout, c.tp_rank, c.ep_rank)
+        dim = entry.sharding["tp"]["dim"] if "tp" in entry.sharding else 0
+        local[name] = torch.cat([full[name][b.slices()] for b in boxes], dim=dim)
+    model = build_parallel_model(spec, groups).eval()
+    model.load_state_dict(local, strict=True)
+    with torch.no_grad():
+        part = model(ids).contiguous()
+    parts = [torch.empty_like(part) for _ in range(layout.tp)]
+    dist.all_gather(parts, part, group=groups.tp)
+    got = torch.cat(parts, dim=-1)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"shape": list(got.shape), "max_abs_diff": float((got - want).abs().max())}, f)
+
+
+def logits_then_train(rank: int, logits_args: tuple, configs: list[dict]) -> None:
+    """:func:`sharded_logits_check`, then :func:`train_runs`: several claims in one world (one process start)."""
+    sharded_logits_check(rank, *logits_args)
+    train_runs(rank, configs)

@@ -9,7 +9,7 @@ the owned part of every parameter, in fp32, the same arithmetic as ``torch.optim
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,8 +74,10 @@ class ZeroAdamW(ZeroOptimizer):
         specs: Mapping[str, ParamSpec] | Iterable[ParamSpec],
         groups: ParallelGroups,
         config: AdamWConfig | None = None,
+        *,
+        held: Collection[str] = (),
     ) -> None:
-        super().__init__(params, specs, groups, config or AdamWConfig())
+        super().__init__(params, specs, groups, config or AdamWConfig(), held=held)
 
     def _rule_of(self, p: _Param) -> str:
         return "adamw"

@@ -60,8 +60,9 @@ def build_model(spec: ModelSpec, groups: ParallelGroups, device: torch.device, d
     return model
 
 
-def build_run_optimizer(config: TrainConfig, model, params, groups: ParallelGroups):
-    """The run's optimizer (``--optimizer``) over this rank's parameters, its state sharded ZeRO-1."""
+def build_run_optimizer(config: TrainConfig, model, params, groups: ParallelGroups, *, held=()):
+    """The run's optimizer (``--optimizer``) over this rank's parameters, its state sharded ZeRO-1; ``held``
+    (the model's ``untrained()`` parameters) are saved and restored but never stepped."""
     return build_optimizer(
         config.optimizer,
         model.named_parameters(),
@@ -69,6 +70,7 @@ def build_run_optimizer(config: TrainConfig, model, params, groups: ParallelGrou
         groups,
         AdamWConfig(weight_decay=config.weight_decay, max_grad_norm=config.max_grad_norm or None),
         muon=MuonConfig(momentum=config.muon_momentum, ns_steps=config.muon_ns_steps, scheme=config.muon_scheme),
+        held=held,
     )
 
 

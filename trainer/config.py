@@ -252,6 +252,14 @@ class TrainConfig:
         "optimizer",
         choices=OPTIMIZERS,
     )
+    bias_update_rate: float = setting(
+        1e-3,
+        "DeepSeek-V3's routing correction bias moves this much per step towards balanced expert load "
+        "(aux-loss-free balancing; 0: held fixed)",
+        "optimizer",
+        min=0,
+        max=1,
+    )
     muon_momentum: float = setting(0.95, "Muon's (Nesterov) momentum coefficient", "optimizer", min=0, max=0.9999)
     muon_ns_steps: int = setting(5, "Muon's Newton-Schulz iterations", "optimizer", min=1, max=100)
     muon_scheme: str = setting(

@@ -374,6 +374,7 @@ WARM_MODULES = (
     "moeckpt.formats.storages.local",
     "moeckpt.trainer.models.zaya.model",
     "moeckpt.trainer.models.qwen3_moe.model",
+    "moeckpt.trainer.models.deepseek_v3.model",
     "moeckpt.trainer.warm_server",
 )
 

@@ -22,7 +22,7 @@ At one rank there is nothing to exchange: the matrices are stacked by shape and 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -138,11 +138,13 @@ class ZeroMuon(ZeroAdamW):
         specs: Mapping[str, ParamSpec] | Iterable[ParamSpec],
         groups: ParallelGroups,
         config: MuonConfig | None = None,
+        *,
+        held: Collection[str] = (),
     ) -> None:
         self.muon = config or MuonConfig()
         self._ns_dtype = _DTYPES[self.muon.ns_dtype]
         # self.config is the AdamW part: its weight decay, clipping and buckets are the shared step settings.
-        super().__init__(params, specs, groups, self.muon.adamw)
+        super().__init__(params, specs, groups, self.muon.adamw, held=held)
         self._build_exchange()
 
     def _rule_of(self, p: _Param) -> str:

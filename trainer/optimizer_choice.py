@@ -9,7 +9,7 @@ its state even with ``reset_optimizer`` given.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 
 import torch
 
@@ -42,14 +42,16 @@ def build_optimizer(
     adamw: AdamWConfig,
     *,
     muon: MuonConfig | None = None,
+    held: Collection[str] = (),
 ) -> ZeroAdamW:
-    """The ZeRO-1 optimizer ``name`` (``adamw`` or ``muon``); Muon takes ``muon`` with ``adamw`` as its AdamW part."""
+    """The ZeRO-1 optimizer ``name`` (``adamw`` or ``muon``); Muon takes ``muon`` with ``adamw`` as its AdamW part.
+    ``held``: parameters neither steps (the model's ``untrained()``), saved and restored without optimizer state."""
     if name == "adamw":
-        return ZeroAdamW(params, specs, groups, adamw)
+        return ZeroAdamW(params, specs, groups, adamw, held=held)
     if name == "muon":
         from dataclasses import replace
 
-        return ZeroMuon(params, specs, groups, replace(muon or MuonConfig(), adamw=adamw))
+        return ZeroMuon(params, specs, groups, replace(muon or MuonConfig(), adamw=adamw), held=held)
     raise ValueError(f"optimizer={name!r} must be one of {', '.join(OPTIMIZERS)}")
 
 

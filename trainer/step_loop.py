@@ -22,6 +22,7 @@ from moeckpt.formats.storage import is_url
 from moeckpt.reshard.local import join_local
 from moeckpt.reshard.tensors import logical_tensors
 
+from .balancing import balance_routers, balanced_routers
 from .build import (
     build_checkpoints,
     build_loader,
@@ -80,7 +81,8 @@ class Trainer(ResumeSteps):
 
         self.model = build_model(self.spec, self.groups, device, dtype)
         self._params = self.spec.param_specs()
-        self.optimizer = build_run_optimizer(config, self.model, self._params, self.groups)
+        self.optimizer = build_run_optimizer(config, self.model, self._params, self.groups, held=self.spec.untrained())
+        self._routers = balanced_routers(self.model)
         self.schedule = build_schedule(config)
         self.loader = build_loader(config, dataset, self.groups)
         self.tensors: dict[str, TensorEntry] = logical_tensors(
@@ -154,6 +156,8 @@ class Trainer(ResumeSteps):
         lr = self.schedule.next()
         grad_norm = self.optimizer.step(lr)
         self.optimizer.zero_grad()
+        # DeepSeek-V3's correction biases follow this step's expert load (nothing to do for other models)
+        balance_routers(self._routers, self.config.bias_update_rate, self.groups.dp, group_size=self.groups.layout.dp)
         mean_loss = self.mean_over_dp(loss)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -30,7 +30,7 @@ few vectorized ops per bucket, not per parameter. A bucket's state tensors are n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -132,6 +132,10 @@ class ZeroOptimizer:
     ``weight_decay``, ``decay_vectors``, ``max_grad_norm``, ``skip_nonfinite`` and ``bucket_mib``
     (:class:`~moeckpt.trainer.adamw.AdamWConfig`). Call :meth:`step` after ``backward()`` with the learning rate
     of the step, then :meth:`zero_grad`.
+
+    ``held`` names parameters no rule steps (DeepSeek-V3's routing correction bias, ``ModelSpec.untrained()``):
+    they have no optimizer state and join no bucket or collective, but their boxes are in :meth:`param_pieces`,
+    so checkpoints save and restore them like any weight.
     """
 
     #: the optimizer's name, recorded in a checkpoint's train state.
@@ -145,6 +149,8 @@ class ZeroOptimizer:
         specs: Mapping[str, ParamSpec] | Iterable[ParamSpec],
         groups: ParallelGroups,
         config,
+        *,
+        held: Collection[str] = (),
     ) -> None:
         self.groups = groups
         self.config = config
@@ -155,11 +161,13 @@ class ZeroOptimizer:
         else:
             spec_map.update((s.name, s) for s in specs)
         self._params: dict[str, _Param] = {}
+        #: parameters no update rule steps (``held``): geometry only, for :meth:`param_pieces`.
+        self._held: dict[str, _Param] = {}
         for name, tensor in params:
             spec = spec_map.get(name)
             if spec is None:
                 raise LayoutError(f"parameter {name!r} is not in the model's sharding plan; add it to param_specs")
-            self._params[name] = self._describe(name, tensor, spec, groups)
+            (self._held if name in held else self._params)[name] = self._describe(name, tensor, spec, groups)
         for p in self._params.values():
             p.rule = self._rule_of(p)
         self._buckets = self._make_buckets()
@@ -383,13 +391,15 @@ class ZeroOptimizer:
     def roles(self, name: str) -> tuple[str, ...]:
         """The optimizer roles stored for parameter ``name``: ``master`` only when it is not fp32, then the state
         roles of its update rule."""
+        if name in self._held:
+            return ()
         p = self._params[name]
         extra = (MASTER,) if p.tensor.dtype != torch.float32 else ()
         return extra + self.STATE_ROLES[p.rule]
 
     def rule_of(self, name: str) -> str:
-        """The update rule that steps parameter ``name`` (``adamw``, ``muon``)."""
-        return self._params[name].rule
+        """The update rule that steps parameter ``name`` (``adamw``, ``muon``; ``held`` for a held one)."""
+        return "held" if name in self._held else self._params[name].rule
 
     def pieces(self) -> list[StatePiece]:
         """Every box of ``master`` (non-fp32 parameters) and of the state roles this rank holds.
@@ -411,7 +421,7 @@ class ZeroOptimizer:
         """Every box of every parameter this rank holds (``rank_boxes`` of role ``param``), as views of the local
         parameters: what a checkpoint saves from, and loads into, for the model's weights."""
         out: list[StatePiece] = []
-        for p in self._params.values():
+        for p in (*self._params.values(), *self._held.values()):
             local = p.tensor.detach()
             out.extend(StatePiece(p.name, PARAM, box, local[sl]) for box, sl in p.param_boxes)
         return out

@@ -24,6 +24,7 @@ ACCEPTED: dict[tuple[str, str], set[str]] = {
     ("gc", "--keep-every"): {"0"},
     ("gc", "--upload-grace"): {"0"},  # abort every incomplete upload
     ("train", "--muon-momentum"): {"0"},  # Muon without momentum
+    ("train", "--bias-update-rate"): {"0"},  # DeepSeek-V3's correction bias held fixed
     ("train", "--seed"): {"0"},
     ("train", "--stop-at"): {"0"},
     ("train", "--warmup-steps"): {"0"},

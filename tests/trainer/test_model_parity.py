@@ -1,4 +1,4 @@
-"""Our ZAYA1 and Qwen3-MoE modules compute what transformers computes, and their shards add up to the whole.
+"""Our ZAYA1, Qwen3-MoE and DeepSeek-V3 modules compute what transformers computes, and their shards add up to the whole.
 
 Parity: the same weights (our state dict loaded into transformers' model under the same names) give logits within
 1e-5 in fp32 on CPU. Sharding: each simulated TP/EP rank, holding the boxes its plan rules give it, computes a
@@ -20,11 +20,14 @@ from moeckpt.trainer.models.layers import Experts, Shard, VocabEmbedding, build_
 transformers = pytest.importorskip("transformers")
 
 TINY = ["zaya-tiny", "qwen3moe-tiny"]
+#: every trainable family (DeepSeek-V3's attention takes no part in the GQA shard test below, which reads head_dim;
+#: its TP/EP shards are checked end to end in tests/trainer/test_train_deepseek_v3.py).
+ALL_TINY = [*TINY, "deepseekv3-tiny"]
 
 
-def perturbed_model(preset: str, seed: int = 0) -> torch.nn.Module:
+def perturbed_model(preset: str, seed: int = 0, spec=None) -> torch.nn.Module:
     """A tiny model whose every tensor is distinct (norm weights, biases and scales off their 1/0 defaults)."""
-    spec = presets()[preset]
+    spec = spec or presets()[preset]
     torch.manual_seed(seed)
     model = build_model(spec)
     with torch.no_grad():
@@ -42,8 +45,8 @@ def perturbed_model(preset: str, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-def transformers_model(preset: str, state: dict) -> torch.nn.Module:
-    spec = presets()[preset]
+def transformers_model(preset: str, state: dict, spec=None) -> torch.nn.Module:
+    spec = spec or presets()[preset]
     doc = dict(hf_module(spec).to_hf_config(spec.config))
     cfg = transformers.AutoConfig.for_model(doc.pop("model_type"), **doc)
     hf = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -53,10 +56,14 @@ def transformers_model(preset: str, state: dict) -> torch.nn.Module:
     return hf
 
 
-@pytest.mark.parametrize("preset", TINY)
+@pytest.mark.parametrize("preset", ALL_TINY)
 def test_logits_equal_transformers(preset):
     ours = perturbed_model(preset)
     hf = transformers_model(preset, ours.state_dict())
+    _check_logits(ours, hf)
+
+
+def _check_logits(ours, hf) -> None:
     g = torch.Generator().manual_seed(1)
     for batch, seq in [(1, 1), (2, 17), (3, 64)]:
         ids = torch.randint(0, ours.config.vocab_size, (batch, seq), generator=g)
@@ -69,6 +76,53 @@ def test_logits_equal_transformers(preset):
         # The loss helper is transformers' causal-LM loss (labels = inputs, shifted inside).
         with torch.no_grad():
             torch.testing.assert_close(ours.loss(ids), hf(ids, labels=ids).loss, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        # full-rank queries (DeepSeek-V2-Lite's q_proj), rotate-half RoPE, biases on the attention projections
+        {"q_lora_rank": None, "hf_config": {"rope_interleave": False}, "attention_bias": True},
+        # plain top-k weights, one group (no group limit), another scale, two shared experts, no dense layer
+        {
+            "first_k_dense_replace": 0,
+            "n_shared_experts": 2,
+            "hf_config": {"norm_topk_prob": False, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.5},
+        },
+    ],
+    ids=["q_proj-rotate_half-bias", "no-group-limit"],
+)
+def test_deepseek_v3_options_equal_transformers(change):
+    """The DeepSeek-V3 config options the tiny preset leaves at one value compute what transformers computes too."""
+    import dataclasses
+
+    base = presets()["deepseekv3-tiny"]
+    hf_config = {**base.config.hf_config, **change.get("hf_config", {})}
+    spec = dataclasses.replace(base, config=dataclasses.replace(base.config, **{**change, "hf_config": hf_config}))
+    ours = perturbed_model("", spec=spec)
+    _check_logits(ours, transformers_model("", ours.state_dict(), spec=spec))
+
+
+def test_deepseek_v3_bias_picks_experts_but_does_not_weight_them():
+    """The correction bias changes which experts a token goes to, never the weights of the chosen ones (the plain
+    sigmoid scores); a training forward counts the load that balancing reads."""
+    model = perturbed_model("deepseekv3-tiny").train()
+    gate = model.model.layers[1].mlp.gate
+    x = torch.randn(64, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        gate.e_score_correction_bias.zero_()
+        w0, i0 = gate(x)
+        gate.e_score_correction_bias.copy_(torch.tensor([1.0, -1.0, -1.0, -1.0]))  # expert 0 always chosen
+    gate.take_load()
+    with torch.enable_grad():
+        w1, i1 = gate(x)
+    assert (i1 == 0).any(dim=-1).all() and not torch.equal(i0, i1)
+    scores = torch.sigmoid(x @ gate.weight.T)
+    want = scores.gather(1, i1)
+    want = want / want.sum(dim=-1, keepdim=True) * gate.rt.routed_scaling_factor
+    torch.testing.assert_close(w1.detach(), want, rtol=0, atol=1e-6)
+    assert gate.take_load().tolist() == torch.bincount(i1.reshape(-1), minlength=4).tolist()
+    assert gate.load.sum() == 0
 
 
 def test_zaya_skip_expert_is_exercised():
@@ -84,7 +138,7 @@ def test_zaya_skip_expert_is_exercised():
     assert (chosen[0] == e).any() and (chosen[0] < e).any()
 
 
-@pytest.mark.parametrize("preset", TINY)
+@pytest.mark.parametrize("preset", ALL_TINY)
 def test_gradients_flow_to_every_trained_parameter(preset):
     model = perturbed_model(preset).train()
     ids = torch.randint(0, model.config.vocab_size, (4, 32), generator=torch.Generator().manual_seed(2))

@@ -161,7 +161,7 @@ def _muon_specs(model: str) -> list[ParamSpec]:
 
 
 @pytest.mark.parametrize("scheme", ["assign", "gather"])
-@pytest.mark.parametrize("model", ["toy", "zaya-tiny", "qwen3moe-tiny"])
+@pytest.mark.parametrize("model", ["toy", "zaya-tiny", "qwen3moe-tiny", "deepseekv3-tiny"])
 def test_every_ranks_plan_agrees_with_the_others(model, scheme):
     """Pure: what rank s sends rank d is what d expects from s, in the same order; every matrix is assembled whole
     exactly where it is computed (once under assign, on every holder under gather); every held piece gets its
@@ -280,6 +280,35 @@ def test_rule_table_of_the_bundled_models():
         "model.norm.weight",
     ):
         assert adamw in names
+
+
+def test_rule_table_of_deepseek_v3():
+    """DeepSeek-V3: every MLA projection (the low-rank down and up projections alike), the dense and shared-expert
+    MLPs and the experts are Muon; the router classifier, norms, embedding and head AdamW; the correction biases,
+    held out of the optimizer (``untrained``), are stepped by neither and have no state."""
+    muon_suffixes = (
+        "q_a_proj.weight",
+        "q_b_proj.weight",
+        "kv_a_proj_with_mqa.weight",
+        "kv_b_proj.weight",
+        "o_proj.weight",
+        "gate_proj.weight",
+        "up_proj.weight",
+        "down_proj.weight",
+        "experts.gate_up_proj",
+        "experts.down_proj",
+    )
+    spec = presets()["deepseekv3-tiny"]
+    specs = spec.param_specs()
+    held = spec.untrained()
+    assert held and all(n.endswith("e_score_correction_bias") for n in held)
+    opt = ZeroMuon([(s.name, torch.empty(s.shape)) for s in specs], specs, ParallelGroups.single(), held=held)
+    for s in specs:
+        want = "held" if s.name in held else "muon" if s.name.endswith(muon_suffixes) else "adamw"
+        assert opt.rule_of(s.name) == want, s.name
+        assert (opt.roles(s.name) == ()) == (s.name in held), s.name
+    assert {p.param for p in opt.param_pieces()} == {s.name for s in specs}  # held ones saved as weights
+    assert not {p.param for p in opt.pieces()} & held
 
 
 def test_bad_matrix_rules_are_refused():

@@ -125,15 +125,22 @@ def check_covers(tensors: dict, slots: list[Slot], dcp, where: str) -> None:
 
 
 def qkv_group_slots(
-    source: str, shape: tuple[int, ...], layer: int | None, prefix: str, role: str, cfg: Qwen3MoeConfig
+    source: str,
+    shape: tuple[int, ...],
+    layer: int | None,
+    prefix: str,
+    role: str,
+    cfg: Qwen3MoeConfig,
+    param: str = "weight",
 ) -> list[Slot]:
-    """Slots of a Q/K/V weight fused *per key/value group* (Megatron's ``linear_qkv``, torchtitan's ``wqkv``): for
-    each of the G groups its H/G query heads, one key head, one value head, ``head_dim`` rows each. ``layer`` is
-    the index into a leading layer dim (Megatron's stacked layers), ``None`` when there is none."""
+    """Slots of a Q/K/V weight (or, with ``param="bias"``, bias) fused *per key/value group* (Megatron's
+    ``linear_qkv``, torchtitan's ``wqkv``): for each of the G groups its H/G query heads, one key head, one value
+    head, ``head_dim`` rows each. ``layer`` is the index into a leading layer dim (Megatron's stacked layers),
+    ``None`` when there is none. ``cfg`` needs only the head counts and ``head_dim``."""
     hd, groups = cfg.head_dim, cfg.num_key_value_heads
     qpg = cfg.num_attention_heads // groups
-    hidden = shape[-1]
     lead, drop = ((layer,), 1) if layer is not None else ((), 0)
+    rest = tuple(shape[drop + 1 :])  # (hidden,) of a weight, () of a bias
     out = []
     for g in range(groups):
         base = g * (qpg + 2) * hd
@@ -142,6 +149,7 @@ def qkv_group_slots(
             ("k_proj", base + qpg * hd, hd, g * hd),
             ("v_proj", base + (qpg + 1) * hd, hd, g * hd),
         ):
-            region = Box(lead + (lo, 0), (1,) * drop + (n, hidden))
-            out.append(Slot(source, region, role_name(f"{prefix}self_attn.{part}.weight", role), (at, 0), drop))
+            region = Box(lead + (lo,) + (0,) * len(rest), (1,) * drop + (n, *rest))
+            target = role_name(f"{prefix}self_attn.{part}.{param}", role)
+            out.append(Slot(source, region, target, (at,) + (0,) * len(rest), drop))
     return out

@@ -1,9 +1,9 @@
 """Export a moeckpt checkpoint (any layout, any storage) as a standard torch DCP checkpoint, written by torch's own
 ``dcp.save`` from one process.
 
-``--mapping torchtitan`` writes a ``qwen3_moe`` or ``deepseek_v3`` checkpoint under torchtitan's names (what
-``dcp.load`` into a torchtitan Qwen3-MoE or DeepSeek-V3 model and its flattened optimizer reads; the names of each
-family are its module's in :mod:`.torchtitan`): the model at the top level, AdamW moments as
+``--mapping torchtitan`` writes a ``qwen3_moe``, ``deepseek_v3`` or ``gpt_oss`` checkpoint under torchtitan's names
+(what ``dcp.load`` into a torchtitan Qwen3-MoE, DeepSeek-V3 or gpt-oss model and its flattened optimizer reads; the
+names and layouts of each family are its module's in :mod:`.torchtitan`): the model at the top level, AdamW moments as
 ``optimizer.state.<fqn>.exp_avg`` / ``exp_avg_sq`` with ``.step``, ``train_state.step``, and the non-tensor values
 an import from torchtitan kept (``param_groups``, ``lr_scheduler``, ``dataloader``). ``--mapping none`` writes every
 logical tensor under its own name. ``--mapping megatron`` writes a ``qwen3_moe``, ``mixtral`` or ``deepseek_v3``
@@ -39,25 +39,33 @@ EXPORT_MAPPINGS = ("torchtitan", "megatron", "none")
 
 
 def default_mapping(reader: CheckpointReader) -> str:
-    """torchtitan for a checkpoint of an architecture torchtitan has (qwen3_moe, deepseek_v3), else none."""
+    """torchtitan for a checkpoint of an architecture torchtitan has (qwen3_moe, deepseek_v3, gpt_oss), else none."""
     return "torchtitan" if reader.index.model.get("arch") in torchtitan.FAMILIES else "none"
 
 
 @dataclass(frozen=True)
 class Part:
-    """Box ``box`` of logical tensor ``name`` goes to ``offsets`` of the exported tensor (which may have more dims
-    in front: see :attr:`target`)."""
+    """Box ``box`` of logical tensor ``name`` goes to ``offsets`` of the exported tensor; with ``transpose`` its
+    last two dims swapped (torchtitan's gpt-oss experts are ``[E, out, in]``, the plan's ``[E, in, out]``). The
+    exported tensor may have more dims in front (see :attr:`target`)."""
 
     name: str
     box: Box
     offsets: tuple[int, ...]
+    transpose: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape this part has in the exported tensor."""
+        s = self.box.shape
+        return (*s[:-2], s[-1], s[-2]) if self.transpose else s
 
     @property
     def target(self) -> Box:
-        """Where the part goes: at ``offsets``, its box's shape, with a leading 1 for each dim the exported tensor
+        """Where the part goes: at ``offsets``, its :attr:`shape`, with a leading 1 for each dim the exported tensor
         has in front (Megatron's stacked layers: a layer's tensor is one index of the leading dim)."""
         lead = len(self.offsets) - len(self.box.shape)
-        return Box(self.offsets, (1,) * lead + self.box.shape)
+        return Box(self.offsets, (1,) * lead + self.shape)
 
 
 @dataclass(frozen=True)
@@ -73,10 +81,14 @@ class Source:
         return Box.full(self.shape).numel * dtypes.itemsize(self.dtype)
 
 
-def _whole(reader: CheckpointReader, name: str, box: Box | None = None) -> Source:
+def _whole(reader: CheckpointReader, name: str, box: Box | None = None, transpose: bool = False) -> Source:
     entry = reader.index.tensors[name]
-    box = box or Box.full(entry.shape)
-    return Source(box.shape, entry.dtype, (Part(name, box, (0,) * len(box.shape)),))
+    part = Part(name, box or Box.full(entry.shape), (0,) * len(entry.shape), transpose)
+    return Source(part.shape, entry.dtype, (part,))
+
+
+def _never(name: str) -> bool:
+    return False
 
 
 def _plan_none(reader: CheckpointReader) -> dict[str, Source]:
@@ -104,22 +116,24 @@ def _plan_torchtitan(reader: CheckpointReader) -> tuple[dict[str, Source], dict[
     trained = [p for p in spec.param_specs() if p.name not in untrained]
     out: dict[str, Source] = {}
     roles = [r for r in ("exp_avg", "exp_avg_sq") if all(f"{r}/{p.name}" in index.tensors for p in trained)]
+    # a family whose tensors all keep the plan's layout need not say so
+    transposed = getattr(family, "transposed", _never)
     for p in spec.param_specs():
         if p.name not in index.tensors:
             raise MappingError(f"{reader.location}: parameter {p.name} of the {spec.arch} model is missing")
         for tt, box in family.export_names(p.name, tuple(p.shape)):
-            out[tt] = _whole(reader, p.name, box)
+            out[tt] = _whole(reader, p.name, box, transposed(tt))
             if p.name in untrained or family.in_fused_optimizer(tt):
                 continue  # no optimizer state, or torchtitan's optimizer holds it fused (below)
             for role in roles:
-                out[f"optimizer.state.{tt}.{role}"] = _whole(reader, f"{role}/{p.name}", box)
+                out[f"optimizer.state.{tt}.{role}"] = _whole(reader, f"{role}/{p.name}", box, transposed(tt))
     cfg = spec.config
     for fqn, parts in family.export_fused_optimizer(cfg):
         for role in roles:
             dtype = index.tensors[f"{role}/{parts[0][0]}"].dtype
-            rows = sum(b.shape[0] for _, b, _ in parts)
+            rows = sum(b.shape[0] for _, b, _ in parts)  # stacked along dim 0: a weight's rows, a bias's entries
             out[f"optimizer.state.{fqn}.{role}"] = Source(
-                (rows, cfg.hidden_size), dtype, tuple(Part(f"{role}/{n}", b, o) for n, b, o in parts)
+                (rows, *parts[0][1].shape[1:]), dtype, tuple(Part(f"{role}/{n}", b, o) for n, b, o in parts)
             )
     extra = {name: torch.zeros(shape) for name, shape in family.export_extra(cfg).items()}
     return out, extra
@@ -147,14 +161,18 @@ class _LazyPlanner:
                 if fqn not in sources:
                     return super().resolve_data(write_item)
                 src = sources[fqn]
+
+                def read(part: Part) -> torch.Tensor:
+                    got = reader.read_box(part.name, part.box)
+                    return got.transpose(-2, -1) if part.transpose else got
+
                 if len(src.parts) == 1:
-                    part = src.parts[0]
-                    data = reader.read_box(part.name, part.box).contiguous().reshape(src.shape)
+                    data = read(src.parts[0]).contiguous().reshape(src.shape)
                 else:
                     data = torch.empty(src.shape, dtype=dtypes.to_torch(src.dtype))
                     for part in src.parts:
                         at = part.target
-                        data[at.slices()] = reader.read_box(part.name, part.box).reshape(at.shape)
+                        data[at.slices()] = read(part).reshape(at.shape)
                 if on_bytes is not None:
                     on_bytes(data.numel() * data.element_size())
                 return data

@@ -49,13 +49,20 @@ class ModelSpec:
         return importlib.util.find_spec(f"{self.module.__name__}.model") is not None
 
     def require_trainable(self) -> None:
-        """Raise :class:`UnknownModelError` unless the bundled trainer runs this architecture."""
+        """Raise :class:`UnknownModelError` unless the bundled trainer runs this architecture with this config
+        (a family's ``check_trainable(config)``, where it has one, refuses values its module does not compute)."""
         if not self.trainable:
             runs = ", ".join(a for a in ARCHITECTURES if ModelSpec(a, None).trainable)
             raise UnknownModelError(
                 f"the bundled trainer does not run {self.arch} models (it runs {runs}); {self.arch} is a checkpoint "
                 "format: import-hf, reshard, export-hf and the DCP mappings convert it"
             )
+        check = getattr(self.module, "check_trainable", None)
+        if check is not None:
+            try:
+                check(self.config)
+            except ValueError as e:
+                raise UnknownModelError(str(e)) from None
 
     def untrained(self) -> frozenset[str]:
         """Parameters no optimizer steps (DeepSeek-V3's routing correction bias, moved by a balancing rule):

@@ -1,7 +1,8 @@
 """The config of a checkpoint-only family: the fields that shape its tensors, and the rest of its config.json.
 
 The bundled trainer implements ZAYA1 and Qwen3-MoE, so their configs name every field the modules compute with.
-The other families are converted and resharded, never run: their plan needs only the fields that decide which
+The other families are converted and resharded (DeepSeek-V3 is also run: its module reads the constants it needs
+from ``hf_config``, checked by ``deepseek_v3/runtime.py``): their plan needs only the fields that decide which
 tensors exist and their shapes (:attr:`CheckpointConfig.SHAPE_FIELDS`, named as transformers names them), and
 everything else in the ``config.json`` (RoPE scaling, routing constants, sliding windows, token ids) is kept
 verbatim in ``hf_config`` and written back on export, so a round trip cannot drop an option the plan does not know.

@@ -79,6 +79,27 @@ def export_expert_names(layer: str, rest: str, shape: tuple[int, ...]) -> list[t
     return None
 
 
+def fused_qkv_parts(layer: int, cfg, param: str = "weight") -> list[tuple[str, Box, tuple[int, ...]]]:
+    """torchtitan's fused ``wqkv`` weight (or bias) of a layer, per key/value group its query heads, one key head
+    and one value head, as parts ``(plan tensor, box of it, offsets in wqkv)``: how its optimizer state, which
+    torchtitan keeps fused where the model state is split, is exported."""
+    hd, groups = cfg.head_dim, cfg.num_key_value_heads
+    qpg = cfg.num_attention_heads // groups
+    rest = (cfg.hidden_size,) if param == "weight" else ()
+    zeros = (0,) * len(rest)
+    pre = f"model.layers.{layer}.self_attn."
+    parts = []
+    for g in range(groups):
+        base = g * (qpg + 2) * hd
+        for part, n, at, lo in (
+            ("q_proj", qpg * hd, g * qpg * hd, base),
+            ("k_proj", hd, g * hd, base + qpg * hd),
+            ("v_proj", hd, g * hd, base + (qpg + 1) * hd),
+        ):
+            parts.append((f"{pre}{part}.{param}", Box((at, *zeros), (n, *rest)), (lo, *zeros)))
+    return parts
+
+
 def optimizer_notes(opt_keys: dict, with_optimizer: bool, dtype: str, notes: list[str]) -> None:
     """Say why a checkpoint's optimizer state is dropped (or that it has none)."""
     if opt_keys and not with_optimizer:

@@ -56,6 +56,22 @@ class DeepseekV3Config(CarriesMtp):
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    # The fields below shape no tensor, so they live in ``hf_config`` (verbatim from the config.json); the trainer
+    # reads them with transformers' defaults. :func:`.runtime.runtime` checks their values before a build.
+
+    def hf(self, name: str, default):
+        """``hf_config[name]``, or transformers' ``default`` where the config.json leaves it out (or null)."""
+        value = self.hf_config.get(name)
+        return default if value is None else value
+
+    @property
+    def initializer_range(self) -> float:
+        return self.hf("initializer_range", 0.02)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.hf("max_position_embeddings", 4096)
+
     def is_sparse(self, layer: int) -> bool:
         """Whether ``layer`` is a MoE layer (the first ``first_k_dense_replace`` are dense)."""
         return layer >= self.first_k_dense_replace

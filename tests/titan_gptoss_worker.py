@@ -1,0 +1,216 @@
+"""torchtitan's own gpt-oss writing a DCP checkpoint (run under torchrun, gloo on CPU): ``titan_gptoss_worker.py OUT``.
+
+The tiny model is built with torchtitan's own per-layer builders (``_make_gptoss_attn_config``,
+``_make_gptoss_experts_config``; its ``_build_gptoss_layers`` fixes 64 heads of 64), parallelized by its own
+``parallelize_gptoss`` over 2 ranks (TP 2, EP 2 borrowing the TP ranks: DTensors), given two AdamW steps on seeded
+random gradients (flex attention has no CPU backward) and saved by ``dcp.save`` with the state torchtitan's
+checkpointer saves: the model at the top level, the optimizer flattened by parameter (its own
+``get_flat_optim_state_dict``), ``train_state`` and ``lr_scheduler``.
+
+Besides the sizes, it is gpt-oss as torchtitan's flavors build it: biased fused Q/K/V, sinks, a sliding window on
+the even layers, YaRN RoPE (theta 150000, factor 32), a biased softmax router, biased interleaved SwiGLU experts and
+the (zero, untrained) load-balancing ``expert_bias_E``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+#: the tiny gpt-oss: 2 layers (sliding window 8, then full attention), GQA 4 heads over 2, 4 experts, top 2.
+TINY_GPTOSS = {
+    "dim": 64,
+    "head_dim": 16,
+    "n_layers": 2,
+    "vocab": 256,
+    "n_heads": 4,
+    "n_kv_heads": 2,
+    "hidden": 32,
+    "experts": 4,
+    "top_k": 2,
+    "window": 8,
+    "rope_theta": 150000.0,
+    "rope_factor": 32.0,
+    "original_seq_len": 4096,
+}
+
+
+def torchtitan_gptoss_config():
+    """torchtitan's gpt-oss config at the tiny size, from torchtitan's own builders."""
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
+    from torchtitan.models.gpt_oss import (
+        _EMBEDDING_INIT,
+        _NORM_INIT,
+        GptOssModel,
+        _depth_init,
+        _make_gptoss_attn_config,
+        _make_gptoss_experts_config,
+        _output_linear_init,
+    )
+    from torchtitan.models.gpt_oss.model import GptOssTransformerBlock
+    from torchtitan.models.gpt_oss.moe import GptOssMoE
+
+    t = TINY_GPTOSS
+    rope = CosSinRoPE.Config(
+        dim=t["head_dim"],
+        max_seq_len=128,
+        theta=t["rope_theta"],
+        scaling="yarn",
+        rope_factor=t["rope_factor"],
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_seq_len=t["original_seq_len"],
+    )
+    layers = []
+    for i in range(t["n_layers"]):  # as _build_gptoss_layers, at the tiny head count
+        attention = _make_gptoss_attn_config(
+            dim=t["dim"],
+            layer_id=i,
+            attn_backend="flex",
+            n_heads=t["n_heads"],
+            n_kv_heads=t["n_kv_heads"],
+            head_dim=t["head_dim"],
+            sliding_window_size=t["window"] if i % 2 == 0 else None,
+            fuse_qkv=True,
+            rope=rope,
+        )
+        experts = _make_gptoss_experts_config(
+            dim=t["dim"],
+            hidden_dim=t["hidden"],
+            num_experts=t["experts"],
+            layer_id=i,
+            top_k=t["top_k"],
+            moe_comm_backend="standard",
+        )
+        router = TokenChoiceTopKRouter.Config(
+            num_experts=t["experts"],
+            score_func="softmax",
+            route_norm=True,
+            gate=Linear.Config(in_features=t["dim"], out_features=t["experts"], bias=True, param_init=_depth_init(i)),
+            top_k=t["top_k"],
+        )
+        moe = GptOssMoE.Config(num_experts=t["experts"], load_balance_coeff=1e-3, routed_experts=experts, router=router)
+        layers.append(
+            GptOssTransformerBlock.Config(
+                attention=attention,
+                attention_norm=RMSNorm.Config(normalized_shape=t["dim"], param_init=_NORM_INIT),
+                ffn_norm=RMSNorm.Config(normalized_shape=t["dim"], param_init=_NORM_INIT),
+                moe=moe,
+            )
+        )
+    return GptOssModel.Config(
+        vocab_size=t["vocab"],
+        dim=t["dim"],
+        tok_embeddings=Embedding.Config(num_embeddings=t["vocab"], embedding_dim=t["dim"], param_init=_EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=t["dim"], param_init=_NORM_INIT),
+        lm_head=Linear.Config(in_features=t["dim"], out_features=t["vocab"], param_init=_output_linear_init(t["dim"])),
+        layers=layers,
+    )
+
+
+def hf_gptoss_config_json() -> dict:
+    """The Hugging Face ``config.json`` of the tiny gpt-oss (what ``--model`` is given): the routing, window and
+    RoPE fields no tensor shape tells, and torchtitan's RMSNorm eps (1e-5, as gpt-oss's)."""
+    t = TINY_GPTOSS
+    return {
+        "model_type": "gpt_oss",
+        "architectures": ["GptOssForCausalLM"],
+        "vocab_size": t["vocab"],
+        "hidden_size": t["dim"],
+        "intermediate_size": t["hidden"],
+        "num_hidden_layers": t["n_layers"],
+        "num_attention_heads": t["n_heads"],
+        "num_key_value_heads": t["n_kv_heads"],
+        "head_dim": t["head_dim"],
+        "num_local_experts": t["experts"],
+        "num_experts_per_tok": t["top_k"],
+        "sliding_window": t["window"],
+        "layer_types": ["sliding_attention", "full_attention"],
+        "attention_bias": True,
+        "rms_norm_eps": 1e-5,
+        "swiglu_limit": 7.0,
+        "max_position_embeddings": int(t["original_seq_len"] * t["rope_factor"]),
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": t["rope_theta"],
+            "factor": t["rope_factor"],
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": t["original_seq_len"],
+        },
+        "tie_word_embeddings": False,
+    }
+
+
+def write(out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import ParallelDims, parallel_dims
+    from torchtitan.models.gpt_oss.parallelize import parallelize_gptoss
+    from torchtitan.models.gpt_oss.sharding import set_gpt_oss_sharding_config
+
+    from tests.dcp_workers import _adamw_steps, _noise
+
+    parallel_dims.device_type = "cpu"  # torchtitan picks "cuda" when no accelerator is found
+    world = dist.get_world_size()
+    dims = ParallelDims(
+        dp_replicate=1, dp_shard=world // 2, cp=1, tp=2, pp=1, ep=2, world_size=world, spmd_backend="partial_dtensor"
+    )
+    dims.build_mesh()
+    par = ParallelismConfig(
+        data_parallel_shard_degree=world // 2,
+        tensor_parallel_degree=2,
+        expert_parallel_degree=2,
+        spmd_backend="partial_dtensor",
+    )
+    cfg = torchtitan_gptoss_config()
+    set_gpt_oss_sharding_config(cfg, enable_sp=False, enable_ep=True)
+    with torch.device("meta"):
+        model = cfg.build()
+    parallelize_gptoss(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(),
+        parallelism=par,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder=out,
+    )
+    model.to_empty(device="cpu")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        model.init_weights()
+        for _, p in model.named_parameters():  # from seeded full tensors, so every replica holds the same values
+            p.copy_(_noise(p, 0.1, g))
+    opt = _adamw_steps(list(model.named_parameters()))
+    state = {
+        **ModelWrapper(model).state_dict(),
+        "optimizer": get_flat_optim_state_dict(opt),
+        "train_state": {"step": 2, "ntokens_seen": 64},
+        "lr_scheduler": {"last_epoch": 2},
+    }
+    dcp.save(state, checkpoint_id=out)
+
+
+def main() -> None:
+    from tests.dcp_workers import exit_without_teardown
+
+    dist.init_process_group("gloo")
+    try:
+        write(sys.argv[1])
+        dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    exit_without_teardown()
+
+
+if __name__ == "__main__":
+    main()
