@@ -22,17 +22,22 @@ from .params import Text
     "--mapping",
     type=click.Choice(EXPORT_MAPPINGS),
     default=None,
-    help="torchtitan: torchtitan's names (Qwen3-MoE or DeepSeek-V3) and flattened optimizer; none: our tensor "
-    "names  [default: torchtitan for a qwen3_moe or deepseek_v3 checkpoint, else none]",
+    help="torchtitan: torchtitan's names (Qwen3-MoE or DeepSeek-V3) and flattened optimizer; megatron: "
+    "Megatron-Core's dist_checkpointing checkpoint of its GPTModel (Qwen3-MoE, Mixtral or DeepSeek-V3; "
+    "parameters only); none: our tensor names  [default: torchtitan for a qwen3_moe or deepseek_v3 checkpoint, "
+    "else none]",
 )
 @click.option("--overwrite", is_flag=True, help="replace whatever OUT holds; it says what it removes first")
 def command(ckpt, out, mapping, overwrite) -> None:
     """Write CKPT (any layout and storage; a run directory: its newest step) to OUT, a local directory, as a DCP
-    checkpoint that dcp.load reads, e.g. into a torchtitan model and its optimizer. One tensor in memory at a time."""
+    checkpoint that dcp.load reads, e.g. into a torchtitan model and its optimizer, or that Megatron-Core's
+    dist_checkpointing.load reads into its GPTModel. One tensor in memory at a time."""
     reader = CheckpointReader(ckpt)
     mapping = mapping or default_mapping(reader)
     said = announce_overwrite(out, overwrite)
     with progress(reader.index.nbytes, "export-dcp") as bar:
         result = export_dcp(ckpt, out, mapping=mapping, overwrite=overwrite, on_bytes=bar.update)
     said()
+    for note in result["notes"]:
+        click.echo(f"note: {note}", err=True)
     click.echo(f"wrote {out}: {result['tensors']} tensors, {result['bytes'] / 1e6:.2f} MB (DCP, mapping {mapping})")

@@ -26,7 +26,11 @@ SERIAL_FILES = {"e2e/test_demo.py", "e2e/test_elastic_agents.py", "e2e/test_sign
 
 #: test files whose module fixture is a training run of tens of seconds (torchtitan's): their tests run on one
 #: worker, so that the run is made once, not once per worker (a group per file: the files still run side by side).
-SHARED_RUN_FILES = {"library/test_torchtitan_checkpointer.py", "trainer/test_dcp_import.py"}
+SHARED_RUN_FILES = {
+    "library/test_torchtitan_checkpointer.py",
+    "trainer/test_dcp_import.py",
+    "trainer/test_megatron_export.py",  # Megatron writes, then loads three exports: ~35 s, once
+}
 
 # A file moved or renamed would silently leave its group (its drills side by side, its run made twice): say so.
 _missing = sorted(p for p in SERIAL_FILES | SHARED_RUN_FILES if not (TESTS / p).is_file())

@@ -403,9 +403,33 @@ def hf_mixtral_config_json() -> dict:
 
 
 def write_megatron(out: str, qk_layernorm: bool = True) -> None:
-    """Megatron-Core's GPTModel with MoE layers (local spec, SequentialMLP experts) saved by its own
-    ``dist_checkpointing.save`` (torch_dist backend), and its own forward's logits beside it. With q/k layer norms
-    it is a Qwen3-MoE; without, a Mixtral.
+    """Megatron-Core's GPTModel with MoE layers (:func:`megatron_gpt`) saved by its own
+    ``dist_checkpointing.save`` (torch_dist backend), and its own forward's logits beside it."""
+    _save_megatron(megatron_gpt(qk_layernorm), out)
+
+
+def megatron_logits(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens every Megatron test model is run on, and ``model``'s logits of them (Megatron's own forward)."""
+    tokens = torch.randint(0, model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(16).repeat(2, 1)
+    mask = torch.triu(torch.ones(16, 16), diagonal=1).bool()[None, None]
+    with torch.no_grad():
+        return tokens, model(tokens, positions, attention_mask=mask)
+
+
+def _save_megatron(model, out: str) -> None:
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    tokens, logits = megatron_logits(model)
+    os.makedirs(out, exist_ok=True)
+    dist_checkpointing.save(model.sharded_state_dict(), out)
+    save_file({"tokens": tokens, "logits": logits.contiguous()}, out + ".logits.safetensors")
+
+
+def megatron_gpt(qk_layernorm: bool = True):
+    """Megatron-Core's tiny GPTModel with MoE layers (local spec, SequentialMLP experts), its weights seeded. With
+    q/k layer norms it is a Qwen3-MoE; without, a Mixtral.
 
     Megatron-Core 0.16.1 assumes CUDA in a few places that this CPU build of torch does not have; each shim below
     replaces exactly one such call and changes no computation: ``torch.cuda.current_device()`` (the rotary
@@ -416,11 +440,9 @@ def write_megatron(out: str, qk_layernorm: bool = True) -> None:
     the RNG tracker is Megatron's inference tracker (its training tracker needs CUDA RNG states).
     """
     import torch.nn.functional as F
-    from safetensors.torch import save_file
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -476,20 +498,19 @@ def write_megatron(out: str, qk_layernorm: bool = True) -> None:
     with torch.no_grad():
         for p in model.parameters():  # norms start at ones: make every weight distinct
             p.add_(torch.randn_like(p) * 0.05)
-    tokens = torch.randint(0, t["vocab"], (2, 16), generator=torch.Generator().manual_seed(3))
-    positions = torch.arange(16).repeat(2, 1)
-    mask = torch.triu(torch.ones(16, 16), diagonal=1).bool()[None, None]
-    with torch.no_grad():
-        logits = model(tokens, positions, attention_mask=mask)
-    os.makedirs(out, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), out)
-    save_file({"tokens": tokens, "logits": logits.contiguous()}, out + ".logits.safetensors")
+    return model
 
 
 def write_megatron_dsv3(out: str) -> None:
+    """Megatron-Core's GPTModel as DeepSeek-V3 (:func:`megatron_dsv3_gpt`) saved by its own
+    ``dist_checkpointing.save``, its logits beside it."""
+    _save_megatron(megatron_dsv3_gpt(), out)
+
+
+def megatron_dsv3_gpt():
     """Megatron-Core's GPTModel as DeepSeek-V3 (``MLATransformerConfig``: latent attention with q_lora, one dense
     layer, then MoE layers of a shared expert and sigmoid-routed experts with group-limited top-k and a non-zero
-    ``expert_bias``), the local spec, saved by its own ``dist_checkpointing.save``, its logits beside it.
+    ``expert_bias``), the local spec, its weights seeded.
 
     Besides :func:`write_megatron`'s shims, Megatron-Core 0.16.1's latent attention needs two on the local spec
     (without Transformer Engine it fails to build): it hands its core attention ``k_channels``/``v_channels``,
@@ -498,11 +519,9 @@ def write_megatron_dsv3(out: str) -> None:
     ``isinstance(..., TELinear)`` with ``TELinear`` undefined (a class nothing is an instance of stands in).
     """
     import torch.nn.functional as F
-    from safetensors.torch import save_file
 
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
-    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -580,14 +599,7 @@ def write_megatron_dsv3(out: str) -> None:
         for name, b in model.named_buffers():
             if name.endswith("expert_bias"):  # a trained balancing bias: routing depends on it
                 b.copy_(torch.randn_like(b) * 0.05)
-    tokens = torch.randint(0, t["vocab"], (2, 16), generator=torch.Generator().manual_seed(3))
-    positions = torch.arange(16).repeat(2, 1)
-    mask = torch.triu(torch.ones(16, 16), diagonal=1).bool()[None, None]
-    with torch.no_grad():
-        logits = model(tokens, positions, attention_mask=mask)
-    os.makedirs(out, exist_ok=True)
-    dist_checkpointing.save(model.sharded_state_dict(), out)
-    save_file({"tokens": tokens, "logits": logits.contiguous()}, out + ".logits.safetensors")
+    return model
 
 
 def main() -> None:

@@ -6,7 +6,9 @@
 names and layouts of each family are its module's in :mod:`.torchtitan`): the model at the top level, AdamW moments as
 ``optimizer.state.<fqn>.exp_avg`` / ``exp_avg_sq`` with ``.step``, ``train_state.step``, and the non-tensor values
 an import from torchtitan kept (``param_groups``, ``lr_scheduler``, ``dataloader``). ``--mapping none`` writes every
-logical tensor under its own name.
+logical tensor under its own name. ``--mapping megatron`` writes a ``qwen3_moe``, ``mixtral`` or ``deepseek_v3``
+checkpoint as Megatron-Core's ``dist_checkpointing`` checkpoint of its GPTModel (:mod:`.megatron_export`: its
+sharded keys, the modules' empty ``_extra_state`` objects, ``metadata.json`` and a pickle-free ``common.pt``).
 
 Memory stays one tensor: the state dict handed to ``dcp.save`` holds meta tensors (shape and dtype only), and the
 save planner reads each tensor from the checkpoint when DCP asks for its data, then drops it.
@@ -14,6 +16,7 @@ save planner reads each tensor from the checkpoint when DCP asks for its data, t
 
 from __future__ import annotations
 
+import io
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ from . import torchtitan
 from .common import MappingError
 from .unmapped import VALUES_KEY
 
-EXPORT_MAPPINGS = ("torchtitan", "none")
+EXPORT_MAPPINGS = ("torchtitan", "megatron", "none")
 
 
 def default_mapping(reader: CheckpointReader) -> str:
@@ -43,7 +46,8 @@ def default_mapping(reader: CheckpointReader) -> str:
 @dataclass(frozen=True)
 class Part:
     """Box ``box`` of logical tensor ``name`` goes to ``offsets`` of the exported tensor; with ``transpose`` its
-    last two dims swapped (torchtitan's gpt-oss experts are ``[E, out, in]``, the plan's ``[E, in, out]``)."""
+    last two dims swapped (torchtitan's gpt-oss experts are ``[E, out, in]``, the plan's ``[E, in, out]``). The
+    exported tensor may have more dims in front (see :attr:`target`)."""
 
     name: str
     box: Box
@@ -55,6 +59,13 @@ class Part:
         """The shape this part has in the exported tensor."""
         s = self.box.shape
         return (*s[:-2], s[-1], s[-2]) if self.transpose else s
+
+    @property
+    def target(self) -> Box:
+        """Where the part goes: at ``offsets``, its :attr:`shape`, with a leading 1 for each dim the exported tensor
+        has in front (Megatron's stacked layers: a layer's tensor is one index of the leading dim)."""
+        lead = len(self.offsets) - len(self.box.shape)
+        return Box(self.offsets, (1,) * lead + self.shape)
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,19 @@ def _never(name: str) -> bool:
 
 def _plan_none(reader: CheckpointReader) -> dict[str, Source]:
     return {name: _whole(reader, name) for name in reader.index.tensors}
+
+
+def _plan_megatron(reader: CheckpointReader) -> tuple[dict[str, Source], dict[str, io.BytesIO], list[str]]:
+    """Megatron-Core's tensors (each made of parts of logical tensors) and its ``ShardedObject`` bytes: DCP writes
+    a ``BytesIO`` value as its bytes, as they are (nothing pickled)."""
+    from . import megatron_export
+
+    found = megatron_export.plan(reader)
+    sources: dict[str, Source] = {}
+    for key, (shape, parts) in found.tensors.items():
+        dtype = reader.index.tensors[parts[0].name].dtype
+        sources[key] = Source(shape, dtype, tuple(Part(p.name, p.box, p.offsets) for p in parts))
+    return sources, {key: io.BytesIO(data) for key, data in found.objects.items()}, found.notes
 
 
 def _plan_torchtitan(reader: CheckpointReader) -> tuple[dict[str, Source], dict[str, torch.Tensor]]:
@@ -119,12 +143,21 @@ class _LazyPlanner:
     """A DCP save planner whose tensors are read from the moeckpt checkpoint when DCP resolves their data."""
 
     @staticmethod
-    def make(reader: CheckpointReader, sources: dict[str, Source], on_bytes: Callable[[int], None] | None):
+    def make(
+        reader: CheckpointReader,
+        sources: dict[str, Source],
+        on_bytes: Callable[[int], None] | None,
+        raw: frozenset[str] = frozenset(),
+    ):
+        """``raw``: the keys of ``BytesIO`` values to write as they are (DCP's default planner would ``torch.save``
+        them, a pickle of a ``BytesIO`` that no reader of the bytes expects)."""
         from torch.distributed.checkpoint import DefaultSavePlanner
 
         class Planner(DefaultSavePlanner):
             def resolve_data(self, write_item):
                 fqn = write_item.index.fqn
+                if fqn in raw:
+                    return self.lookup_object(write_item.index)
                 if fqn not in sources:
                     return super().resolve_data(write_item)
                 src = sources[fqn]
@@ -134,11 +167,12 @@ class _LazyPlanner:
                     return got.transpose(-2, -1) if part.transpose else got
 
                 if len(src.parts) == 1:
-                    data = read(src.parts[0]).contiguous()
+                    data = read(src.parts[0]).contiguous().reshape(src.shape)
                 else:
                     data = torch.empty(src.shape, dtype=dtypes.to_torch(src.dtype))
                     for part in src.parts:
-                        data[Box(part.offsets, part.shape).slices()] = read(part)
+                        at = part.target
+                        data[at.slices()] = read(part).reshape(at.shape)
                 if on_bytes is not None:
                     on_bytes(data.numel() * data.element_size())
                 return data
@@ -154,18 +188,25 @@ def export_dcp(
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
 ) -> dict:
-    """Write checkpoint ``ckpt`` as a DCP checkpoint at ``out``; returns ``{"tensors": n, "bytes": b, "mapping": m}``."""
+    """Write checkpoint ``ckpt`` as a DCP checkpoint at ``out``; returns ``{"tensors": n, "bytes": b, "mapping": m,
+    "notes": [what was not written, one sentence each]}``."""
     import torch.distributed.checkpoint as dcp
 
     reader = CheckpointReader(ckpt)
     mapping = mapping or default_mapping(reader)
     if mapping not in EXPORT_MAPPINGS:
         raise MappingError(f"unknown export mapping {mapping!r}; choose one of: {', '.join(EXPORT_MAPPINGS)}")
-    extra: dict[str, torch.Tensor] = {}
+    extra: dict[str, torch.Tensor | io.BytesIO] = {}
+    objects: dict[str, io.BytesIO] = {}
+    notes: list[str] = []
     if mapping == "none":
         sources = _plan_none(reader)
+    elif mapping == "megatron":
+        sources, objects, notes = _plan_megatron(reader)
+        extra.update(objects)
     else:
-        sources, extra = _plan_torchtitan(reader)
+        sources, titan = _plan_torchtitan(reader)
+        extra.update(titan)
     storage = open_storage(out)
     if not storage.is_local:
         raise MappingError(f"{out}: export-dcp writes to a local directory (torch's FileSystemWriter)")
@@ -181,6 +222,8 @@ def export_dcp(
     ts = reader.index.train_state or {}
     found = ts.get(VALUES_KEY)
     values: dict[str, Any] = found if isinstance(found, dict) else {}
+    if mapping == "megatron":
+        values = {}  # another framework's values (torchtitan's scheduler, dataloader): nothing Megatron reads
     for key, value in values.items():
         if key not in state:
             state[key] = value
@@ -190,7 +233,7 @@ def export_dcp(
             for fqn in [k for k in sources if k.startswith("optimizer.state.") and k.endswith(".exp_avg")]:
                 state[fqn[: -len("exp_avg")] + "step"] = torch.tensor(float(steps))
         state.setdefault("train_state.step", reader.index.step)
-    planner = _LazyPlanner.make(reader, sources, on_bytes)
+    planner = _LazyPlanner.make(reader, sources, on_bytes, frozenset(objects))
     with warnings.catch_warnings():
         # dcp.save warns that it runs in a single process without a process group: that is what export does.
         warnings.simplefilter("ignore", UserWarning)
@@ -200,4 +243,14 @@ def export_dcp(
             planner=planner,
             no_dist=True,
         )
-    return {"tensors": len(sources) + len(extra), "bytes": sum(s.nbytes for s in sources.values()), "mapping": mapping}
+    if mapping == "megatron":
+        from .megatron_export import common_files
+
+        for name, data in common_files().items():
+            storage.write_bytes(name, data)
+    return {
+        "tensors": len(sources) + len(extra),
+        "bytes": sum(s.nbytes for s in sources.values()),
+        "mapping": mapping,
+        "notes": notes,
+    }
