@@ -98,6 +98,50 @@ def test_mapping_none_is_a_generic_checkpoint(generic_dcp, tmp_path, moeckpt_cli
     assert torch.equal(loaded["w"], sd["w"]) and loaded["step"] == 11
 
 
+def test_export_dcp_pickles_no_value(generic_dcp, tmp_path, moeckpt_cli, monkeypatch):
+    """DCP's own save planner torch.saves (pickles) every non-tensor value; export-dcp writes them with its
+    pickle-free encoder, which torch.load (weights only) and DCP's load read back. (A tensor record is DCP's
+    file format itself: its writer torch.saves each plain tensor.)"""
+    src, _ = generic_dcp
+    assert moeckpt_cli("import-dcp", src, tmp_path / "ck")[0] == 0
+    real, tensors = torch.save, []
+
+    def tensors_only(obj, f, *args, **kwargs):
+        if type(obj) is not torch.Tensor:
+            raise AssertionError(f"export-dcp pickled a {type(obj).__name__}")
+        tensors.append(obj.shape)
+        return real(obj, f, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "save", tensors_only)
+        code, _, err = moeckpt_cli("export-dcp", tmp_path / "ck", tmp_path / "back")
+    assert tensors  # the patch was in the writer's way
+    assert code == 0, err
+    back = open_dcp(str(tmp_path / "back"))
+    assert back.read_value("step") == 11 and back.read_value("sched.last_epoch") == 3
+    loaded = {"w": torch.zeros(8, 6), "step": 0, "sched": {"last_epoch": 0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(loaded, checkpoint_id=str(tmp_path / "back"), no_dist=True, planner=_weights_only_planner())
+    assert loaded["step"] == 11 and loaded["sched"] == {"last_epoch": 3}
+
+
+def _weights_only_planner():
+    """DCP's load planner reading each value with ``torch.load(weights_only=True)``: plain data only."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class WeightsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):
+            real = torch.load
+            try:  # the default planner's own load_bytes (its unflattening), with the weights-only unpickler
+                torch.load = lambda f, weights_only=False: real(f, weights_only=True)  # type: ignore[assignment]
+                super().load_bytes(read_item, value)
+            finally:
+                torch.load = real
+
+    return WeightsOnly()
+
+
 def test_mapping_none_without_a_layout_keeps_the_dcp_shardings(tmp_path, moeckpt_cli):
     """No layout given: each DCP chunk becomes a piece in the file of the rank that wrote it (the names and the
     shardings as they are); moeckpt.load fills a state dict from it, and reshard regroups it."""

@@ -27,6 +27,7 @@ import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.dcp.plain_pickle import torch_file
 from moeckpt.formats.errors import DestinationNotEmptyError
 from moeckpt.formats.storages import open_storage
 
@@ -224,16 +225,18 @@ def export_dcp(
     values: dict[str, Any] = found if isinstance(found, dict) else {}
     if mapping == "megatron":
         values = {}  # another framework's values (torchtitan's scheduler, dataloader): nothing Megatron reads
-    for key, value in values.items():
-        if key not in state:
-            state[key] = value
+    plain: dict[str, Any] = {key: value for key, value in values.items() if key not in state}
     if mapping == "torchtitan":
         steps = (ts.get("optimizer") or {}).get("steps") if isinstance(ts.get("optimizer"), dict) else None
         if isinstance(steps, int):
             for fqn in [k for k in sources if k.startswith("optimizer.state.") and k.endswith(".exp_avg")]:
                 state[fqn[: -len("exp_avg")] + "step"] = torch.tensor(float(steps))
-        state.setdefault("train_state.step", reader.index.step)
-    planner = _LazyPlanner.make(reader, sources, on_bytes, frozenset(objects))
+        plain.setdefault("train_state.step", reader.index.step)
+    # DCP's planner would torch.save (pickle) each non-tensor value; these are plain data (an import keeps only
+    # JSON values), written as the torch.load file of their own pickle-free encoder, which DCP's load reads.
+    for key, value in plain.items():
+        state[key] = io.BytesIO(torch_file(value))
+    planner = _LazyPlanner.make(reader, sources, on_bytes, frozenset(objects) | frozenset(plain))
     with warnings.catch_warnings():
         # dcp.save warns that it runs in a single process without a process group: that is what export does.
         warnings.simplefilter("ignore", UserWarning)
