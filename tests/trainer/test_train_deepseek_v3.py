@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.reshard.layout import Layout
 from moeckpt.trainer.balancing import balance_routers
+from moeckpt.trainer.elastic_drill import CPU_DRILL_KILL_AT, CPU_DRILL_STEPS, cpu_drill_args, run_shrink_grow_drill
 from moeckpt.trainer.local_world import run_local_world
 from moeckpt.trainer.metrics import read_metrics
 from moeckpt.trainer.models import presets
@@ -232,3 +234,31 @@ def test_init_with_optimizer_writes_no_state_for_the_biases_and_trains_from_it(t
     )
     assert [r["step"] for r in records] == [1, 2]
     assert set(CheckpointReader(str(tmp_path / "run")).index.tensors) == set(index.tensors)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the drill walks /proc to kill a node")
+def test_elastic_drill_on_deepseek_v3(tmp_path):
+    """The CPU drill of trainer/elastic_drill.py on DeepSeek-V3: real torchrun agents, one node killed, one joining;
+    the world shrinks to 2 workers and grows back to 4, each resuming resharded (latent attention, experts over ep 2,
+    the correction biases restored as weights), and the steps lost with the node are trained again to the same
+    losses."""
+    run = str(tmp_path / "run")
+    steps = CPU_DRILL_STEPS  # long enough for node C to join before the survivors finish
+    result = run_shrink_grow_drill(
+        run, cpu_drill_args(run, steps=steps, model=MODEL), nproc=2, kill_at_step=CPU_DRILL_KILL_AT, timeout_s=400
+    )
+    logs = "\n".join(f"--- node {n}\n{text[-3000:]}" for n, text in result.logs.items())
+    assert result.exit_codes == {"A": 0, "C": 0}, logs
+    worlds = [w for _, w in result.worlds()]
+    assert "4,2,4" in ",".join(map(str, worlds)), (worlds, logs)  # node A may train a step alone before B joins
+    assert result.steps()[-1]["step"] == steps
+    index = CheckpointReader(run).index
+    assert index.model["arch"] == "deepseek_v3" and index.layout["dp"] == 4
+    bias = next(n for n in index.tensors if n.endswith("e_score_correction_bias"))
+    assert f"exp_avg/{bias}" not in index.tensors  # held out of the optimizer through every restart
+    by_world: dict[int, dict[int, float]] = {}
+    for r in result.steps():
+        by_world.setdefault(r["world"], {})[r["step"]] = r["loss"]
+    again = {s: loss for s, loss in by_world.get(2, {}).items() if s in by_world.get(4, {})}
+    assert again and all(abs(loss - by_world[4][s]) < 1e-4 for s, loss in again.items()), (again, by_world)
