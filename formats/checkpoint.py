@@ -223,10 +223,21 @@ class CheckpointReader:
         """A read session for many row reads (the resharder's chunk cache); close it when done."""
         return self.backend.open_reader(self.storage)
 
-    def read_box(self, name: str, box: Box, refs: Sequence[PieceRef] | None = None) -> torch.Tensor:
-        """Assemble ``box`` of tensor ``name`` from the stored pieces, reading only the rows that overlap it."""
+    def read_box(
+        self, name: str, box: Box, refs: Sequence[PieceRef] | None = None, *, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Assemble ``box`` of tensor ``name`` from the stored pieces, reading only the rows that overlap it; into
+        ``out`` where given (a contiguous tensor of the box's shape and the tensor's dtype: a caller's reused
+        buffer, whose pages are not faulted in again for every tensor), else into a new tensor."""
         entry = self.tensor(name)
-        out = torch.empty(box.shape, dtype=dtypes.to_torch(entry.dtype))
+        dtype = dtypes.to_torch(entry.dtype)
+        if out is None:
+            out = torch.empty(box.shape, dtype=dtype)
+        elif tuple(out.shape) != box.shape or out.dtype != dtype or not out.is_contiguous():
+            raise ValueError(
+                f"read_box: out is {out.dtype} {list(out.shape)}, the box of {name!r} needs a contiguous {dtype} "
+                f"{list(box.shape)}"
+            )
         if refs is None:
             refs = [r for r in self.pieces() if r.tensor == name]
         filled = 0
@@ -252,9 +263,10 @@ class CheckpointReader:
             )
         return out
 
-    def read_tensor(self, name: str) -> torch.Tensor:
+    def read_tensor(self, name: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole tensor ``name`` (into ``out`` where given: see :meth:`read_box`)."""
         entry = self.tensor(name)
-        return self.read_box(name, Box.full(entry.shape))
+        return self.read_box(name, Box.full(entry.shape), out=out)
 
     def tensor(self, name: str) -> TensorEntry:
         try:

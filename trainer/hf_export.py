@@ -11,9 +11,12 @@ written tensor by tensor; the directory's layout and commit are :mod:`moeckpt.fo
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
+
+import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.checkpoint import CheckpointReader
@@ -41,6 +44,22 @@ __all__ = ["INDEX_FILE", "HfExportError", "export_hf", "hf_module", "parse_size"
 def hf_module(spec: ModelSpec) -> ModuleType:
     """The ``<arch>/hf.py`` mapping module of a model (config mapping, tensor names)."""
     return importlib.import_module(f"{spec.module.__name__}.hf")
+
+
+class ReusedBuffer:
+    """One host buffer that every logical tensor of an export is read into in turn, grown to the largest: a new
+    tensor per read has its pages faulted in anew each time (the kernel zeroing fresh memory), which was most of the
+    export's system time."""
+
+    def __init__(self) -> None:
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` over the buffer (its contents are the last read's)."""
+        n = math.prod(shape) * dtype.itemsize
+        if self._bytes.numel() < n:
+            self._bytes = torch.empty(n, dtype=torch.uint8)
+        return self._bytes[:n].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -184,12 +203,16 @@ def export_hf(
     torch_dtype = dtypes.to_torch(dtype)
     hf = hf_module(spec)
     current: list = [None, {}]  # the logical tensor being written and its HF tensors not yet written
+    scratch = ReusedBuffer()
 
     def produce(t: ShardTensor) -> Iterator[bytes | memoryview]:
         source = sources[t.name]
         if source != current[0]:
             where = stored.get(source) or _value_source(reader, source, dtype)
-            full = reader.read_tensor(where).to(torch_dtype)  # a damaged source raises here, named as itself
+            entry = reader.index.tensors[where]
+            # into one reused buffer once every HF tensor cut from the last one is written (they are its views)
+            out = scratch.get(entry.shape, dtypes.to_torch(entry.dtype)) if not current[1] else None
+            full = reader.read_tensor(where, out=out).to(torch_dtype)  # a damaged source raises here, named as itself
             current[:] = [source, hf.export_values(source, full, spec.config)]
         yield tensor_bytes(current[1].pop(t.name))
 

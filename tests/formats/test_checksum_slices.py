@@ -169,6 +169,31 @@ def test_whole_tensors_and_an_offline_reshard_verify_every_slice(tp1, tmp_path):
     spec_reader.Checkpoint(str(tmp_path / "tp2")).check()
 
 
+def test_tensors_of_a_tp2_checkpoint_join_into_a_reused_buffer(tp1, tmp_path):
+    """read_tensor(out=) assembles the TP halves into the caller's buffer (the export reuses one for every tensor),
+    and refuses a buffer of another shape, dtype or layout."""
+    from moeckpt.reshard.executor import reshard
+
+    reshard(tp1, str(tmp_path / "tp2"), Layout(tp=2))
+    reader = CheckpointReader(str(tmp_path / "tp2"))
+    scratch = torch.full((max(e.nbytes for e in TENSORS.values()),), 0xAB, dtype=torch.uint8)
+    for name, entry in TENSORS.items():
+        dtype = _torch_dtype(entry)
+        out = scratch[: entry.nbytes].view(dtype).view(entry.shape)
+        got = reader.read_tensor(name, out=out)
+        assert got.data_ptr() == scratch.data_ptr() and torch.equal(got, _value(entry)), name
+    name, entry = next(iter(TENSORS.items()))
+    wrong = [
+        torch.empty(tuple(reversed(entry.shape)), dtype=_torch_dtype(entry)),
+        torch.empty(entry.shape, dtype=torch.float64),
+        torch.empty(tuple(reversed(entry.shape)), dtype=_torch_dtype(entry)).t(),
+    ]
+    assert name == "o" and entry.shape[0] != entry.shape[1]  # so the transposed view is the right shape, strided
+    for out in wrong:
+        with pytest.raises(ValueError, match="read_box: out is"):
+            reader.read_tensor(name, out=out)
+
+
 def test_a_flipped_byte_in_one_ranks_columns_fails_that_rank_only(tp1, tmp_path):
     path = str(tmp_path / "c")
     shutil.copytree(tp1, path)
