@@ -602,10 +602,24 @@ def megatron_dsv3_gpt():
     return model
 
 
-def main() -> None:
-    kind, out = sys.argv[1], sys.argv[2]
+def run_gloo_worker(body) -> None:
+    """A torchrun worker's life: join the gloo group, run ``body()``, agree at a barrier that every rank is done,
+    then end without the interpreter's teardown (:func:`exit_without_teardown`); a failure tears the group down
+    and is raised."""
     dist.init_process_group("gloo")
     try:
+        body()
+        dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    exit_without_teardown()
+
+
+def main() -> None:
+    kind, out = sys.argv[1], sys.argv[2]
+
+    def body() -> None:
         writers = {
             "torchtitan": write_torchtitan,
             "torchtitan-dsv3": lambda o: write_torchtitan(o, "deepseek_v3"),
@@ -617,11 +631,8 @@ def main() -> None:
             "megatron-families": lambda o: (write_megatron(o + ".mixtral", False), write_megatron_dsv3(o + ".dsv3")),
         }
         writers[kind](out)
-        dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_without_teardown()
+
+    run_gloo_worker(body)
 
 
 def exit_without_teardown() -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 # run as a script (torchrun puts its folder first on sys.path), as dcp_workers.py is
-from dcp_workers import exit_without_teardown, megatron_dsv3_gpt, megatron_gpt, megatron_logits
+from dcp_workers import megatron_dsv3_gpt, megatron_gpt, megatron_logits, run_gloo_worker
 
 BUILDERS = {
     "qwen3_moe": lambda: megatron_gpt(qk_layernorm=True),
@@ -68,8 +68,8 @@ def main() -> None:
     from megatron.core import parallel_state as ps
 
     spec_path, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
-    try:
+
+    def body() -> None:
         with open(spec_path, encoding="utf-8") as f:
             cases = json.load(f)
         results = {}
@@ -82,11 +82,8 @@ def main() -> None:
                 results[f"{case['family']}@tp{tp}ep{ep}"] = _compare(case["family"], case["original"], case["exported"])
         with open(f"{out}.{dist.get_rank()}", "w", encoding="utf-8") as f:
             json.dump(results, f)
-        dist.barrier()
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_without_teardown()
+
+    run_gloo_worker(body)
 
 
 if __name__ == "__main__":

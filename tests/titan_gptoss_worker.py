@@ -200,16 +200,9 @@ def write(out: str) -> None:
 
 
 def main() -> None:
-    from tests.dcp_workers import exit_without_teardown
+    from tests.dcp_workers import run_gloo_worker
 
-    dist.init_process_group("gloo")
-    try:
-        write(sys.argv[1])
-        dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_without_teardown()
+    run_gloo_worker(lambda: write(sys.argv[1]))
 
 
 if __name__ == "__main__":

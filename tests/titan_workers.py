@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import IterableDataset
 from torchtitan.components.dataloader import ParallelAwareDataloader
 
-from tests.dcp_workers import TINY, _noise, exit_without_teardown, torchtitan_config, torchtitan_logits
+from tests.dcp_workers import TINY, _noise, run_gloo_worker, torchtitan_config, torchtitan_logits
 from tests.titan_manager import JsonDataloaderState, MoeckptCheckpointManager
 
 SEQ, BATCH = 16, 2
@@ -317,17 +317,14 @@ def load(src: str, dp: int, tp: int, ep: int, report: str, base: str | None) -> 
 
 def main() -> None:
     kind, out, dp, tp, ep = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
-    dist.init_process_group("gloo")
-    try:
+
+    def body() -> None:
         if kind == "save":
             save(out, dp, tp, ep, sys.argv[6])
         else:
             load(out, dp, tp, ep, sys.argv[6], sys.argv[7] if len(sys.argv) > 7 else None)
-        dist.barrier()  # every rank done before any tears its gloo connections down (see testing/local_world.py)
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    exit_without_teardown()
+
+    run_gloo_worker(body)
 
 
 if __name__ == "__main__":

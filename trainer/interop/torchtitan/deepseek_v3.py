@@ -33,7 +33,17 @@ from moeckpt.reshard.tensors import logical_tensors
 from ...models import ModelSpec
 from ...models.deepseek_v3 import ARCH
 from ..common import Mapped, MappingError, role_name
-from .shared import BIAS, EXPERTS, LAYER_RE, TOP, expert_slot, export_expert_names, optimizer_notes, split_names
+from .shared import (
+    BIAS,
+    EXPERTS,
+    LAYER_RE,
+    TOP,
+    expert_slot,
+    export_expert_names,
+    optimizer_notes,
+    refuse_unfilled,
+    split_names,
+)
 from .shared import train_state as read_train_state
 
 #: per-layer names: torchtitan -> the plan's (Hugging Face's).
@@ -151,13 +161,8 @@ def _check_shapes(dcp: DcpCheckpoint, keys: dict, specs: dict[str, tuple[int, ..
                 "pass the config the checkpoint was trained with"
             )
         filled.setdefault(plan, []).append(block)
-    missing = [p for p in specs if p not in filled]
     twice = [p for p, blocks in filled.items() if sorted(blocks, key=str) not in ([None], [0, 1])]
-    if missing or twice:
-        raise MappingError(
-            f"{where}: "
-            + (f"the checkpoint lacks {missing[:3]} of the --model config" if missing else f"{twice[:3]} given twice")
-        )
+    refuse_unfilled([p for p in specs if p not in filled], twice, where)
 
 
 # -- the way back -------------------------------------------------------------------------------------------------

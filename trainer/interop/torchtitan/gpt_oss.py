@@ -38,7 +38,7 @@ from moeckpt.reshard.tensors import logical_tensors
 from ...models import ModelSpec
 from ...models.gpt_oss import ARCH
 from ..common import Mapped, MappingError, check_covers, qkv_group_slots, role_name
-from .shared import BIAS, LAYER_RE, TOP, fused_qkv_parts, optimizer_notes, split_names
+from .shared import BIAS, LAYER_RE, TOP, fused_qkv_parts, optimizer_notes, refuse_unfilled, split_names
 from .shared import train_state as read_train_state
 
 _EXPERTS = "moe.routed_experts.inner_experts."
@@ -187,13 +187,7 @@ def _check_shapes(dcp: DcpCheckpoint, keys: dict, specs: dict[str, tuple[int, ..
                 f"{list(specs[plan])}{layout}; pass the config the checkpoint was trained with"
             )
         filled[plan] = filled.get(plan, 0) + 1
-    missing = [p for p in specs if p not in filled]
-    twice = [p for p, n in filled.items() if n > 1]
-    if missing or twice:
-        raise MappingError(
-            f"{where}: "
-            + (f"the checkpoint lacks {missing[:3]} of the --model config" if missing else f"{twice[:3]} given twice")
-        )
+    refuse_unfilled([p for p in specs if p not in filled], [p for p, n in filled.items() if n > 1], where)
 
 
 def _drop_zero_biases(dcp: DcpCheckpoint, biases: list[str], where: str, notes: list[str]) -> None:

@@ -10,7 +10,7 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.dcp import DcpCheckpoint
 from moeckpt.reshard.dcp_source import Slot, whole
 
-from ..common import role_name
+from ..common import MappingError, role_name
 from ..unmapped import VALUES_KEY, read_values
 
 TOP = {
@@ -98,6 +98,15 @@ def fused_qkv_parts(layer: int, cfg, param: str = "weight") -> list[tuple[str, B
         ):
             parts.append((f"{pre}{part}.{param}", Box((at, *zeros), (n, *rest)), (lo, *zeros)))
     return parts
+
+
+def refuse_unfilled(missing: list[str], twice: list[str], where: str) -> None:
+    """The one-line refusal of a mapping that leaves plan tensors of ``--model`` unfilled or fills some twice."""
+    if missing or twice:
+        raise MappingError(
+            f"{where}: "
+            + (f"the checkpoint lacks {missing[:3]} of the --model config" if missing else f"{twice[:3]} given twice")
+        )
 
 
 def optimizer_notes(opt_keys: dict, with_optimizer: bool, dtype: str, notes: list[str]) -> None:
