@@ -117,3 +117,19 @@ def init_qwen_105mb(moeckpt_cli, tmp_path) -> tuple[str, int]:
     nbytes = CheckpointReader(str(tmp_path / "src")).index.nbytes
     assert nbytes > 100e6
     return str(tmp_path / "src"), nbytes
+
+
+def check_shrink_and_grow(result, steps: int) -> None:
+    """What every CPU elastic drill (trainer/elastic_drill.py) must show: both surviving nodes exit 0, the world
+    goes 4 -> 2 -> 4 workers, the run reaches ``steps``, and the steps lost with the killed node are trained again
+    by 2 workers to the losses 4 had (within 1e-4)."""
+    logs = "\n".join(f"--- node {n}\n{text[-3000:]}" for n, text in result.logs.items())
+    assert result.exit_codes == {"A": 0, "C": 0}, logs
+    worlds = [w for _, w in result.worlds()]
+    assert "4,2,4" in ",".join(map(str, worlds)), (worlds, logs)  # node A may train a step alone before B joins
+    assert result.steps()[-1]["step"] == steps
+    by_world: dict[int, dict[int, float]] = {}
+    for r in result.steps():
+        by_world.setdefault(r["world"], {})[r["step"]] = r["loss"]
+    again = {s: loss for s, loss in by_world.get(2, {}).items() if s in by_world.get(4, {})}
+    assert again and all(abs(loss - by_world[4][s]) < 1e-4 for s, loss in again.items()), (again, by_world)
