@@ -205,17 +205,24 @@ def test_torchtitan_deepseek_v3_chain(torchtitan_dsv3_dcp, tmp_path, moeckpt_cli
 def test_torchtitan_deepseek_v3_round_trip_is_bit_for_bit(torchtitan_dsv3_dcp, tmp_path, moeckpt_cli):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(hf_dsv3_config_json()))
+    titan_round_trip(
+        torchtitan_dsv3_dcp, config, torchtitan_dsv3_config, ("--tp", "4", "--dp", "3"), tmp_path, moeckpt_cli
+    )
+
+
+def titan_round_trip(dcp_dir: str, config, titan_config, layout: tuple[str, ...], tmp_path, moeckpt_cli) -> None:
+    """A torchtitan checkpoint imported at ``layout`` (zarr) and exported back under torchtitan's names (the default
+    for its family) is the same DCP checkpoint bit for bit, and torchtitan's model loads equal parameters from it."""
     ck, back = tmp_path / "ck", tmp_path / "back"
     code, _, err = moeckpt_cli(
-        "import-dcp", torchtitan_dsv3_dcp, ck, "--tp", "4", "--dp", "3", "--mapping", "torchtitan", "--model", config,
-        "--format", "zarr",
-    )  # fmt: skip
+        "import-dcp", dcp_dir, ck, *layout, "--mapping", "torchtitan", "--model", config, "--format", "zarr"
+    )
     assert code == 0, err
-    code, _, err = moeckpt_cli("export-dcp", ck, back)  # torchtitan names: the default for deepseek_v3
+    code, _, err = moeckpt_cli("export-dcp", ck, back)
     assert code == 0, err
-    _same_dcp(torchtitan_dsv3_dcp, str(back))
-    original = _torchtitan_model(torchtitan_dsv3_dcp, torchtitan_dsv3_config)
-    again = _torchtitan_model(str(back), torchtitan_dsv3_config)
+    _same_dcp(dcp_dir, str(back))
+    original = _torchtitan_model(dcp_dir, titan_config)
+    again = _torchtitan_model(str(back), titan_config)
     for (k, p), (_, q) in zip(original.state_dict().items(), again.state_dict().items()):
         assert torch.equal(p, q), k
 
@@ -233,16 +240,22 @@ def test_torchtitan_deepseek_v3_round_trip_is_bit_for_bit(torchtitan_dsv3_dcp, t
 def test_torchtitan_deepseek_v3_refuses_a_config_that_does_not_fit(
     torchtitan_dsv3_dcp, tmp_path, moeckpt_cli, model, what
 ):
+    code, out, err = titan_import_with(torchtitan_dsv3_dcp, hf_dsv3_config_json(), model, tmp_path, moeckpt_cli)
+    assert code == 2 and what in err and "Traceback" not in err, (out, err)
+    assert not (tmp_path / "ck").exists()
+
+
+def titan_import_with(dcp_dir: str, hf_config: dict, model, tmp_path, moeckpt_cli) -> tuple[int, str, str]:
+    """``import-dcp --mapping torchtitan`` of ``dcp_dir`` into ``tmp_path/ck`` with ``--model``: none (``None``), a
+    preset (a str), or ``hf_config`` with the fields of ``model`` (a dict) changed."""
     args = []
     if isinstance(model, str):
         args = ["--model", model]
     elif model is not None:
         config = tmp_path / "config.json"
-        config.write_text(json.dumps({**hf_dsv3_config_json(), **model}))
+        config.write_text(json.dumps({**hf_config, **model}))
         args = ["--model", str(config)]
-    code, out, err = moeckpt_cli("import-dcp", torchtitan_dsv3_dcp, tmp_path / "ck", "--mapping", "torchtitan", *args)
-    assert code == 2 and what in err and "Traceback" not in err, (out, err)
-    assert not (tmp_path / "ck").exists()
+    return moeckpt_cli("import-dcp", dcp_dir, tmp_path / "ck", "--mapping", "torchtitan", *args)
 
 
 def _same_dcp(a_dir: str, b_dir: str) -> None:

@@ -33,7 +33,7 @@ from moeckpt.formats.checkpoint import CheckpointReader
 
 from ..dcp_workers import torchtitan_logits
 from ..titan_gptoss_worker import TINY_GPTOSS, hf_gptoss_config_json, torchtitan_gptoss_config
-from .test_dcp_frameworks import _hf_files, _same_dcp, _torchtitan_model
+from .test_dcp_frameworks import _hf_files, _torchtitan_model, titan_import_with, titan_round_trip
 from .test_dcp_import import _transformers_logits
 
 pytestmark = pytest.mark.slow
@@ -115,19 +115,8 @@ def test_torchtitan_gpt_oss_chain(torchtitan_gptoss_dcp, config_json, tmp_path, 
 
 
 def test_torchtitan_gpt_oss_round_trip_is_bit_for_bit(torchtitan_gptoss_dcp, config_json, tmp_path, moeckpt_cli):
-    ck, back = tmp_path / "ck", tmp_path / "back"
-    code, _, err = moeckpt_cli(
-        "import-dcp", torchtitan_gptoss_dcp, ck, "--tp", "2", "--dp", "3", "--mapping", "torchtitan",
-        "--model", config_json, "--format", "zarr",
-    )  # fmt: skip
-    assert code == 0, err
-    code, _, err = moeckpt_cli("export-dcp", ck, back)  # torchtitan names: the default for gpt_oss
-    assert code == 0, err
-    _same_dcp(torchtitan_gptoss_dcp, str(back))
-    original = _torchtitan_model(torchtitan_gptoss_dcp, torchtitan_gptoss_config)
-    again = _torchtitan_model(str(back), torchtitan_gptoss_config)
-    for (k, p), (_, q) in zip(original.state_dict().items(), again.state_dict().items()):
-        assert torch.equal(p, q), k
+    layout = ("--tp", "2", "--dp", "3")
+    titan_round_trip(torchtitan_gptoss_dcp, config_json, torchtitan_gptoss_config, layout, tmp_path, moeckpt_cli)
 
 
 @pytest.mark.parametrize(
@@ -143,14 +132,7 @@ def test_torchtitan_gpt_oss_round_trip_is_bit_for_bit(torchtitan_gptoss_dcp, con
 def test_torchtitan_gpt_oss_refuses_a_config_that_does_not_fit(
     torchtitan_gptoss_dcp, tmp_path, moeckpt_cli, model, what
 ):
-    args = []
-    if isinstance(model, str):
-        args = ["--model", model]
-    elif model is not None:
-        config = tmp_path / "config.json"
-        config.write_text(json.dumps({**hf_gptoss_config_json(), **model}))
-        args = ["--model", str(config)]
-    code, out, err = moeckpt_cli("import-dcp", torchtitan_gptoss_dcp, tmp_path / "ck", "--mapping", "torchtitan", *args)
+    code, out, err = titan_import_with(torchtitan_gptoss_dcp, hf_gptoss_config_json(), model, tmp_path, moeckpt_cli)
     assert code == 2 and what in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (out, err)
     assert not (tmp_path / "ck").exists()
 
