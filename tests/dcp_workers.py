@@ -243,6 +243,23 @@ def _adamw_steps(params, steps: int = 2) -> torch.optim.AdamW:
 
 
 def write_torchtitan(out: str, family: str = "qwen3") -> None:
+    if family == "deepseek_v3":
+        from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3 as parallelize
+        from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config as set_sharding
+
+        cfg = torchtitan_dsv3_config()
+    else:
+        from torchtitan.models.qwen3.parallelize import parallelize_qwen3 as parallelize
+        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config as set_sharding
+
+        cfg = torchtitan_config()
+    # a trained load-balancing bias for DeepSeek-V3 (Qwen3-MoE computes none: its checkpoint keeps it zero)
+    write_titan_model(out, cfg, parallelize, set_sharding, trained_bias=family == "deepseek_v3")
+
+
+def write_titan_model(out: str, cfg, parallelize, set_sharding, *, trained_bias: bool = False) -> None:
+    """torchtitan's own model of ``cfg`` parallelised by its ``parallelize`` (TP 2 x EP 2 over this gloo world),
+    seeded weights, 2 AdamW steps, saved by ``dcp.save`` as torchtitan's checkpointer lays the state out."""
     import torch.distributed.checkpoint as dcp
     from torchtitan.components.checkpointer.base import ModelWrapper
     from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
@@ -262,16 +279,6 @@ def write_torchtitan(out: str, family: str = "qwen3") -> None:
         expert_parallel_degree=2,
         spmd_backend="partial_dtensor",
     )
-    if family == "deepseek_v3":
-        from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3 as parallelize
-        from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config as set_sharding
-
-        cfg = torchtitan_dsv3_config()
-    else:
-        from torchtitan.models.qwen3.parallelize import parallelize_qwen3 as parallelize
-        from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config as set_sharding
-
-        cfg = torchtitan_config()
     set_sharding(cfg, enable_sp=False, enable_ep=True)
     torch.manual_seed(0)
     with torch.device("meta"):
@@ -293,8 +300,7 @@ def write_torchtitan(out: str, family: str = "qwen3") -> None:
         for _, p in model.named_parameters():  # from seeded full tensors, so every replica holds the same values
             p.copy_(_noise(p, 0.1, g))
         for name, b in model.named_buffers():
-            # a trained load-balancing bias (Qwen3-MoE computes none: its checkpoint keeps it zero)
-            if name.endswith("expert_bias_E") and family == "deepseek_v3":
+            if name.endswith("expert_bias_E") and trained_bias:
                 b.copy_(_noise(b, 0.05, g))
     opt = _adamw_steps(list(model.named_parameters()))
     state = {

@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import sys
 
-import torch
-import torch.distributed as dist
-
 #: the tiny gpt-oss: 2 layers (sliding window 8, then full attention), GQA 4 heads over 2, 4 experts, top 2.
 TINY_GPTOSS = {
     "dim": 64,
@@ -148,55 +145,12 @@ def hf_gptoss_config_json() -> dict:
 
 
 def write(out: str) -> None:
-    import torch.distributed.checkpoint as dcp
-    from torchtitan.components.checkpointer.base import ModelWrapper
-    from torchtitan.components.optimizer.utils import get_flat_optim_state_dict
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
-    from torchtitan.distributed import ParallelDims, parallel_dims
     from torchtitan.models.gpt_oss.parallelize import parallelize_gptoss
     from torchtitan.models.gpt_oss.sharding import set_gpt_oss_sharding_config
 
-    from tests.dcp_workers import _adamw_steps, _noise
+    from tests.dcp_workers import write_titan_model
 
-    parallel_dims.device_type = "cpu"  # torchtitan picks "cuda" when no accelerator is found
-    world = dist.get_world_size()
-    dims = ParallelDims(
-        dp_replicate=1, dp_shard=world // 2, cp=1, tp=2, pp=1, ep=2, world_size=world, spmd_backend="partial_dtensor"
-    )
-    dims.build_mesh()
-    par = ParallelismConfig(
-        data_parallel_shard_degree=world // 2,
-        tensor_parallel_degree=2,
-        expert_parallel_degree=2,
-        spmd_backend="partial_dtensor",
-    )
-    cfg = torchtitan_gptoss_config()
-    set_gpt_oss_sharding_config(cfg, enable_sp=False, enable_ep=True)
-    with torch.device("meta"):
-        model = cfg.build()
-    parallelize_gptoss(
-        model,
-        parallel_dims=dims,
-        training=TrainingConfig(),
-        parallelism=par,
-        compile_config=CompileConfig(),
-        ac_config=None,
-        dump_folder=out,
-    )
-    model.to_empty(device="cpu")
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        model.init_weights()
-        for _, p in model.named_parameters():  # from seeded full tensors, so every replica holds the same values
-            p.copy_(_noise(p, 0.1, g))
-    opt = _adamw_steps(list(model.named_parameters()))
-    state = {
-        **ModelWrapper(model).state_dict(),
-        "optimizer": get_flat_optim_state_dict(opt),
-        "train_state": {"step": 2, "ntokens_seen": 64},
-        "lr_scheduler": {"last_epoch": 2},
-    }
-    dcp.save(state, checkpoint_id=out)
+    write_titan_model(out, torchtitan_gptoss_config(), parallelize_gptoss, set_gpt_oss_sharding_config)
 
 
 def main() -> None:
