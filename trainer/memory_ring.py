@@ -15,7 +15,8 @@ memory save then
 3. off the training thread, hashes the slot's checksum blocks with a few threads and writes the header in place
    (:meth:`MemoryRing.finish`), then hard-links the slot's file into the step's staging directory: the ordinary
    commit (:mod:`moeckpt.reshard.save_protocol`) renames that into place. The file is byte-identical to what the
-   safetensors writer makes of the same pieces.
+   safetensors writer makes of the same pieces in the slot's order: widest dtype first, so that every piece is
+   aligned to its element size and the copy lands in a view of the mapping, never in a buffer of its own.
 
 A persistent save of the same step reads the same slot (the slot stays *busy* until it is written), so ``slots`` is
 ``--memory-keep`` plus one: the newest complete checkpoints, and one slot free while a persistent write of another
@@ -41,7 +42,7 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -97,7 +98,6 @@ class _Slot:
     step: int | None = None
     busy: bool = False
     pinned_ptr: int | None = None
-    extra: dict = field(default_factory=dict)
 
 
 class MemoryRing:
@@ -124,7 +124,13 @@ class MemoryRing:
         self.node_dir = node_dir
         self.name = file_name(rank)
         self.tensors = tensors
-        self.layout = [(t, b) for t, b in layout if not b.is_empty()]
+        # Widest dtype first: the data start is 8-byte aligned and every piece's size is a multiple of its itemsize,
+        # so each piece then starts at a multiple of its own itemsize and is a view of the mapping. In the order
+        # given, one odd-sized piece (a bf16 vector of 17 experts) would misalign every wider piece after it, and a
+        # misaligned piece can only be copied through pageable memory of its own (slow, and faulted in per slot).
+        # The order of the pieces in a file is the writer's choice (docs/format.md).
+        present = [(t, b) for t, b in layout if not b.is_empty()]
+        self.layout = sorted(present, key=lambda tb: -dtypes.itemsize(tensors[tb[0]].dtype))
         blocks = [_blocks(b, tensors[t]) for t, b in self.layout]
         self._placeholder = header_bytes(
             [(t, b, [_PLACEHOLDER] * n) for (t, b), n in zip(self.layout, blocks)], tensors
@@ -191,16 +197,12 @@ class MemoryRing:
         else:
             self.stats.remapped += 1
         views = dict(self._all)
-        loose = {}
         for (t, b), (off, n) in zip(self.layout, self._offsets):
             dtype = dtypes.to_torch(self.tensors[t].dtype)
-            if off % max(1, dtype.itemsize):
-                # After an odd-sized piece (a bool mask) a wider dtype cannot be viewed in place: the snapshot copies
-                # it into a tensor of its own, whose bytes finish() moves into the file.
-                loose[(t, b)] = views[(t, b)] = torch.empty(b.shape, dtype=dtype)
-            else:
-                views[(t, b)] = base[off : off + n].view(dtype).view(b.shape)
-        return _Slot(path=path, mm=mm, base=base, views=views, extra={"loose": loose})
+            if off % max(1, dtype.itemsize):  # never: the layout is ordered widest dtype first
+                raise MoeckptError(f"{path}: piece {t} {b} at offset {off} is not aligned to its {dtype}")
+            views[(t, b)] = base[off : off + n].view(dtype).view(b.shape)
+        return _Slot(path=path, mm=mm, base=base, views=views)
 
     def _header_fits(self, path: str) -> bool:
         """A surviving slot file is reused when its header has this layout's length and prefix (its checksums are
@@ -338,16 +340,11 @@ class MemoryRing:
         slot = self._slots[k]
         if len(pieces) != len(self._all) or {(p.tensor, p.box) for p in pieces} != set(self._all):
             raise MoeckptError(f"{slot.path}: the pieces to save are not this ring's layout (rank {self.rank})")
-        loose = slot.extra["loose"]
-        where = dict(zip(self.layout, self._offsets))
         for p in pieces:
             key = (p.tensor, p.box)
             if p.box.is_empty():
                 continue
-            if key in loose:
-                off, n = where[key]
-                slot.base[off : off + n].copy_(p.data.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
-            elif slot.views[key] is not p.data:
+            if slot.views[key] is not p.data:
                 slot.views[key].copy_(p.data)
         raw = memoryview(slot.mm) if self.size else memoryview(b"")
         # a job per checksum block; a piece sliced along its TP dimension (format version 5) is one job of its own

@@ -21,7 +21,7 @@ TENSORS = {
     "mask": TensorEntry(name="mask", shape=(7,), dtype="bool", role="param", param=None),
 }
 LAYOUT = [
-    ("mask", Box((0,), (7,))),  # odd-sized first: the float pieces after it are not aligned in the file
+    ("mask", Box((0,), (7,))),  # odd-sized first: in this order the float pieces after it would not be aligned
     ("big", Box((0, 0), TENSORS["big"].shape)),
     ("half", Box((2, 0), (3, 4))),
     ("half", Box((5, 0), (0, 4))),  # an empty ZeRO part: never stored
@@ -48,8 +48,29 @@ def _ring(tmp_path, **kw) -> MemoryRing:
 
 
 def _reference(pieces) -> bytes:
-    head, buffers = encode(pieces, TENSORS)
+    """What the safetensors writer makes of ``pieces`` in the ring's file order (widest dtype first, stable)."""
+    width = {"int64": 8, "float32": 4, "bfloat16": 2, "bool": 1}
+    ordered = sorted(pieces, key=lambda p: -width[TENSORS[p.tensor].dtype])
+    head, buffers = encode(ordered, TENSORS)
     return head + b"".join(bytes(b) for b in buffers)
+
+
+def test_every_piece_is_an_aligned_view_of_the_slot_whatever_the_layout_order(tmp_path):
+    """A layout whose odd-sized piece comes first: the ring lays the file out widest dtype first, so every piece's
+    tensor is a view of the slot's mapping at an offset aligned to its element size (a device-to-host copy lands in
+    the registered file), none a buffer of its own (a pageable copy, moved into the file later)."""
+    ring = _ring(tmp_path)
+    for k in range(3):
+        slot = ring._slots[k]
+        lo = slot.base.data_ptr()
+        hi = lo + slot.base.numel()
+        for (name, box), view in ring.views(k).items():
+            if box.is_empty():
+                continue
+            assert lo <= view.data_ptr() < hi, f"{name} {box} is not in slot {k}'s mapping"
+            assert view.data_ptr() % view.element_size() == 0, f"{name} {box} is not aligned"
+    assert [TENSORS[t].dtype for t, _ in ring.layout] == ["int64", "float32", "bfloat16", "bool"]
+    ring.close()
 
 
 def test_a_slot_filled_by_the_copy_is_the_file_the_safetensors_writer_makes(tmp_path):
