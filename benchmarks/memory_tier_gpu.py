@@ -68,6 +68,8 @@ def one_run(args, work: str, memory: bool) -> dict:
         str(args.steps),
         "--save-every",
         str(args.save_every),
+        "--keep-last",
+        str(args.keep_last),
         "--global-batch",
         str(args.batch),
         "--seq-len",
@@ -96,6 +98,7 @@ def one_run(args, work: str, memory: bool) -> dict:
     ]
     if memory:
         cmd += ["--memory-tier", "--memory-every", str(args.memory_every), "--memory-dir", shm]
+        cmd += ["--memory-keep", str(args.memory_keep)]
     if args.cpu:
         cmd += ["--cpu"]
     print("$", " ".join(cmd[2:]), flush=True)
@@ -324,6 +327,10 @@ def main() -> None:
     ap.add_argument("--memory-every", type=int, default=1)
     ap.add_argument("--storage-run", action=argparse.BooleanOptionalAction, default=True, help="the run beside it")
     ap.add_argument("--save-every", type=int, default=30)
+    ap.add_argument(
+        "--keep-last", type=int, default=3, help="persistent checkpoints kept (a large state: mind the disk)"
+    )
+    ap.add_argument("--memory-keep", type=int, default=2, help="memory checkpoints kept (the ring has one slot more)")
     ap.add_argument(
         "--slow",
         type=float,

@@ -94,7 +94,7 @@ class SaveStats:
     #: seconds of ``blocked_s`` that were the snapshot's own copy (device-to-host, or host-to-host on a CPU).
     copy_s: float = 0.0
     #: with a memory ring: whether its slots were registered as pinned memory at the copy, and whether their
-    #: registration and warm-up was still running then.
+    #: registration was still running then.
     ring_pinned: bool | None = None
     ring_pinning: bool | None = None
     #: wall-clock time (``time.time()``) the snapshot was taken, and the memory checkpoint committed.

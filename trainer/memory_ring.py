@@ -28,7 +28,7 @@ restart does not wait for buffers. Files of the wrong size (a new layout) are re
 over, so a committed checkpoint that links one stays intact for the resume.
 
 Pinned registration is ``cudaHostRegister`` through ``torch.cuda.cudart()`` where the state lives on a CUDA GPU,
-done with a first DMA read of every slot by a thread while the model loads and the resume runs.
+done by a thread while the model loads and the resume runs.
 Where it is not available or refused (no CUDA, a ROCm build whose runtime does not register file-backed mappings, a
 kernel or container that refuses to lock the pages: ``RLIMIT_MEMLOCK``), the ring is used unpinned, logged once:
 the copy into it is then a synchronous pageable copy, still into the checkpoint file itself.
@@ -85,7 +85,7 @@ class RingStats:
     #: whether the slots are registered as pinned memory, and if not, why.
     pinned: bool = False
     unpinned_why: str | None = None
-    #: seconds the background registration and warm-up took (beside the model's load, off the training path).
+    #: seconds the background registration took (beside the model's load, off the training path).
     pin_s: float = 0.0
 
 
@@ -152,12 +152,12 @@ class MemoryRing:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_threads = 0
         if pin:
-            # Registering (and first touching by DMA) the slots takes seconds for a large state: a thread does it
+            # Registering the slots takes seconds for a large state: a thread does it
             # while the model loads and the resume runs, so a restart's first step does not wait for it; a snapshot
             # before it is done is a pageable copy, correct and slower.
             device = torch.cuda.current_device()
             self._pinning = threading.Thread(
-                target=self._pin_and_warm, args=(device,), daemon=True, name="moeckpt-ring-pin"
+                target=self._pin_in_background, args=(device,), daemon=True, name="moeckpt-ring-pin"
             )
             self._pinning.start()
         else:
@@ -233,34 +233,24 @@ class MemoryRing:
                 self.stats.unpinned_why,
             )
 
-    def _pin_and_warm(self, device: int) -> None:
-        """Register every slot, then read each once into the device (a first DMA touch of every page), on a
-        stream of its own; ``stats.pin_s`` is how long it took."""
+    def _pin_in_background(self, device: int) -> None:
+        """Register every slot as pinned memory; ``stats.pin_s`` is how long it took.
+
+        No warm-up follows: a first device-to-host copy into a freshly registered mapping, a restarted process's
+        included, runs at the rate of ``cudaHostAlloc`` memory (``benchmarks/probe_pinned_gpu.py``), so a DMA pass
+        over every slot would only take the copy engine from the load running beside it."""
         import time
 
         t0 = time.perf_counter()
         torch.cuda.set_device(device)
         self._pin(True)
-        if self.stats.pinned and self.size:
-            try:
-                chunk = min(self.size, 256 << 20)
-                scratch = torch.empty(chunk, dtype=torch.uint8, device=f"cuda:{device}")
-                with torch.cuda.stream(torch.cuda.Stream(device)):
-                    for slot in self._slots:
-                        for a in range(0, self.size, chunk):
-                            n = min(chunk, self.size - a)
-                            scratch[:n].copy_(slot.base[a : a + n], non_blocking=True)
-                    torch.cuda.current_stream().synchronize()
-                del scratch
-            except Exception as e:  # noqa: BLE001 - only a warm-up: the slots stay pinned
-                log.debug("memory ring: warming the slots failed (%s)", e)
         self.stats.pin_s = time.perf_counter() - t0
         log.info(
             "memory ring of rank %d: %d slots of %.1f MB %s in %.2f s",
             self.rank,
             len(self._slots),
             self.size / 1e6,
-            "registered as pinned memory and warmed" if self.stats.pinned else "left unpinned",
+            "registered as pinned memory" if self.stats.pinned else "left unpinned",
             self.stats.pin_s,
         )
 
@@ -292,8 +282,8 @@ class MemoryRing:
 
     @property
     def pinning(self) -> bool:
-        """Whether the background registration and warm-up is still running (a copy now may be a pageable one,
-        or share the copy engine with the warm-up)."""
+        """Whether the background registration is still running (a copy into a slot not yet registered is a
+        pageable one)."""
         return self._pinning is not None and self._pinning.is_alive()
 
     # -- saving ---------------------------------------------------------------------------------------------
