@@ -213,7 +213,7 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
     if with_optimizer:
         notes.append(
             "the AdamW step count is in Megatron's common.pt, which moeckpt does not unpickle: bias "
-            "correction restarts from step 0"
+            "correction restarts from step 0 (export-dcp --mapping megatron --megatron-step N writes it back)"
         )
     roles = ["param"] + (sorted(full) if with_optimizer else [])
     if arch == QWEN3_MOE:
