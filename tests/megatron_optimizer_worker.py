@@ -41,6 +41,7 @@ without Transformer Engine or Apex):
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -102,7 +103,9 @@ def _torch_adamw_shim() -> None:
 
 
 def content_metadata(form: str) -> dict:
-    """The ``metadata`` Megatron-LM (0.14 and later) asks ``sharded_state_dict`` with, for ``form``."""
+    """The ``metadata`` the writer asks ``sharded_state_dict`` with and saves as the content metadata: no
+    ``chained_N.`` prefix on the optimizer's keys, experts stacked, and the distributed optimizer's format. Written
+    out here, not taken from moeckpt: Megatron's own checkpoint must not depend on the code under test."""
     out = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if FORMS[form][1]:
         out["distrib_optim_sharding_type"] = FORMS[form][1]
@@ -189,8 +192,6 @@ def _sharded(model, opt, metadata: dict, loading: str | None = None) -> dict:
 
 
 def write(case: dict) -> None:
-    import os
-
     from megatron.core import dist_checkpointing
 
     model, ddp, opt = build(case)
