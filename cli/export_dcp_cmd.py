@@ -10,8 +10,10 @@ from moeckpt.trainer.interop.dcp_export import (
     default_mapping,
     export_dcp,
 )
+from moeckpt.trainer.interop.megatron_optimizer import MegatronOptimizerConfig
 
 from .common import announce_overwrite, progress
+from .config_options import config_from_options, config_options
 from .params import Text
 
 
@@ -24,19 +26,21 @@ from .params import Text
     default=None,
     help="torchtitan: torchtitan's names (Qwen3-MoE or DeepSeek-V3) and flattened optimizer; megatron: "
     "Megatron-Core's dist_checkpointing checkpoint of its GPTModel (Qwen3-MoE, Mixtral or DeepSeek-V3; "
-    "parameters only); none: our tensor names  [default: torchtitan for a qwen3_moe or deepseek_v3 checkpoint, "
-    "else none]",
+    "with --megatron-optimizer, AdamW's state for its optimizer); none: our tensor names  [default: torchtitan "
+    "for a qwen3_moe or deepseek_v3 checkpoint, else none]",
 )
 @click.option("--overwrite", is_flag=True, help="replace whatever OUT holds; it says what it removes first")
-def command(ckpt, out, mapping, overwrite) -> None:
+@config_options(MegatronOptimizerConfig)
+def command(ckpt, out, mapping, overwrite, **megatron) -> None:
     """Write CKPT (any layout and storage; a run directory: its newest step) to OUT, a local directory, as a DCP
     checkpoint that dcp.load reads, e.g. into a torchtitan model and its optimizer, or that Megatron-Core's
-    dist_checkpointing.load reads into its GPTModel. One tensor in memory at a time."""
+    dist_checkpointing.load reads into its GPTModel (and its optimizer). One tensor in memory at a time."""
+    config = config_from_options(MegatronOptimizerConfig, megatron)
     reader = CheckpointReader(ckpt)
     mapping = mapping or default_mapping(reader)
     said = announce_overwrite(out, overwrite)
     with progress(reader.index.nbytes, "export-dcp") as bar:
-        result = export_dcp(ckpt, out, mapping=mapping, overwrite=overwrite, on_bytes=bar.update)
+        result = export_dcp(ckpt, out, mapping=mapping, overwrite=overwrite, on_bytes=bar.update, megatron=config)
     said()
     for note in result["notes"]:
         click.echo(f"note: {note}", err=True)

@@ -30,6 +30,7 @@ SHARED_RUN_FILES = {
     "library/test_torchtitan_checkpointer.py",
     "trainer/test_dcp_import.py",
     "trainer/test_megatron_export.py",  # Megatron writes, then loads three exports: ~35 s, once
+    "trainer/test_megatron_optimizer_export.py",  # Megatron trains, saves and loads four optimizers: ~60 s, once
 }
 
 # A file moved or renamed would silently leave its group (its drills side by side, its run made twice): say so.

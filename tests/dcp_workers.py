@@ -20,6 +20,7 @@ moeckpt's plan renamed to torchtitan's names, sharded over a 2 x 2 mesh, with Ad
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -433,9 +434,10 @@ def _save_megatron(model, out: str) -> None:
     save_file({"tokens": tokens, "logits": logits.contiguous()}, out + ".logits.safetensors")
 
 
-def megatron_gpt(qk_layernorm: bool = True):
+def megatron_gpt(qk_layernorm: bool = True, **fields):
     """Megatron-Core's tiny GPTModel with MoE layers (local spec, SequentialMLP experts), its weights seeded. With
-    q/k layer norms it is a Qwen3-MoE; without, a Mixtral.
+    q/k layer norms it is a Qwen3-MoE; without, a Mixtral. ``fields``: more ``TransformerConfig`` fields (the
+    parallel sizes and dtypes a training run sets, which decide its optimizer's parameter groups).
 
     Megatron-Core 0.16.1 assumes CUDA in a few places that this CPU build of torch does not have; each shim below
     replaces exactly one such call and changes no computation: ``torch.cuda.current_device()`` (the rotary
@@ -489,6 +491,7 @@ def megatron_gpt(qk_layernorm: bool = True):
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    cfg = dataclasses.replace(cfg, **fields)
     spec = get_gpt_layer_local_spec(
         num_experts=t["experts"], moe_grouped_gemm=False, qk_layernorm=qk_layernorm, normalization="RMSNorm"
     )
@@ -513,10 +516,10 @@ def write_megatron_dsv3(out: str) -> None:
     _save_megatron(megatron_dsv3_gpt(), out)
 
 
-def megatron_dsv3_gpt():
+def megatron_dsv3_gpt(**fields):
     """Megatron-Core's GPTModel as DeepSeek-V3 (``MLATransformerConfig``: latent attention with q_lora, one dense
     layer, then MoE layers of a shared expert and sigmoid-routed experts with group-limited top-k and a non-zero
-    ``expert_bias``), the local spec, its weights seeded.
+    ``expert_bias``), the local spec, its weights seeded; ``fields`` as :func:`megatron_gpt`'s.
 
     Besides :func:`write_megatron`'s shims, Megatron-Core 0.16.1's latent attention needs two on the local spec
     (without Transformer Engine it fails to build): it hands its core attention ``k_channels``/``v_channels``,
@@ -587,6 +590,7 @@ def megatron_dsv3_gpt():
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    cfg = dataclasses.replace(cfg, **fields)
     spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
     for layer_spec in spec.layer_specs:
         layer_spec.submodules.self_attention.submodules.core_attention = LocalAttention

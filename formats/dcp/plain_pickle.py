@@ -1,9 +1,12 @@
-"""Plain data (dict, list, str, int, float, bool, None) written as a file ``torch.load`` reads, without ``pickle``.
+"""Plain data (dict, list, tuple, str, int, float, bool, None) written as a file ``torch.load`` reads, without
+``pickle``.
 
 Why this exists: Megatron-Core's ``dist_checkpointing.load`` reads two things with ``torch.load`` and nothing
 else: ``common.pt`` (the non-sharded "common" state; it must exist) and every ``ShardedObject`` (a module's
 ``_extra_state``: DCP hands its bytes to ``torch.load``). A checkpoint moeckpt exports for Megatron must hold
-both, and moeckpt never runs ``pickle`` (nor ``torch.save``, which is pickle). So this module emits the few
+both, and moeckpt never runs ``pickle`` (nor ``torch.save``, which is pickle). Tuples and integer keys are what
+Megatron's optimizer keeps there: AdamW's ``betas`` is a tuple, and a chained optimizer's sub-optimizers are
+keyed ``0``, ``1``. So this module emits the few
 pickle opcodes that spell plain data, by hand, inside the zip container ``torch.save`` writes
 (``<archive>/data.pkl`` plus its small records, stored uncompressed), written with :mod:`zipfile`.
 
@@ -26,6 +29,8 @@ _STOP = b"."
 _NONE, _TRUE, _FALSE = b"N", b"\x88", b"\x89"
 _EMPTY_DICT, _EMPTY_LIST, _MARK, _SETITEMS, _APPENDS = b"}", b"]", b"(", b"u", b"e"
 _BININT, _LONG1, _BINFLOAT, _BINUNICODE = b"J", b"\x8a", b"G", b"X"
+#: a tuple of 0, 1, 2 or 3 items built from the stack (protocol 2); longer ones are MARK ... TUPLE.
+_SHORT_TUPLES, _TUPLE = (b")", b"\x85", b"\x86", b"\x87"), b"t"
 #: pickle's batching of SETITEMS/APPENDS (what pickle itself does, so a long list never needs one huge MARK).
 _BATCH = 1000
 
@@ -34,7 +39,8 @@ _RECORDS = {".format_version": b"1", ".storage_alignment": b"64", "byteorder": b
 
 
 def dumps(value: object) -> bytes:
-    """The protocol-2 pickle of plain data ``value`` (dict with str keys, list, str, int, float, bool, None)."""
+    """The protocol-2 pickle of plain data ``value`` (dict with str or int keys, list, tuple, str, int, float, bool,
+    None)."""
     out = bytearray(_PROTO_2)
     _encode(value, out, ())
     out += _STOP
@@ -71,21 +77,29 @@ def _encode(value: object, out: bytearray, path: tuple) -> None:
             for j, item in enumerate(value[i : i + _BATCH], start=i):
                 _encode(item, out, (*path, j))
             out += _APPENDS
+    elif type(value) is tuple:
+        if len(value) >= len(_SHORT_TUPLES):
+            out += _MARK
+        for j, item in enumerate(value):
+            _encode(item, out, (*path, j))
+        out += _SHORT_TUPLES[len(value)] if len(value) < len(_SHORT_TUPLES) else _TUPLE
     elif type(value) is dict:
         out += _EMPTY_DICT
         items = list(value.items())
         for i in range(0, len(items), _BATCH):
             out += _MARK
             for k, v in items[i : i + _BATCH]:
-                if type(k) is not str:
-                    raise TypeError(f"plain_pickle: key {k!r} at {_where(path)} is a {type(k).__name__}, not a str")
+                if type(k) is not str and type(k) is not int:
+                    raise TypeError(
+                        f"plain_pickle: key {k!r} at {_where(path)} is a {type(k).__name__}, not a str or an int"
+                    )
                 _encode(k, out, path)
                 _encode(v, out, (*path, k))
             out += _SETITEMS
     else:
         raise TypeError(
             f"plain_pickle: {type(value).__name__} at {_where(path)} is not plain data "
-            "(dict, list, str, int, float, bool, None)"
+            "(dict, list, tuple, str, int, float, bool, None)"
         )
 
 

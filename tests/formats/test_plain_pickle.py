@@ -18,10 +18,15 @@ VALUES = [
     {"iteration": 7, "args": {"lr": 3e-4, "name": "é\u2603", "flags": [True, False, None]}, "empty": []},
     [0, -1, 2**31 - 1, -(2**31), 2**31, -(2**31) - 1, 2**200, -(2**200), 0.0, -0.0, 1.5, float("inf")],
     {"long": list(range(2500)), "wide": {str(i): i for i in range(1500)}},  # past pickle's batches of 1000
+    # what a Megatron optimizer's common state holds: sub-optimizers keyed 0, 1 and AdamW's betas as a tuple
+    {"optimizer": {0: {"param_groups": [{"betas": (0.9, 0.95), "fused": None}]}, -1: {}, 2**40: [()]}},
+    [(), (1,), (1, "2"), (1, 2, (3,)), (1, 2, 3, 4.0), tuple(range(1200))],  # every tuple opcode, and MARK ... TUPLE
 ]
 
 
-@pytest.mark.parametrize("value", VALUES, ids=["empty-dict", "none-list", "nested", "numbers", "long"])
+@pytest.mark.parametrize(
+    "value", VALUES, ids=["empty-dict", "none-list", "nested", "numbers", "long", "int-keys", "tuples"]
+)
 def test_torch_load_weights_only_reads_it_back(tmp_path, value):
     path = tmp_path / "common.pt"
     path.write_bytes(torch_file(value, "common"))
@@ -29,10 +34,12 @@ def test_torch_load_weights_only_reads_it_back(tmp_path, value):
     assert got == value and repr(got) == repr(value)  # repr: -0.0 stays -0.0, True stays True (not 1)
 
 
-def test_only_data_opcodes():
-    ops = {op.name for op, _, _ in pickletools.genops(dumps(VALUES[2]))}
+@pytest.mark.parametrize("value", [VALUES[2], VALUES[5], VALUES[6]], ids=["nested", "int-keys", "tuples"])
+def test_only_data_opcodes(value):
+    ops = {op.name for op, _, _ in pickletools.genops(dumps(value))}
     assert ops <= {"PROTO", "EMPTY_DICT", "EMPTY_LIST", "MARK", "SETITEMS", "APPENDS", "BINUNICODE", "BININT",
-                   "BINFLOAT", "NONE", "NEWTRUE", "NEWFALSE", "LONG1", "STOP"}  # fmt: skip
+                   "BINFLOAT", "NONE", "NEWTRUE", "NEWFALSE", "LONG1", "EMPTY_TUPLE", "TUPLE1", "TUPLE2", "TUPLE3",
+                   "TUPLE", "STOP"}  # fmt: skip
 
 
 def test_the_container_is_torch_saves_and_stored():
@@ -56,8 +63,10 @@ def test_nan_is_one_value(tmp_path):
 @pytest.mark.parametrize(
     "value, what",
     [
-        ((1, 2), "tuple at the top"),
-        ({"a": {1: 2}}, "key 1 at ['a'] is a int"),
+        ({1, 2}, "set at the top"),
+        ({"a": {1.5: 2}}, "key 1.5 at ['a'] is a float"),
+        ({True: 2}, "key True at the top is a bool"),
+        ({"a": ((1, frozenset()),)}, "frozenset at ['a'][0][1]"),
         ({"t": torch.zeros(1)}, "Tensor at ['t']"),
         ([b"x"], "bytes at [0]"),
         ({"a": [1, {"b": 1j}]}, "complex at ['a'][1]['b']"),

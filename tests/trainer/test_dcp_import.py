@@ -34,6 +34,12 @@ def _save(path, sd) -> str:
 
 def torchrun(kind: str, out: str, nproc: int) -> None:
     """Run a dcp_workers writer under torchrun; fails the test with its output if it fails."""
+    torchrun_worker("dcp_workers.py", kind, out, nproc=nproc)
+
+
+def torchrun_worker(script: str, *args: str, nproc: int) -> None:
+    """Run ``tests/<script> ARGS`` under torchrun on ``nproc`` gloo ranks; fails the test with its output if it
+    fails."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
     cmd = [
         sys.executable,
@@ -43,9 +49,8 @@ def torchrun(kind: str, out: str, nproc: int) -> None:
         # the agent's store binds a port of the kernel's choosing: a port picked here and bound later by torchrun
         # was taken in between by another test's process once in CI (EADDRINUSE)
         "--standalone",
-        os.path.join(HERE, "dcp_workers.py"),
-        kind,
-        out,
+        os.path.join(HERE, script),
+        *args,
     ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]

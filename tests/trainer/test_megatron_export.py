@@ -15,7 +15,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 from unittest import mock
 
@@ -33,8 +32,8 @@ from .test_dcp_frameworks import (  # noqa: F401  (module fixtures: Megatron wri
     megatron_families,
     megatron_mixtral_dcp,
 )
+from .test_dcp_import import torchrun_worker
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: the load worker's world: Megatron's TP 2 x EP 2 layout needs two ranks (its TP 1 layout is then DP 2)
 RANKS = 2
 
@@ -84,11 +83,7 @@ def megatron_exports(tmp_path_factory, request) -> dict:
     spec.write_text(json.dumps([{"family": f, "exported": c["exported"], "original": c["original"]} for f, c in
                                 chains.items() if c["export"][0] == 0]))  # fmt: skip
     result = root / "loaded.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(HERE))
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={RANKS}", "--standalone",
-           os.path.join(HERE, "megatron_load_worker.py"), str(spec), str(result)]  # fmt: skip
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    torchrun_worker("megatron_load_worker.py", str(spec), str(result), nproc=RANKS)
     by_rank = [json.loads((root / f"loaded.json.{r}").read_text()) for r in range(RANKS)]
     for family, chain in chains.items():
         chain["loaded"] = {

@@ -8,7 +8,8 @@ names and layouts of each family are its module's in :mod:`.torchtitan`): the mo
 an import from torchtitan kept (``param_groups``, ``lr_scheduler``, ``dataloader``). ``--mapping none`` writes every
 logical tensor under its own name. ``--mapping megatron`` writes a ``qwen3_moe``, ``mixtral`` or ``deepseek_v3``
 checkpoint as Megatron-Core's ``dist_checkpointing`` checkpoint of its GPTModel (:mod:`.megatron_export`: its
-sharded keys, the modules' empty ``_extra_state`` objects, ``metadata.json`` and a pickle-free ``common.pt``).
+sharded keys, the modules' empty ``_extra_state`` objects, ``metadata.json`` and a pickle-free ``common.pt``), and
+with ``--megatron-optimizer`` AdamW's state for Megatron's optimizer (:mod:`.megatron_optimizer`).
 
 Memory stays one tensor: the state dict handed to ``dcp.save`` holds meta tensors (shape and dtype only), and the
 save planner reads each tensor from the checkpoint when DCP asks for its data, then drops it.
@@ -34,6 +35,7 @@ from moeckpt.formats.storages import open_storage
 from ..models import ModelSpec
 from . import torchtitan
 from .common import MappingError
+from .megatron_optimizer import MegatronOptimizerConfig
 from .unmapped import VALUES_KEY
 
 EXPORT_MAPPINGS = ("torchtitan", "megatron", "none")
@@ -96,17 +98,19 @@ def _plan_none(reader: CheckpointReader) -> dict[str, Source]:
     return {name: _whole(reader, name) for name in reader.index.tensors}
 
 
-def _plan_megatron(reader: CheckpointReader) -> tuple[dict[str, Source], dict[str, io.BytesIO], list[str]]:
-    """Megatron-Core's tensors (each made of parts of logical tensors) and its ``ShardedObject`` bytes: DCP writes
-    a ``BytesIO`` value as its bytes, as they are (nothing pickled)."""
+def _plan_megatron(
+    reader: CheckpointReader, optimizer: MegatronOptimizerConfig
+) -> tuple[dict[str, Source], dict[str, io.BytesIO], list[str], dict[str, Any]]:
+    """Megatron-Core's tensors (each made of parts of logical tensors), its ``ShardedObject`` bytes (DCP writes a
+    ``BytesIO`` value as its bytes, as they are: nothing pickled), the notes and the common state."""
     from . import megatron_export
 
-    found = megatron_export.plan(reader)
+    found = megatron_export.plan(reader, optimizer)
     sources: dict[str, Source] = {}
     for key, (shape, parts) in found.tensors.items():
         dtype = reader.index.tensors[parts[0].name].dtype
         sources[key] = Source(shape, dtype, tuple(Part(p.name, p.box, p.offsets) for p in parts))
-    return sources, {key: io.BytesIO(data) for key, data in found.objects.items()}, found.notes
+    return sources, {key: io.BytesIO(data) for key, data in found.objects.items()}, found.notes, found.common
 
 
 def _plan_torchtitan(reader: CheckpointReader) -> tuple[dict[str, Source], dict[str, torch.Tensor]]:
@@ -188,22 +192,31 @@ def export_dcp(
     mapping: str | None = None,
     overwrite: bool = False,
     on_bytes: Callable[[int], None] | None = None,
+    megatron: MegatronOptimizerConfig | None = None,
 ) -> dict:
     """Write checkpoint ``ckpt`` as a DCP checkpoint at ``out``; returns ``{"tensors": n, "bytes": b, "mapping": m,
-    "notes": [what was not written, one sentence each]}``."""
+    "notes": [what was not written or was assumed, one sentence each]}``. ``megatron``: the Megatron optimizer to
+    write AdamW's state for (``--mapping megatron`` only)."""
     import torch.distributed.checkpoint as dcp
 
     reader = CheckpointReader(ckpt)
     mapping = mapping or default_mapping(reader)
     if mapping not in EXPORT_MAPPINGS:
         raise MappingError(f"unknown export mapping {mapping!r}; choose one of: {', '.join(EXPORT_MAPPINGS)}")
+    megatron = megatron or MegatronOptimizerConfig()
+    if mapping != "megatron" and megatron != MegatronOptimizerConfig():
+        raise MappingError(
+            f"the --megatron-* options describe a Megatron-Core optimizer; they go with --mapping megatron, not "
+            f"--mapping {mapping}"
+        )
     extra: dict[str, torch.Tensor | io.BytesIO] = {}
     objects: dict[str, io.BytesIO] = {}
     notes: list[str] = []
+    common: dict[str, Any] = {}
     if mapping == "none":
         sources = _plan_none(reader)
     elif mapping == "megatron":
-        sources, objects, notes = _plan_megatron(reader)
+        sources, objects, notes, common = _plan_megatron(reader, megatron)
         extra.update(objects)
     else:
         sources, titan = _plan_torchtitan(reader)
@@ -249,7 +262,7 @@ def export_dcp(
     if mapping == "megatron":
         from .megatron_export import common_files
 
-        for name, data in common_files().items():
+        for name, data in common_files(common).items():
             storage.write_bytes(name, data)
     return {
         "tensors": len(sources) + len(extra),

@@ -29,7 +29,7 @@ A model with multi-latent attention (``MLATransformerConfig``; ``linear_kv_down_
 ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` row for row: Megatron's latent attention de-interleaves
 the rotary dims as transformers' ``rope_interleave`` does. Dense layers' and shared experts' ``linear_fc1`` (gate
 rows, then up rows) become ``gate_proj`` and ``up_proj``; the router's ``expert_bias`` is its
-``e_score_correction_bias`` (no optimizer state).
+``e_score_correction_bias`` (no optimizer state), in the dtype Megatron keeps it in: float32, in a bf16 model too.
 
 Every one of these becomes slots of the plan's tensors: no tensor is reshaped in memory. ``common.pt``
 (Megatron's pickled common state: arguments, RNG, the optimizer step) is never read.
@@ -37,6 +37,7 @@ Every one of these becomes slots of the plan's tensors: no tensor is reshaped in
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -212,7 +213,7 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
     if with_optimizer:
         notes.append(
             "the AdamW step count is in Megatron's common.pt, which moeckpt does not unpickle: bias "
-            "correction restarts from step 0"
+            "correction restarts from step 0 (export-dcp --mapping megatron --megatron-step N writes it back)"
         )
     roles = ["param"] + (sorted(full) if with_optimizer else [])
     if arch == QWEN3_MOE:
@@ -229,7 +230,13 @@ def map_megatron(dcp: DcpCheckpoint, model: ModelSpec | None = None) -> Mapped:
     for n in params:
         for role in roles if n in real else ["param"]:
             src = n if role == "param" else opt[n][role]
-            slots += _slots(keys[n], src, dcp.tensors[src].shape, role, cfg, layers, table, split)
+            found = _slots(keys[n], src, dcp.tensors[src].shape, role, cfg, layers, table, split)
+            if n not in real:
+                # the router's expert_bias: Megatron keeps it in float32 whatever the parameters' dtype
+                # (TopKRouter._maintain_float32_expert_bias), and so does the result, rather than round it
+                for slot in found:
+                    tensors[slot.target] = dataclasses.replace(tensors[slot.target], dtype=dcp.tensors[src].dtype)
+            slots += found
     check_shapes(tensors, slots, dcp, where)
     check_covers(tensors, slots, dcp, where)
     return Mapped(

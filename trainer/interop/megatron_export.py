@@ -19,8 +19,11 @@ What ``dist_checkpointing.load(model.sharded_state_dict(), dir)`` needs (Megatro
 The names are those of Megatron's local (and Transformer Engine) GPT layer spec with SequentialMLP experts:
 Qwen3-MoE and Mixtral (every layer a MoE layer) stack their layers along a leading dim
 (``decoder.layers.self_attention.linear_qkv.weight [L, ...]``); DeepSeek-V3 (``moe_layer_freq`` a list, its
-first layers dense) has one key per layer (``decoder.layers.<i>.``), as Megatron names them. Parameters only:
-Megatron's optimizer state needs its own common state (param groups, step) that only its optimizer code makes.
+first layers dense) has one key per layer (``decoder.layers.<i>.``), as Megatron names them.
+
+With a :class:`~.megatron_optimizer.MegatronOptimizerConfig` that names an optimizer form, AdamW's state goes with
+them: ``optimizer.state.<state>.<key>`` beside every trained key, from the moments and masters of the same parts,
+and ``common.pt`` holds the optimizer's common state (param groups, step; :mod:`.megatron_optimizer`).
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ from ..models import ModelSpec
 from ..models.deepseek_v3 import ARCH as DEEPSEEK_V3
 from ..models.mixtral import ARCH as MIXTRAL
 from ..models.qwen3_moe import ARCH as QWEN3_MOE
-from .common import MappingError
+from . import megatron_optimizer as mopt
+from .common import MappingError, role_name
 from .megatron import METADATA_JSON
+from .megatron_optimizer import Group, MegatronOptimizerConfig
 
 #: the plan architectures Megatron's GPTModel is written as (the families the import maps).
 FAMILIES = (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3)
@@ -108,16 +113,21 @@ class Part(NamedTuple):
 
 
 class MegatronPlan(NamedTuple):
-    """What an export writes: each Megatron tensor's shape and parts, and each ``ShardedObject``'s bytes."""
+    """What an export writes: each Megatron tensor's shape and parts, each ``ShardedObject``'s bytes, and the
+    common state (``common.pt``)."""
 
     tensors: dict[str, tuple[tuple[int, ...], list[Part]]]
     objects: dict[str, bytes]
-    #: what is not written, one sentence each (the CLI prints them).
+    #: what is not written, or was assumed, one sentence each (the CLI prints them).
     notes: list[str]
+    #: Megatron's common state: ``{}`` for a model, its optimizer's entry and the content metadata with one.
+    common: dict[str, Any]
 
 
-def plan(reader: CheckpointReader) -> MegatronPlan:
-    """The Megatron-Core tensors and objects of checkpoint ``reader`` (a qwen3_moe, mixtral or deepseek_v3 model)."""
+def plan(reader: CheckpointReader, optimizer: MegatronOptimizerConfig | None = None) -> MegatronPlan:
+    """The Megatron-Core tensors and objects of checkpoint ``reader`` (a qwen3_moe, mixtral or deepseek_v3 model),
+    with AdamW's state for the optimizer ``optimizer`` names (none by default)."""
+    optimizer = optimizer or MegatronOptimizerConfig()
     where = f"{reader.location}: --mapping megatron"
     arch = str(reader.index.model.get("arch"))
     if arch not in FAMILIES:
@@ -129,6 +139,9 @@ def plan(reader: CheckpointReader) -> MegatronPlan:
     layers = spec.config.num_hidden_layers
     stacked = arch != DEEPSEEK_V3
     tensors: dict[str, tuple[tuple[int, ...], list[Part]]] = {}
+    #: each Megatron key's optimizer group (what its parameters are to Megatron's param groups); untrained: none
+    groups: dict[str, Group | None] = {}
+    untrained = spec.untrained()
 
     def put(key: str, inner: tuple[int, ...], layer: int | None, name: str, box: Box, at: tuple[int, ...]) -> None:
         if layer is not None and stacked:  # the leading layer dim of a stacked key
@@ -139,6 +152,7 @@ def plan(reader: CheckpointReader) -> MegatronPlan:
         if have != inner:  # two plan tensors of different shapes into one Megatron key: a bug, not bad input
             raise MappingError(f"{where}: {name} makes {key} {list(inner)}, another tensor made it {list(have)}")
         parts.append(Part(name, box, at))
+        groups[key] = None if name in untrained else _group_of(name, len(reader.index.tensors[name].shape))
 
     for p in spec.param_specs():
         if p.name not in reader.index.tensors:
@@ -169,16 +183,75 @@ def plan(reader: CheckpointReader) -> MegatronPlan:
                 "(multi-token prediction layers, biases); use --mapping none"
             )
     _check_filled(tensors, where)
-    roles = sorted({t.role for t in reader.index.tensors.values()} - {"param"})
-    notes = (
-        [
-            f"optimizer state ({', '.join(roles)}) not written: Megatron's optimizer loads only with the common "
-            "state its own optimizer saves (param groups, step); the export holds the parameters"
-        ]
-        if roles
-        else []
+    objects = _extra_states(tensors, stacked, layers)
+    if optimizer.optimizer == "none":
+        roles = sorted({t.role for t in reader.index.tensors.values()} - {"param"})
+        notes = (
+            [
+                f"optimizer state ({', '.join(roles)}) not written: pass --megatron-optimizer plain or "
+                "fully_reshardable (the optimizer of the Megatron run that loads it) to write it for Megatron's "
+                "optimizer; the export holds the parameters"
+            ]
+            if roles
+            else []
+        )
+        return MegatronPlan(tensors, objects, notes, {})
+    return _with_optimizer(reader, optimizer, MegatronPlan(tensors, objects, [], {}), groups, where)
+
+
+def _group_of(name: str, dims: int) -> Group:
+    """The group a plan parameter's Megatron parameters fall in: a routed expert's or not, and whether it is
+    decayed (Megatron's standard overrides: parameters of one dimension and biases are not). A plan's experts are
+    ``[E, ...]``: each of Megatron's expert parameters has one dimension fewer."""
+    m = _LAYER_RE.match(name)
+    expert = m is not None and m.group(2) in _EXPERTS
+    return Group(expert, dims - expert == 1 or name.endswith(".bias"))
+
+
+def _with_optimizer(
+    reader: CheckpointReader,
+    config: MegatronOptimizerConfig,
+    found: MegatronPlan,
+    groups: dict[str, Group | None],
+    where: str,
+) -> MegatronPlan:
+    """``found`` with AdamW's state for the optimizer ``config`` names: an ``optimizer.state.<state>.<key>``
+    tensor beside every trained key, made of the same parts of the moments and masters, and the common state."""
+    form = config.optimizer
+    dtype = reader.index.tensors[found.tensors["embedding.word_embeddings.weight"][1][0].name].dtype
+    mopt.check_dtype(form, dtype, where)
+    values = mopt.resolve(config, reader.index.train_state, where)
+    tensors = dict(found.tensors)
+    for key, (shape, parts) in found.tensors.items():
+        if groups[key] is None:
+            continue  # a buffer to Megatron (DeepSeek-V3's expert_bias): no optimizer state
+        for state, role in mopt.state_roles(form, dtype).items():
+            names = [p.name if role == "param" else role_name(p.name, role) for p in parts]
+            for name in names:
+                entry = reader.index.tensors.get(name)
+                if entry is None:
+                    raise MappingError(
+                        f"{where}: --megatron-optimizer {form} needs {name}, which the checkpoint does not hold (it "
+                        "has no complete AdamW state"
+                        + (", or no fp32 masters for its bf16 parameters" if role == "master" else "")
+                        + "); export without --megatron-optimizer"
+                    )
+                if role != "param" and entry.dtype != "float32":
+                    raise MappingError(f"{where}: {name} is {entry.dtype}; Megatron's optimizer keeps it in float32")
+            tensors[f"optimizer.state.{state}.{key}"] = (
+                shape,
+                [Part(name, p.box, p.offsets) for name, p in zip(names, parts)],
+            )
+    subs = mopt.groups_of([g for g in groups.values() if g is not None], config.ep)
+    common = {
+        "optimizer": mopt.common_state(form, dtype, subs, values),
+        "content_metadata": mopt.content_metadata(form),
+    }
+    note = (
+        f"Megatron optimizer state written for --megatron-optimizer {form}, expert-parallel size {config.ep} "
+        f"({len(subs)} sub-optimizer(s)), with {values.describe()}: a Megatron run loads it with these values"
     )
-    return MegatronPlan(tensors, _extra_states(tensors, stacked, layers), notes)
+    return MegatronPlan(tensors, found.objects, [note], common)
 
 
 def _put_qkv(put: Callable[..., None], cfg: Any, layer: int | None, rest: str, name: str, shape: tuple[int, ...]):
@@ -231,9 +304,9 @@ def _extra_states(tensors: dict[str, tuple[tuple[int, ...], list[Part]]], stacke
     return out
 
 
-def common_files() -> dict[str, bytes]:
-    """The files beside the DCP ones, in the order to write them: the (empty) common state ``common.pt``, then
-    ``metadata.json``, last, since without it Megatron takes the directory for no checkpoint at all."""
+def common_files(common: dict[str, Any]) -> dict[str, bytes]:
+    """The files beside the DCP ones, in the order to write them: the common state ``common.pt`` (a model's is
+    empty), then ``metadata.json``, last, since without it Megatron takes the directory for no checkpoint at all."""
     import json
 
-    return {COMMON_PT: torch_file({}, "common"), METADATA_JSON: json.dumps(BACKENDS).encode()}
+    return {COMMON_PT: torch_file(common, "common"), METADATA_JSON: json.dumps(BACKENDS).encode()}
