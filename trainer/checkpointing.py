@@ -93,8 +93,8 @@ class SaveStats:
     acquire_s: float = 0.0
     #: seconds of ``blocked_s`` that were the snapshot's own copy (device-to-host, or host-to-host on a CPU).
     copy_s: float = 0.0
-    #: with a memory ring: whether its slots were registered as pinned memory at the copy, and whether their
-    #: registration was still running then.
+    #: with a memory ring: whether the snapshot's slot was registered as pinned memory at the copy, and whether
+    #: the ring's registration was still running then.
     ring_pinned: bool | None = None
     ring_pinning: bool | None = None
     #: wall-clock time (``time.time()``) the snapshot was taken, and the memory checkpoint committed.
@@ -201,7 +201,7 @@ class CheckpointManager:
         """Note in ``stats`` whether the snapshot's slot was pinned and the ring still being pinned."""
         ring = self._memory.ring if self._memory is not None else None
         if ring is not None and stats.memory_slot is not None:
-            stats.ring_pinned, stats.ring_pinning = ring.stats.pinned, ring.pinning
+            stats.ring_pinned, stats.ring_pinning = ring.slot_pinned(stats.memory_slot), ring.pinning
 
     # -- saving ---------------------------------------------------------------------------------------------
     def save(

@@ -217,7 +217,12 @@ class MemoryRing:
             return
         try:
             cudart = torch.cuda.cudart()
-            for slot in self._slots:
+            # in the order acquire() takes them (free first, then the oldest step): the first save of a restarted
+            # process finds its slot registered while the others still are being registered
+            with self._lock:
+                order = sorted(range(len(self._slots)), key=self._age)
+            for k in order:
+                slot = self._slots[k]
                 ptr = slot.base.data_ptr()
                 code = int(cudart.cudaHostRegister(ptr, self.size, 0))
                 if code != 0:
@@ -279,6 +284,10 @@ class MemoryRing:
                 continue
             if ino in inodes:
                 inodes[ino].step = int(name[5:])
+
+    def slot_pinned(self, k: int) -> bool:
+        """Whether slot ``k`` is registered as pinned memory now (a copy into it runs at the pinned rate)."""
+        return self._slots[k].pinned_ptr is not None
 
     @property
     def pinning(self) -> bool:

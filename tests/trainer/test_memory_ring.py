@@ -245,3 +245,38 @@ def test_a_flipped_byte_in_a_ring_slot_and_a_short_slot_are_never_loaded(tmp_pat
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "memory checkpoint of step 2" in said and "the index says" in said
     assert "resuming from storage" in said
+
+
+def test_slots_are_registered_in_the_order_saves_take_them(tmp_path, monkeypatch):
+    """A restarted process registers its slots in a thread while the model loads: the free slot first, then the
+    one holding the oldest step, so the first save after the restart finds its slot pinned; each save records
+    whether its own slot was."""
+    node = tmp_path / "node"
+    ring = _ring(tmp_path)
+    for step in (5, 6):
+        k = ring.acquire(step)
+        ring.finish(k, _pieces(step))
+        (node / f"step-{step:08d}").mkdir()
+        ring.link(k, str(node / f"step-{step:08d}"))
+        ring.committed(k, step)
+        ring.release(k)
+    ring.close()
+    again = _ring(tmp_path)
+    by_step = {again._slots[k].step: k for k in range(3)}
+    registered: list[int] = []
+
+    class Runtime:
+        def cudaHostRegister(self, ptr, size, flags):
+            registered.append(next(k for k, s in enumerate(again._slots) if s.base.data_ptr() == ptr))
+            assert not again.slot_pinned(registered[-1])
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Runtime())
+    again._pin(True)
+    assert registered == [by_step[None], by_step[5], by_step[6]]
+    assert again.stats.pinned and all(again.slot_pinned(k) for k in range(3))
+    assert again.acquire(7) == by_step[None] and again.acquire(8) == by_step[5]
+    again.close()
