@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -223,6 +224,7 @@ class MemoryRing:
                 order = sorted(range(len(self._slots)), key=self._age)
             for k in order:
                 slot = self._slots[k]
+                _populate(slot.mm)
                 ptr = slot.base.data_ptr()
                 code = int(cudart.cudaHostRegister(ptr, self.size, 0))
                 if code != 0:
@@ -417,6 +419,24 @@ class MemoryRing:
                 slot.mm.close()
             except BufferError:
                 pass  # a tensor still views it: the mapping goes with that tensor
+
+
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14 and later; the mmap module names it from Python 3.13 on).
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Fill a slot's page tables before it is registered. ``cudaHostRegister`` of a mapping whose pages are not yet
+    in this process's page tables (a restarted process's surviving files) faults them in itself while holding the
+    driver, so every CUDA call of the load and the first step beside it waits for all of it; populated first, off
+    the driver, the registration takes a fraction of that (docs/benchmarks/gpu.md). Without the call (an older
+    kernel) the registration faults the pages in, as before."""
+    if not sys.platform.startswith("linux") or len(mm) == 0:
+        return
+    try:
+        mm.madvise(_MADV_POPULATE_WRITE)
+    except (OSError, ValueError) as e:
+        log.debug("memory ring: populating a slot's page tables failed (%s); the registration will fault them in", e)
 
 
 def _blocks(box: Box, entry: TensorEntry) -> int:

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from moeckpt.formats import dtypes
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.storage import is_url
-from moeckpt.reshard.local import join_local
+from moeckpt.reshard.local import concat_dim, join_local
+from moeckpt.reshard.placement import rank_boxes
 from moeckpt.reshard.tensors import logical_tensors
 
 from .balancing import balance_routers, balanced_routers
@@ -59,6 +60,9 @@ class Trainer(ResumeSteps):
         self.config = config
         #: wall-clock marks of this start (:mod:`.phases`), logged as a ``restart_phases`` event after the first step.
         self.marks: dict[str, float | None] = dict(marks or {})
+        #: :meth:`local_state`'s views, made at its first call, and the tensors it joins per call.
+        self._local_views: dict[str, torch.Tensor] | None = None
+        self._local_joins: dict[str, tuple[list[torch.Tensor], int]] = {}
         self._build(device or torch.device("cpu"))
         self.marks["model_built"] = time.time()
         self._resume()
@@ -119,16 +123,38 @@ class Trainer(ResumeSteps):
         }
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        """This rank's local tensor of every logical tensor (parameters as they are, ZeRO parts joined)."""
-        out: dict[str, torch.Tensor] = {name: p.detach() for name, p in self.model.named_parameters()}
+        """This rank's local tensor of every logical tensor (parameters as they are, ZeRO parts joined).
+
+        The parameters and the optimizer's buffers are allocated once and only ever written in place, so the views
+        of them are made once, at the first call; a tensor this rank holds in several parts is joined anew at every
+        call (a copy). A save gathers this with training blocked: remaking a thousand views each time cost the
+        snapshot about a tenth of its copy (docs/benchmarks/gpu.md)."""
+        if self._local_views is None:
+            self._local_views, self._local_joins = self._plan_local_state()
+        out = dict(self._local_views)
+        for name, (parts, dim) in self._local_joins.items():
+            out[name] = torch.cat(parts, dim=dim)
+        return out
+
+    def _plan_local_state(self) -> tuple[dict[str, torch.Tensor], dict[str, tuple[list[torch.Tensor], int]]]:
+        """The views :meth:`local_state` returns as they are, and the parts of each tensor it joins per call."""
+        views: dict[str, torch.Tensor] = {name: p.detach() for name, p in self.model.named_parameters()}
+        joins: dict[str, tuple[list[torch.Tensor], int]] = {}
         layout, rank = self.groups.layout, self.rank
         by_name: dict[str, dict] = {}
         for piece in self.optimizer.pieces():
             by_name.setdefault(piece.name, {})[piece.box] = piece.tensor
         for name, entry in self.tensors.items():
-            if entry.role != "param":
-                out[name] = join_local(entry, layout, rank, by_name.get(name, {}))
-        return out
+            if entry.role == "param":
+                continue
+            parts = by_name.get(name, {})
+            boxes = rank_boxes(entry, layout, rank)
+            if entry.shape and len(boxes) > 1:
+                join_local(entry, layout, rank, parts)  # its checks, once
+                joins[name] = ([parts[b] for b in boxes], concat_dim(entry))
+            else:
+                views[name] = join_local(entry, layout, rank, parts)
+        return views, joins
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token cross-entropy of this rank's micro-batch (identical on the ranks of a TP group)."""

@@ -265,10 +265,15 @@ def test_slots_are_registered_in_the_order_saves_take_them(tmp_path, monkeypatch
     by_step = {again._slots[k].step: k for k in range(3)}
     registered: list[int] = []
 
+    populated = _can_populate()
+    assert all(_resident(s.base) < again.size // 2 for s in again._slots)  # mapped, not yet faulted in
+
     class Runtime:
         def cudaHostRegister(self, ptr, size, flags):
             registered.append(next(k for k, s in enumerate(again._slots) if s.base.data_ptr() == ptr))
             assert not again.slot_pinned(registered[-1])
+            if populated:  # its page tables filled before the driver is asked (off the driver's lock)
+                assert _resident(again._slots[registered[-1]].base) >= again.size - 4096
             return 0
 
         def cudaHostUnregister(self, ptr):
@@ -280,3 +285,33 @@ def test_slots_are_registered_in_the_order_saves_take_them(tmp_path, monkeypatch
     assert again.stats.pinned and all(again.slot_pinned(k) for k in range(3))
     assert again.acquire(7) == by_step[None] and again.acquire(8) == by_step[5]
     again.close()
+
+
+def _resident(base: torch.Tensor) -> int:
+    """Bytes of the mapping that starts at ``base`` present in this process's page tables (/proc/self/smaps)."""
+    start = base.data_ptr()
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, _, _hi = head.partition("-")
+                inside = int(lo, 16) <= start < int(_hi, 16)
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _can_populate() -> bool:
+    import mmap
+
+    from moeckpt.trainer.memory_ring import _MADV_POPULATE_WRITE
+
+    m = mmap.mmap(-1, 4096)
+    try:
+        m.madvise(_MADV_POPULATE_WRITE)
+        return True
+    except OSError:
+        return False
+    finally:
+        m.close()
