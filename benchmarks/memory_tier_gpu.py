@@ -341,7 +341,16 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (a small test of this script)")
+    ap.add_argument("--report", metavar="JSON", help="only write the tables, plot and summary of an earlier run's JSON")
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            doc = json.load(f)
+        if "steps" not in doc:  # runs before the field: the --steps of their command
+            argv = doc["command"].split()
+            doc["steps"] = int(argv[argv.index("--steps") + 1]) if "--steps" in argv else 66
+        write_report(doc, args.out)
+        return
     args.kills = sorted({int(k) for k in str(args.kill_at).split(",") if k.strip()})
     import torch
 
@@ -359,34 +368,53 @@ def main() -> None:
         statistics.median(sizes) if sizes else next((k["state_bytes"] for k in runs[0]["kills"] if k["state_bytes"]), 0)
     )
     copy = d2h_copy_seconds(int(state), "cpu" if args.cpu else "cuda") if state else []
-    blocked = [r["blocked_s"] for r in runs[0]["saves"] if not r["skipped"]]
     doc = {
         "command": "python benchmarks/memory_tier_gpu.py " + " ".join(sys.argv[1:]),
         "model": args.model,
         "device": "cpu" if args.cpu else torch.cuda.get_device_name(0),
+        "steps": args.steps,
         "runs": runs,
         "d2h_copy_s": copy,
-        "memory_save_blocked_median_s": statistics.median(blocked) if blocked else None,
-        "memory_save_blocked_max_s": max(blocked) if blocked else None,
-        "blocked_over_copy": round(statistics.median(blocked) / statistics.median(copy), 3)
-        if blocked and copy and statistics.median(copy) > 0
-        else None,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "memory_tier_gpu.json"), "w") as f:
+    write_report(doc, args.out)
+
+
+def summarise(doc: dict) -> None:
+    """The memory run's blocked times against the bare copy: over every save, and over the saves made while
+    training (all but the end-of-run save at the last step, whose wait for the persistent write before it blocks
+    no step: training is over)."""
+    copy = doc["d2h_copy_s"]
+    saves = [r for r in doc["runs"][0]["saves"] if not r["skipped"]]
+    blocked = [r["blocked_s"] for r in saves]
+    training = [r["blocked_s"] for r in saves if r["step"] != doc.get("steps")]
+    bare = statistics.median(copy) if copy else 0.0
+    doc["memory_save_blocked_median_s"] = statistics.median(blocked) if blocked else None
+    doc["memory_save_blocked_max_s"] = max(blocked) if blocked else None
+    doc["blocked_over_copy"] = round(statistics.median(blocked) / bare, 3) if blocked and bare > 0 else None
+    doc["memory_save_blocked_max_while_training_s"] = max(training) if training else None
+    doc["max_blocked_over_copy_while_training"] = round(max(training) / bare, 3) if training and bare > 0 else None
+
+
+def write_report(doc: dict, out: str) -> None:
+    """The JSON, the plot and both tables of ``doc`` into ``out`` (also from an earlier run's JSON: --report)."""
+    summarise(doc)
+    copy = doc["d2h_copy_s"]
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "memory_tier_gpu.json"), "w") as f:
         json.dump(doc, f, indent=1)
-    plot(doc, os.path.join(args.out, "memory_tier_gpu.png"))
-    with open(os.path.join(args.out, "memory_tier_gpu_kills.md"), "w") as f:
+    plot(doc, os.path.join(out, "memory_tier_gpu.png"))
+    with open(os.path.join(out, "memory_tier_gpu_kills.md"), "w") as f:
         f.write(table(doc))
-    with open(os.path.join(args.out, "memory_tier_gpu_saves.md"), "w") as f:
+    with open(os.path.join(out, "memory_tier_gpu_saves.md"), "w") as f:
         f.write(saves_table(doc))
     print(table(doc))
     print(saves_table(doc))
     print(
         f"memory save blocked (median) {doc['memory_save_blocked_median_s']} s, bare copy {copy} s, "
-        f"ratio {doc['blocked_over_copy']}"
+        f"ratio {doc['blocked_over_copy']}; while training at most {doc['memory_save_blocked_max_while_training_s']} "
+        f"s, {doc['max_blocked_over_copy_while_training']}x"
     )
-    print(f"wrote {args.out}/memory_tier_gpu.json and memory_tier_gpu.png")
+    print(f"wrote {out}/memory_tier_gpu.json and memory_tier_gpu.png")
 
 
 if __name__ == "__main__":
