@@ -81,6 +81,18 @@ def _load_like(total: int, threads: int) -> float:
     return round(time.perf_counter() - t, 3)
 
 
+def _d2h(dst: torch.Tensor, src: torch.Tensor, reps: int = 3) -> list[float]:
+    """Seconds of each of ``reps`` device-to-host copies of ``src`` into ``dst``."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(round(time.perf_counter() - t, 4))
+    return times
+
+
 def child(paths: list[str], n: int, case: str, threads: int) -> dict:
     torch.cuda.init()
     torch.empty(1, device="cuda")
@@ -127,22 +139,8 @@ def child(paths: list[str], n: int, case: str, threads: int) -> dict:
         _register(ptr, half)
         _register(ptr + half, n - half)
         src = torch.empty(n, dtype=torch.uint8, device="cuda").fill_(5)
-        times = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            base.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            times.append(round(time.perf_counter() - t, 4))
         pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        bare = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            pinned.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            bare.append(round(time.perf_counter() - t, 4))
-        out = {"d2h_two_registrations_s": times, "d2h_host_alloc_s": bare}
+        out = {"d2h_two_registrations_s": _d2h(base, src), "d2h_host_alloc_s": _d2h(pinned, src)}
         _unregister(ptr)
         _unregister(ptr + half)
         del base

@@ -47,6 +47,16 @@ def _ring(tmp_path, **kw) -> MemoryRing:
     return MemoryRing(str(tmp_path / "ring"), 3, LAYOUT, TENSORS, slots=3, pin=False, node_dir=str(node), **kw)
 
 
+def _commit(ring: MemoryRing, node, step: int) -> int:
+    """A memory save of ``step`` into a slot of ``ring``, committed under ``node`` as the tier does; its slot."""
+    k = ring.acquire(step)
+    ring.finish(k, _pieces(step))
+    (node / f"step-{step:08d}").mkdir()
+    ring.link(k, str(node / f"step-{step:08d}"))
+    ring.committed(k, step)
+    return k
+
+
 def _reference(pieces) -> bytes:
     """What the safetensors writer makes of ``pieces`` in the ring's file order (widest dtype first, stable)."""
     width = {"int64": 8, "float32": 4, "bfloat16": 2, "bool": 1}
@@ -106,14 +116,7 @@ def test_a_piece_from_elsewhere_is_copied_in_and_the_file_is_the_same(tmp_path):
 def test_the_ring_never_takes_a_busy_slot_and_unlinks_the_oldest_step_before_reuse(tmp_path):
     node = tmp_path / "node"
     ring = _ring(tmp_path)
-    taken = []
-    for step in (1, 2, 3):
-        k = ring.acquire(step)
-        ring.finish(k, _pieces(step))
-        (node / f"step-{step:08d}").mkdir()
-        ring.link(k, str(node / f"step-{step:08d}"))
-        ring.committed(k, step)
-        taken.append(k)
+    taken = [_commit(ring, node, step) for step in (1, 2, 3)]
     assert sorted(taken) == [0, 1, 2]
     assert ring.acquire(4) is None  # every slot busy (a persistent write of each still in flight)
     ring.release(taken[1])
@@ -254,12 +257,7 @@ def test_slots_are_registered_in_the_order_saves_take_them(tmp_path, monkeypatch
     node = tmp_path / "node"
     ring = _ring(tmp_path)
     for step in (5, 6):
-        k = ring.acquire(step)
-        ring.finish(k, _pieces(step))
-        (node / f"step-{step:08d}").mkdir()
-        ring.link(k, str(node / f"step-{step:08d}"))
-        ring.committed(k, step)
-        ring.release(k)
+        ring.release(_commit(ring, node, step))
     ring.close()
     again = _ring(tmp_path)
     by_step = {again._slots[k].step: k for k in range(3)}
