@@ -224,11 +224,22 @@ class CheckpointReader:
         return self.backend.open_reader(self.storage)
 
     def read_box(
-        self, name: str, box: Box, refs: Sequence[PieceRef] | None = None, *, out: torch.Tensor | None = None
+        self,
+        name: str,
+        box: Box,
+        refs: Sequence[PieceRef] | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        session: PieceReader | None = None,
     ) -> torch.Tensor:
         """Assemble ``box`` of tensor ``name`` from the stored pieces, reading only the rows that overlap it; into
         ``out`` where given (a contiguous tensor of the box's shape and the tensor's dtype: a caller's reused
-        buffer, whose pages are not faulted in again for every tensor), else into a new tensor."""
+        buffer, whose pages are not faulted in again for every tensor), else into a new tensor.
+
+        ``session`` (from :meth:`open_reader`, for a caller reading many boxes): the rows are read through it,
+        mapped where the storage maps its files (checksums computed over the page cache, then the box's bytes
+        copied out of it once, so the result is never backed by the file), instead of read into fresh memory
+        per piece and copied from there."""
         entry = self.tensor(name)
         dtype = dtypes.to_torch(entry.dtype)
         if out is None:
@@ -250,7 +261,7 @@ class CheckpointReader:
             rel = overlap.relative_to(ref.box)
             if ref.box.ndim:
                 r0, r1 = rel.offsets[0], rel.offsets[0] + rel.shape[0]
-                src = self.read_piece(ref, (r0, r1))[(slice(None),) + rel.slices()[1:]]
+                src = self._read_rows(ref, r0, r1, session)[(slice(None),) + rel.slices()[1:]]
             else:
                 src = self.read_piece(ref)
             out[overlap.relative_to(box).slices()] = src
@@ -263,10 +274,19 @@ class CheckpointReader:
             )
         return out
 
-    def read_tensor(self, name: str, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The whole tensor ``name`` (into ``out`` where given: see :meth:`read_box`)."""
+    def _read_rows(self, ref: PieceRef, lo: int, hi: int, session: PieceReader | None) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of a stored piece, verified: mapped through ``session`` where it maps, else read."""
+        if session is None:
+            return self.read_piece(ref, (lo, hi))
+        mapped = session.map_rows(ref, lo, hi)
+        return mapped if mapped is not None else session.read_rows(ref, lo, hi)
+
+    def read_tensor(
+        self, name: str, *, out: torch.Tensor | None = None, session: PieceReader | None = None
+    ) -> torch.Tensor:
+        """The whole tensor ``name`` (into ``out`` and through ``session`` where given: see :meth:`read_box`)."""
         entry = self.tensor(name)
-        return self.read_box(name, Box.full(entry.shape), out=out)
+        return self.read_box(name, Box.full(entry.shape), out=out, session=session)
 
     def tensor(self, name: str) -> TensorEntry:
         try:

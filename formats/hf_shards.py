@@ -24,9 +24,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from . import dtypes
+from .backends.piece_stream import WritebackKick
 from .errors import DestinationNotEmptyError, MoeckptError
 from .storage import Storage
 from .storages import open_storage
+from .writeback import Writeback, writeback_fd
 
 __all__ = [
     "INDEX_FILE",
@@ -161,23 +163,33 @@ def _write_all(storage: Storage, names, shards, produce: Produce, on_bytes) -> d
     weight_map: dict[str, str] = {}
     for name, shard in zip(names, shards):
         with storage.open_write(name) as f:
-            f.write(shard_header(shard))
-            for t in shard:
-                written = 0
-                try:
-                    for part in produce(t):
-                        n = memoryview(part).nbytes
-                        f.write(part)
-                        written += n
-                        if on_bytes is not None:
-                            on_bytes(n)
-                        del part  # a producer's run is freed before it makes the next
-                except MoeckptError as e:
-                    raise _SourceFailed(e) from None
-                if written != t.nbytes:  # a producer bug would otherwise write a file safetensors misreads
-                    raise RuntimeError(f"{t.name}: {written} bytes produced for a {t.nbytes}-byte tensor")
-                weight_map[t.name] = name
+            head = shard_header(shard)
+            f.write(head)
+            # On local disk the shard's writeback starts as it grows, as a checkpoint's does (formats/writeback.py):
+            # the fsync that closes it then waits for the tail, not for the whole shard.
+            with Writeback(writeback_fd(f) if storage.is_local else None) as writeback:
+                kick = WritebackKick(f, len(head), writeback)
+                for t in shard:
+                    weight_map[t.name] = name
+                    _write_tensor(f, t, produce, kick, on_bytes)
     return weight_map
+
+
+def _write_tensor(f, t: ShardTensor, produce: Produce, kick: WritebackKick, on_bytes) -> None:
+    written = 0
+    try:
+        for part in produce(t):
+            n = memoryview(part).nbytes
+            f.write(part)
+            kick.wrote(n)
+            written += n
+            if on_bytes is not None:
+                on_bytes(n)
+            del part  # a producer's run is freed before it makes the next
+    except MoeckptError as e:
+        raise _SourceFailed(e) from None
+    if written != t.nbytes:  # a producer bug would otherwise write a file safetensors misreads
+        raise RuntimeError(f"{t.name}: {written} bytes produced for a {t.nbytes}-byte tensor")
 
 
 def json_file(doc: dict) -> bytes:

@@ -24,7 +24,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ["Writeback", "start_writeback"]
+__all__ = ["Writeback", "start_writeback", "writeback_fd"]
 
 #: ``SYNC_FILE_RANGE_WRITE`` (linux/fs.h): start writing the dirty pages of the range, do not wait.
 _SYNC_FILE_RANGE_WRITE = 2
@@ -62,6 +62,18 @@ def start_writeback(fd: int, offset: int, length: int) -> bool:
         except OSError:
             return False
     return False
+
+
+def writeback_fd(sink: object) -> int | None:
+    """The descriptor of a file object to start writeback on, or None where it has none (a spool, a stream)."""
+    fileno = getattr(sink, "fileno", None)
+    if fileno is None:
+        return None
+    try:
+        fd = fileno()
+    except (OSError, ValueError):
+        return None
+    return fd if isinstance(fd, int) else None
 
 
 class Writeback:

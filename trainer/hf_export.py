@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -212,7 +213,8 @@ def export_hf(
             entry = reader.index.tensors[where]
             # into one reused buffer once every HF tensor cut from the last one is written (they are its views)
             out = scratch.get(entry.shape, dtypes.to_torch(entry.dtype)) if not current[1] else None
-            full = reader.read_tensor(where, out=out).to(torch_dtype)  # a damaged source raises here, named as itself
+            # a damaged source raises here, named as itself
+            full = reader.read_tensor(where, out=out, session=session).to(torch_dtype)
             current[:] = [source, hf.export_values(source, full, spec.config)]
         yield tensor_bytes(current[1].pop(t.name))
 
@@ -227,6 +229,6 @@ def export_hf(
     # One tensor after another on this thread: torch's intra-op pool spreading each conversion over the cores
     # bought no time and cost CPU that a training job beside the export wants (docs/benchmarks/README.md,
     # "Figures behind the code's defaults").
-    with single_threaded_torch():
+    with single_threaded_torch(), closing(reader.open_reader()) as session:
         written = write_shards(out, shards, produce, overwrite=overwrite, extra_files=configs, on_bytes=on_bytes)
     return ExportResult(files=written.files, total_size=written.total_size, num_tensors=len(tensors), dtype=dtype)

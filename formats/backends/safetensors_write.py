@@ -21,7 +21,7 @@ from ..index import FileEntry, TensorEntry
 from ..pieces import Piece, block_checksums, tensor_bytes
 from ..slices import SliceGeometry, SliceHasher, slice_checksums
 from ..storage import Storage
-from ..writeback import Writeback
+from ..writeback import Writeback, writeback_fd
 from .piece_stream import BlockHasher, Coalescer, WritebackKick, flat_if_scalar, stream_piece
 from .safetensors_header import (
     CHECKSUM_PLACEHOLDER,
@@ -75,7 +75,7 @@ def write_file(storage: Storage, relpath: str, pieces: Sequence[Piece], tensors:
         if storage.is_local:
             placeholder = dump_header(doc)
             f.write(placeholder)
-            with Writeback(_writeback_fd(f)) as writeback:
+            with Writeback(writeback_fd(f)) as writeback:
                 sink = Coalescer(f.write, WritebackKick(f, len(placeholder), writeback))
                 sums = [stream_piece(p.data, sink.write, *_hashing(p.box, tensors[p.tensor])) for p in plan]
                 sink.flush()
@@ -183,7 +183,7 @@ def write_file_stream(
 
     def feed(sink, writeback: bool) -> None:
         try:
-            with Writeback(_writeback_fd(sink) if writeback else None) as started:
+            with Writeback(writeback_fd(sink) if writeback else None) as started:
                 _feed(sink, started)
         except MoeckptError as e:
             # A failure of the data source (a corrupt input piece), not of the write: re-raised as itself below,
@@ -267,13 +267,3 @@ class _SourceFailed(Exception):
 
 #: a streamed local file starts writeback every this many bytes.
 _WRITEBACK_BYTES = 64 * 1024 * 1024
-
-
-def _writeback_fd(sink) -> int | None:
-    """The descriptor of a local file to start writeback on, or None."""
-    if not hasattr(sink, "fileno"):
-        return None
-    try:
-        return sink.fileno()
-    except (OSError, ValueError):
-        return None

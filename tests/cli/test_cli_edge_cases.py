@@ -193,3 +193,28 @@ def test_inspect_zarr_stored_bytes_with_a_scalar_and_stray_files(tmp_path, moeck
     (loc / "notes.txt").write_bytes(b"x" * 1000)  # not part of the checkpoint: not counted
     info = json.loads(moeckpt_cli("inspect", loc, "--json")[1])
     assert (info["stored_bytes"], info["stored_objects"]) == (want_bytes, want_objects)
+
+
+def test_the_program_imports_with_the_collector_off_and_freezes_them_without_a_collection():
+    """Run as the ``moeckpt`` program, the cyclic collector is off while a command's modules are imported and on
+    again once they are frozen, with no collection in between (it cost about a tenth of a second of every start);
+    imported by a test or a tool instead, the collector is left as it was."""
+    import subprocess
+    import sys
+
+    program = """
+import gc, sys
+import click
+sys.argv = ["moeckpt", "inspect", "--help"]
+import moeckpt.cli.main as m
+assert not gc.isenabled() and m._COLLECTOR_OFF
+full = []
+gc.callbacks.append(lambda phase, info: full.append(1) if phase == "start" and info["generation"] == 2 else None)
+m.cli.get_command(click.Context(m.cli), "inspect")
+assert gc.isenabled() and gc.get_freeze_count() > 0 and not full, (gc.isenabled(), gc.get_freeze_count(), full)
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    as_a_module = "import gc, moeckpt.cli.main as m; assert gc.isenabled() and not m._COLLECTOR_OFF"
+    done = subprocess.run([sys.executable, "-c", as_a_module], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -102,9 +102,11 @@ def _flip_last_byte(path: str) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
-def test_export_of_a_damaged_source_names_it_and_leaves_nothing(tmp_path, moeckpt_cli):
+@pytest.mark.parametrize("layout", [(), ("--tp", "2", "--dp", "2")], ids=["tp1", "tp2"])
+def test_export_of_a_damaged_source_names_it_and_leaves_nothing(tmp_path, moeckpt_cli, layout):
+    """The export maps its reads (a TP-split source's halves too) and still verifies every byte it reads."""
     ck, out = tmp_path / "ck", tmp_path / "hf"
-    assert moeckpt_cli("init", ck, "--model", "zaya-tiny")[0] == 0
+    assert moeckpt_cli("init", ck, "--model", "zaya-tiny", *layout)[0] == 0
     _flip_last_byte(str(ck / "rank-00000.safetensors"))
     code, _, err = moeckpt_cli("export-hf", ck, out)
     line = _one_line(err)
@@ -112,7 +114,7 @@ def test_export_of_a_damaged_source_names_it_and_leaves_nothing(tmp_path, moeckp
     assert str(out) not in line  # the source's problem, not the output file's
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".hf")]
     # a clean source exports to the same OUT without --overwrite: nothing of the failed export is in the way
-    assert moeckpt_cli("init", ck, "--model", "zaya-tiny", "--overwrite")[0] == 0
+    assert moeckpt_cli("init", ck, "--model", "zaya-tiny", *layout, "--overwrite")[0] == 0
     code, _, err = moeckpt_cli("export-hf", ck, out)
     assert code == 0 and sorted(os.listdir(out)) == [
         "config.json",

@@ -169,19 +169,30 @@ def test_whole_tensors_and_an_offline_reshard_verify_every_slice(tp1, tmp_path):
     spec_reader.Checkpoint(str(tmp_path / "tp2")).check()
 
 
-def test_tensors_of_a_tp2_checkpoint_join_into_a_reused_buffer(tp1, tmp_path):
+@pytest.mark.parametrize("session", [False, True], ids=["read-per-piece", "session"])
+def test_tensors_of_a_tp2_checkpoint_join_into_a_reused_buffer(tp1, tmp_path, session):
     """read_tensor(out=) assembles the TP halves into the caller's buffer (the export reuses one for every tensor),
-    and refuses a buffer of another shape, dtype or layout."""
+    through a read session too (the export's: the halves mapped, verified, copied out once), and refuses a buffer
+    of another shape, dtype or layout."""
     from moeckpt.reshard.executor import reshard
 
     reshard(tp1, str(tmp_path / "tp2"), Layout(tp=2))
     reader = CheckpointReader(str(tmp_path / "tp2"))
+    pieces = reader.open_reader() if session else None
+    mapped = []
+    if pieces is not None:  # every piece is mapped, none read into fresh memory
+        map_rows = pieces.map_rows
+        pieces.map_rows = lambda ref, lo, hi: mapped.append(ref) or map_rows(ref, lo, hi)  # type: ignore[method-assign]
+        pieces.read_rows = None  # type: ignore[assignment]
     scratch = torch.full((max(e.nbytes for e in TENSORS.values()),), 0xAB, dtype=torch.uint8)
     for name, entry in TENSORS.items():
         dtype = _torch_dtype(entry)
         out = scratch[: entry.nbytes].view(dtype).view(entry.shape)
-        got = reader.read_tensor(name, out=out)
+        got = reader.read_tensor(name, out=out, session=pieces)
         assert got.data_ptr() == scratch.data_ptr() and torch.equal(got, _value(entry)), name
+    if pieces is not None:
+        assert len(mapped) == len([r for r in reader.pieces() if r.box.ndim])
+        pieces.close()
     name, entry = next(iter(TENSORS.items()))
     wrong = [
         torch.empty(tuple(reversed(entry.shape)), dtype=_torch_dtype(entry)),
@@ -215,6 +226,36 @@ def test_a_flipped_byte_in_one_ranks_columns_fails_that_rank_only(tp1, tmp_path)
         CheckpointReader(path).read_tensor("o")
     with pytest.raises(spec_reader.SpecError, match="slice 5 group 2"):
         spec_reader.Checkpoint(path).tensor("o")
+
+
+def test_a_flipped_byte_fails_a_read_through_a_session_and_names_the_file(tp1, tmp_path):
+    """The export's reads (mapped through a read session) verify every byte as the plain reads do: a flipped byte
+    in a TP-split tensor's half, or a file cut short, is a typed error naming the file, however the tensor is
+    assembled."""
+    from moeckpt.reshard.executor import reshard
+
+    reshard(tp1, str(tmp_path / "tp2"), Layout(tp=2))
+    path = str(tmp_path / "tp2")
+    file = "rank-00001.safetensors"
+    info = _header(path, file)["down@0,0,256"]
+    (n,) = struct.unpack("<Q", open(os.path.join(path, file), "rb").read(8))
+    at = 8 + n + info["data_offsets"][0] + 123 * 4
+    with open(os.path.join(path, file), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    reader = CheckpointReader(path)
+    session = reader.open_reader()
+    try:
+        assert torch.equal(reader.read_tensor("o", session=session), _value(TENSORS["o"]))  # the other tensors read
+        with pytest.raises(ChecksumMismatchError, match=f"{file}.*'down'"):
+            reader.read_tensor("down", session=session)
+        os.truncate(os.path.join(path, file), 8 + n + info["data_offsets"][0] + 1000)
+        with pytest.raises(DataFileError, match=f"{file}.*truncated"):
+            reader.read_tensor("down", session=session)
+    finally:
+        session.close()
 
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["read-per-row", "mapped"])

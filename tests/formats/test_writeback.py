@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import struct
 import sys
 
 import pytest
@@ -106,3 +107,34 @@ def test_a_parallel_write_is_the_same_file_as_a_streamed_one(tmp_path):
     b = write_file_parallel(storage, "b.safetensors", pieces, tensors, 3)
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
     assert (a.size, a.checksum) == (b.size, b.checksum)
+
+
+def test_hf_shards_start_their_writeback_as_they_grow_and_keep_their_bytes(tmp_path, monkeypatch):
+    """export-hf's and consolidate's shards start their writeback every so many bytes, as a checkpoint's files do,
+    so the fsync that closes a shard waits for its tail only; the bytes are what the producer gave, and a storage
+    that is not local disk is not asked."""
+    from moeckpt.formats.backends.piece_stream import WritebackKick
+    from moeckpt.formats.hf_shards import ShardTensor, pack_shards, write_shards
+
+    seen: list[tuple[int, int]] = []
+    monkeypatch.setattr(writeback, "start_writeback", lambda fd, offset, length: seen.append((offset, length)) or True)
+    tensors = [ShardTensor(f"t{i}", "uint8", (20 << 20,)) for i in range(4)]  # 80 MiB: past two hints
+    parts = {t.name: bytes([i]) * t.nbytes for i, t in enumerate(tensors)}
+
+    def produce(t: ShardTensor):
+        mv = memoryview(parts[t.name])
+        for at in range(0, len(mv), 3 << 20):  # in parts, as the export yields them
+            yield mv[at : at + (3 << 20)]
+
+    written = write_shards(str(tmp_path / "hf"), pack_shards(tensors, 10**9), produce)
+    (name,) = written.files
+    with open(tmp_path / "hf" / name, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(8 + n)
+        assert f.read() == b"".join(parts[t.name] for t in tensors)
+    assert len(seen) == (80 << 20) // WritebackKick.EVERY
+    assert seen[0][0] == 8 + n and all(a + la == b for (a, la), (b, _) in zip(seen, seen[1:]))  # in order, no gaps
+    assert all(length >= WritebackKick.EVERY for _, length in seen)
+    seen.clear()
+    write_shards(f"memory://moeckpt-tests/hf-writeback-{os.getpid()}", pack_shards(tensors, 10**9), produce)
+    assert not seen
