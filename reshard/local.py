@@ -101,16 +101,25 @@ def split_local(entry: TensorEntry, layout: Layout, rank: int, local: torch.Tens
     return [(b, local.narrow(dim, start, length)) for b, dim, start, length in local_views(entry, layout, rank)]
 
 
-def join_local(entry: TensorEntry, layout: Layout, rank: int, pieces: Mapping[Box, torch.Tensor]) -> torch.Tensor:
-    """The rank's local tensor from the data of each of its boxes."""
+def local_parts(
+    entry: TensorEntry, layout: Layout, rank: int, pieces: Mapping[Box, torch.Tensor]
+) -> tuple[list[torch.Tensor], int | None]:
+    """What :func:`join_local` joins: ``([local tensor], None)`` where one piece (or none) is the rank's local
+    tensor as it is, else the rank's pieces in order and the dimension they are concatenated along."""
     boxes = rank_boxes(entry, layout, rank)
     missing = [b.to_json() for b in boxes if b not in pieces]
     if missing:
         raise LayoutError(f"{entry.name}: rank {rank} lacks boxes {missing} to build its local tensor")
     if not entry.shape and boxes:
-        return pieces[boxes[0]]
+        return [pieces[boxes[0]]], None
     if not boxes:  # an empty ZeRO part (of a 0-d tensor too: its one element lives on part 0)
-        return torch.empty(local_shape(entry, layout, rank), dtype=dtypes.to_torch(entry.dtype))
+        return [torch.empty(local_shape(entry, layout, rank), dtype=dtypes.to_torch(entry.dtype))], None
     if len(boxes) == 1:
-        return pieces[boxes[0]]
-    return torch.cat([pieces[b] for b in boxes], dim=concat_dim(entry))
+        return [pieces[boxes[0]]], None
+    return [pieces[b] for b in boxes], concat_dim(entry)
+
+
+def join_local(entry: TensorEntry, layout: Layout, rank: int, pieces: Mapping[Box, torch.Tensor]) -> torch.Tensor:
+    """The rank's local tensor from the data of each of its boxes."""
+    parts, dim = local_parts(entry, layout, rank, pieces)
+    return parts[0] if dim is None else torch.cat(parts, dim=dim)

@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -429,10 +428,8 @@ def _populate(mm: mmap.mmap) -> None:
     """Fill a slot's page tables before it is registered. ``cudaHostRegister`` of a mapping whose pages are not yet
     in this process's page tables (a restarted process's surviving files) faults them in itself while holding the
     driver, so every CUDA call of the load and the first step beside it waits for all of it; populated first, off
-    the driver, the registration takes a fraction of that (docs/benchmarks/gpu.md). Without the call (an older
-    kernel) the registration faults the pages in, as before."""
-    if not sys.platform.startswith("linux") or len(mm) == 0:
-        return
+    the driver, the registration takes a fraction of that (docs/benchmarks/gpu.md). Where the call is refused (an older
+    kernel, not Linux) the registration faults the pages in, as before."""
     try:
         mm.madvise(_MADV_POPULATE_WRITE)
     except (OSError, ValueError) as e:

@@ -19,8 +19,7 @@ import torch.distributed as dist
 from moeckpt.formats import dtypes
 from moeckpt.formats.index import TensorEntry
 from moeckpt.formats.storage import is_url
-from moeckpt.reshard.local import concat_dim, join_local
-from moeckpt.reshard.placement import rank_boxes
+from moeckpt.reshard.local import local_parts
 from moeckpt.reshard.tensors import logical_tensors
 
 from .balancing import balance_routers, balanced_routers
@@ -145,15 +144,12 @@ class Trainer(ResumeSteps):
         for piece in self.optimizer.pieces():
             by_name.setdefault(piece.name, {})[piece.box] = piece.tensor
         for name, entry in self.tensors.items():
-            if entry.role == "param":
-                continue
-            parts = by_name.get(name, {})
-            boxes = rank_boxes(entry, layout, rank)
-            if entry.shape and len(boxes) > 1:
-                join_local(entry, layout, rank, parts)  # its checks, once
-                joins[name] = ([parts[b] for b in boxes], concat_dim(entry))
-            else:
-                views[name] = join_local(entry, layout, rank, parts)
+            if entry.role != "param":
+                parts, dim = local_parts(entry, layout, rank, by_name.get(name, {}))
+                if dim is None:
+                    views[name] = parts[0]
+                else:
+                    joins[name] = (parts, dim)
         return views, joins
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
