@@ -158,24 +158,36 @@ class ChunkReader:
         ``until``: the end of the planned read these rows belong to (``ReadItem.rows[1]``), which asks for its
         rows in increasing order; the use :meth:`expect` counted for a chunk ends with the request that reaches
         the last row the read needs of it."""
+        parts = [data for _, data in self.row_parts(tensor, box, r0, r1, until=until)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def row_parts(
+        self, tensor: str, box: Box, r0: int, r1: int, *, until: int | None = None
+    ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Rows ``[r0, r1)`` of the stored piece ``(tensor, box)`` as :meth:`rows` gives them, but chunk by chunk:
+        ``(first row, rows)`` views of the chunks, each consumed before the next is asked for. A caller copying the
+        rows into place copies each view there, instead of the concatenation :meth:`rows` makes of rows spanning
+        several chunks: a fresh tensor (its pages faulted in) and a second copy of every byte. (A 0-d piece
+        gives ``(0, the value)``.)"""
         ref = self.ref(tensor, box)
         if not box.ndim:
             data = self._chunk(ref, 0, 1)
             if until is not None:
                 self._used(_key(ref, 0, 1))
-            return data
+            yield 0, data
+            return
         per = self.chunk_rows(ref)
-        parts = []
         last = (r1 - 1) // per
         for c in range(r0 // per, last + 1):
             lo, hi = self._span(c, per, box.shape[0], r0, r1)
             if self.pool is not None and c < last:  # read the next chunk of this request while this one is used
                 self._start(ref, *self._span(c + 1, per, box.shape[0], r0, r1), background=True)
             data = self._chunk(ref, lo, hi)
-            parts.append(data[max(r0, lo) - lo : min(r1, hi) - lo])
+            first = max(r0, lo)
+            view = data[first - lo : min(r1, hi) - lo]
             if until is not None and r0 < min(hi, until) <= r1:
                 self._used(_key(ref, lo, hi))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+            yield first, view
 
     def expect(self, pieces: Iterable[TargetPiece], *, reader: object = None) -> None:
         """Count the planned uses of the chunks ``pieces`` read (whole chunks: not with ``clip``), as the uses of

@@ -1,0 +1,201 @@
+"""Where a staged device load's time goes: each fill thread's time reading and verifying, waiting for a staging
+buffer's copies to end, and handing copies to its stream, for each case of ``bench_load_gpu.py``, over a grid of
+fill threads and stage sizes (issue 36).
+
+Uses the checkpoints a ``bench_load_gpu.py --keep`` run left in ``--dir`` (every case's stored layout). For each
+(threads, stage MiB) of the grid and each case, ``--reps`` loads of one rank into preallocated device tensors, each
+timed whole and by phase (the staging class's methods wrapped with timers; the wrappers cost a few microseconds a
+part), beside the raw read of the same files (``bench_load_gpu.raw_read``). Prints one line per load and writes
+``OUT/load_gpu_phases.json``.
+
+    python benchmarks/bench_load_gpu.py --reps 1 --methods raw --keep --dir /tmp/blg --out /tmp/x
+    python benchmarks/probe_load_gpu_phases.py --dir /tmp/blg --out $OUT --grid 8:16,16:16,16:8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from moeckpt.formats import dtypes
+from moeckpt.formats.backends import safetensors
+from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.reshard import staging
+from moeckpt.reshard.load import LoadStats, load_rank_state
+from moeckpt.reshard.options import LoadOptions
+from moeckpt.reshard.planner import plan_load
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_load_gpu import CASES, data_files, layout_name, raw_read, sync
+
+PHASES = ("stager_init", "fill", "wait", "enqueue", "parts")
+
+
+class Timers:
+    """Per-thread phase totals of the loads since the last :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_thread: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(PHASES, 0.0))
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self.lock:
+            self.by_thread[threading.get_ident()][phase] += seconds
+
+    def reset(self) -> dict[str, float]:
+        with self.lock:
+            rows = list(self.by_thread.values())
+            self.by_thread.clear()
+        total = {p: round(sum(r[p] for r in rows), 4) for p in PHASES}
+        total["threads_seen"] = len(rows)
+        return total
+
+
+class _TimedEvent:
+    def __init__(self, event, timers: Timers):
+        self.event, self.timers = event, timers
+
+    def synchronize(self) -> None:
+        t = time.perf_counter()
+        self.event.synchronize()
+        self.timers.add("wait", time.perf_counter() - t)
+
+    def record(self, stream) -> None:
+        self.event.record(stream)
+
+
+def instrument(timers: Timers) -> None:
+    """Wrap :class:`staging.Stager`'s constructor and ``read`` with timers."""
+    init, read = staging.Stager.__init__, staging.Stager.read
+
+    def timed_init(self, nbytes, device):
+        t = time.perf_counter()
+        init(self, nbytes, device)
+        if self.stream is not None:
+            self.events = [_TimedEvent(e, timers) for e in self.events]
+        timers.add("stager_init", time.perf_counter() - t)
+
+    def timed_read(self, fill, dest):
+        spent = [0.0]
+
+        def timed_fill(stage):
+            t = time.perf_counter()
+            try:
+                return fill(stage)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        before = timers.by_thread[threading.get_ident()]["wait"]
+        t = time.perf_counter()
+        ok = read(self, timed_fill, dest)
+        whole = time.perf_counter() - t
+        waited = timers.by_thread[threading.get_ident()]["wait"] - before
+        timers.add("fill", spent[0])
+        timers.add("enqueue", whole - spent[0] - waited)
+        timers.add("parts", 1)
+        return ok
+
+    staging.Stager.__init__ = timed_init  # type: ignore[method-assign]
+    staging.Stager.read = timed_read  # type: ignore[method-assign]
+
+
+_VERIFIERS = {name: getattr(safetensors, name) for name in ("verify_blocks", "verify_columns")}
+
+
+def verify(on: bool) -> None:
+    """Checksums computed as moeckpt does (``on``), or not at all: the safetensors backend's verifiers replaced by
+    no-ops, to measure what hashing costs a load."""
+    for name, fn in _VERIFIERS.items():
+        setattr(safetensors, name, fn if on else (lambda *a, **k: None))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default="/tmp/moeckpt-bench-load-gpu", help="where bench_load_gpu.py --keep saved")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument(
+        "--grid",
+        default="8:16,16:16",
+        help="comma-separated THREADS:STAGE_MIB, or THREADS:STAGE_MIB:nv for a run with checksums not computed (an "
+        "upper bound of what hashing costs; never how moeckpt loads)",
+    )
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--stage-host", action="store_true", help="with --device cpu: through the staged path on the host")
+    args = ap.parse_args()
+    staging.STAGE_HOST_MEMORY = args.stage_host
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no GPU here", file=sys.stderr)
+        raise SystemExit(0)
+    timers = Timers()
+    instrument(timers)
+    cases = [c for c in args.cases.split(",") if c]
+    largest = max(sum(os.path.getsize(f) for f in data_files(os.path.join(args.dir, n))) for n in os.listdir(args.dir))
+    host = torch.empty(largest, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dev_buf = torch.empty(largest, dtype=torch.uint8, device=device) if device.type != "cpu" else host
+    raw_threads = len(os.sched_getaffinity(0))
+    rows = []
+    for cell in args.grid.split(","):
+        threads_s, stage_s, *flags = cell.split(":")
+        threads, stage_mib = int(threads_s), int(stage_s)
+        verify(on="nv" not in flags)
+        options = LoadOptions(fill_threads=threads, stage_bytes=stage_mib << 20)
+        for case in cases:
+            source, target, rank = CASES[case]
+            src = os.path.join(args.dir, layout_name(source))
+            reader = CheckpointReader(src)
+            (rank_plan,) = plan_load(reader.index, target, [rank]).ranks
+            tensors = reader.index.tensors
+            out = {
+                (p.tensor, p.box): torch.empty(
+                    p.box.shape, dtype=dtypes.to_torch(tensors[p.tensor].dtype), device=device
+                )
+                for p in rank_plan.pieces
+            }
+            needed = sum(t.numel() * t.element_size() for t in out.values())
+            files = data_files(src)
+            for rep in range(args.reps):
+                sync(device)
+                t0 = time.perf_counter()
+                raw_read(files, host, dev_buf, raw_threads, limit=None if target.world == 1 else needed)
+                sync(device)
+                raw_s = time.perf_counter() - t0
+                timers.reset()
+                stats = LoadStats()
+                t0 = time.perf_counter()
+                load_rank_state(src, target, rank, device=device, out=out, stats=stats, options=options)
+                sync(device)
+                wall = time.perf_counter() - t0
+                phases = timers.reset()
+                row = {
+                    "threads": threads,
+                    "stage_mib": stage_mib,
+                    "verified": "nv" not in flags,
+                    "case": case,
+                    "rep": rep,
+                    "load_s": round(wall, 4),
+                    "raw_s": round(raw_s, 4),
+                    "over_raw": round(raw_s / wall, 3),
+                    "needed_gb": round(needed / 1e9, 3),
+                    "read_gb": round(stats.bytes_read / 1e9, 3),
+                    **phases,
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del out
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "load_gpu_phases.json"), "w") as f:
+        json.dump({"command": " ".join(sys.argv), "rows": rows, "cores": raw_threads}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
