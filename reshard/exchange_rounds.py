@@ -24,6 +24,9 @@ def exchange_rounds(
     """Run the rounds: read owned chunks (ahead, in the pool), keep local regions, all_to_all the rest."""
     import torch.distributed as dist
 
+    # The send and receive buffers of a round are reused by the next (grown where it needs more): a fresh buffer
+    # per round had every byte exchanged land in newly faulted pages.
+    send_buf = recv_buf = torch.empty(0, dtype=torch.uint8)
     for keys in rounds:
         for key in keys:
             if owner[key] == me and key[2] and extract.failure is None:
@@ -50,13 +53,13 @@ def exchange_rounds(
                     recvs.append((o, recv_sizes[o], pos, sub))
                     recv_sizes[o] += nbytes
         in_starts = [sum(in_sizes[:g]) for g in range(size)]
-        flat_in = torch.empty(sum(in_sizes), dtype=torch.uint8)
+        send_buf, flat_in = _grown(send_buf, sum(in_sizes))
         for g, off, key, sub in sends:
             dtype = dtypes.to_torch(index.tensors[key[0]].dtype)
             start = in_starts[g] + off
             slot = flat_in[start : start + sub.numel * dtypes.itemsize(index.tensors[key[0]].dtype)]
-            slot.view(dtype).view(sub.shape).copy_(extract(chunks, key[0], Box(key[1], key[2]), sub))
-        flat_out = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+            extract.copy_into(chunks, key[0], Box(key[1], key[2]), sub, slot.view(dtype).view(sub.shape))
+        recv_buf, flat_out = _grown(recv_buf, sum(recv_sizes))
         # Every rank takes part in every round (rounds are global), even with nothing to send or receive. The
         # exchange runs in the backend's threads while this rank copies what stays here (and waits less on the
         # slowest rank).
@@ -67,7 +70,8 @@ def exchange_rounds(
             src = Box(key[1], key[2])
             for g, pos, sub in units[key]:
                 if g == me:
-                    state_list[pos][sub.relative_to(mine.pieces[pos].box).slices()] = extract(chunks, key[0], src, sub)
+                    at = state_list[pos][sub.relative_to(mine.pieces[pos].box).slices()]
+                    extract.copy_into(chunks, key[0], src, sub, at)
         work.wait()
         stats.rounds += 1
         stats.bytes_received += flat_out.numel()
@@ -86,12 +90,23 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // 8) * 8
 
 
-def _extract(chunks: ChunkReader, tensor: str, src: Box, sub: Box) -> torch.Tensor:
-    rel = sub.relative_to(src)
+def _grown(buf: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``buf``, or a larger one where it holds fewer than ``nbytes``, and its first ``nbytes`` bytes."""
+    if buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+    return buf, buf[:nbytes]
+
+
+def _copy_region(chunks: ChunkReader, tensor: str, src: Box, sub: Box, out: torch.Tensor) -> None:
+    """Region ``sub`` of the stored piece ``src`` copied into ``out`` (of ``sub``'s shape, any strides), chunk by
+    chunk: no concatenation of the rows first (a fresh tensor and a second copy of every byte)."""
     if not src.ndim:
-        return chunks.rows(tensor, src, 0, 1)
-    data = chunks.rows(tensor, src, rel.offsets[0], rel.offsets[0] + rel.shape[0])
-    return data[(slice(None),) + rel.slices()[1:]]
+        out.copy_(chunks.rows(tensor, src, 0, 1))
+        return
+    rel = sub.relative_to(src)
+    r0, cols = rel.offsets[0], (slice(None),) + rel.slices()[1:]
+    for first, data in chunks.row_parts(tensor, src, r0, r0 + rel.shape[0]):
+        out[first - r0 : first - r0 + data.shape[0]] = data[cols]
 
 
 class GuardedExtract:
@@ -106,13 +121,15 @@ class GuardedExtract:
         self.index = index
         self.failure: MoeckptError | OSError | None = None
 
-    def __call__(self, chunks: ChunkReader, tensor: str, src: Box, sub: Box) -> torch.Tensor:
+    def copy_into(self, chunks: ChunkReader, tensor: str, src: Box, sub: Box, out: torch.Tensor) -> None:
+        """Region ``sub`` of stored piece ``src`` into ``out`` (zeros once a read has failed)."""
         if self.failure is None:
             try:
-                return _extract(chunks, tensor, src, sub)
+                _copy_region(chunks, tensor, src, sub, out)
+                return
             except (MoeckptError, OSError) as e:
                 # Kept without its traceback: the traceback's frames hold this object, and a cycle through them
                 # would keep whatever the caller's frames hold (process groups, a whole trainer) alive until the
                 # cyclic collector runs, or until interpreter shutdown, where tearing down a process group aborts.
                 self.failure = e.with_traceback(None)
-        return torch.zeros(sub.shape, dtype=dtypes.to_torch(self.index.tensors[tensor].dtype))
+        out.zero_()

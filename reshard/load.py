@@ -272,6 +272,9 @@ def _load_collective(
         chunk_bytes=options.chunk_bytes,
         cache_bytes=options.cache_bytes,
         read_threads=options.read_threads,
+        # The rounds copy every region out of its chunk (into a send buffer or this rank's state), never keep a
+        # chunk: chunks are mapped where the storage can map, verified over the page cache, not copied in first.
+        map_files=True,
     ) as chunks:
         exchange_rounds(chunks, rounds, owner, units, index, mine, state_list, me, size, group, stats, extract)
     failure, extract.failure = extract.failure, None
