@@ -106,7 +106,6 @@ def instrument(timers: Timers) -> None:
     staging.Stager.read = timed_read  # type: ignore[method-assign]
 
 
-_WINDOW = safetensors.HASH_WINDOW_BYTES
 _VERIFIERS = {name: getattr(safetensors, name) for name in ("verify_blocks", "verify_columns")}
 
 
@@ -126,9 +125,8 @@ def main() -> None:
     ap.add_argument(
         "--grid",
         default="8:16,16:16",
-        help="comma-separated THREADS:STAGE_MIB[:FLAG...]; flags: nv, checksums not computed (an upper bound of what "
-        "hashing costs; never how moeckpt loads); wKIB, verified reads hashed in windows of KIB KiB (w0: the whole "
-        "read first, then its hashes)",
+        help="comma-separated THREADS:STAGE_MIB, or THREADS:STAGE_MIB:nv for a run with checksums not computed (an "
+        "upper bound of what hashing costs; never how moeckpt loads)",
     )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--stage-host", action="store_true", help="with --device cpu: through the staged path on the host")
@@ -150,8 +148,6 @@ def main() -> None:
         threads_s, stage_s, *flags = cell.split(":")
         threads, stage_mib = int(threads_s), int(stage_s)
         verify(on="nv" not in flags)
-        window = next((int(f[1:]) << 10 for f in flags if f.startswith("w")), _WINDOW)
-        safetensors.HASH_WINDOW_BYTES = window or (1 << 62)
         options = LoadOptions(fill_threads=threads, stage_bytes=stage_mib << 20)
         for case in cases:
             source, target, rank = CASES[case]
@@ -184,7 +180,6 @@ def main() -> None:
                     "threads": threads,
                     "stage_mib": stage_mib,
                     "verified": "nv" not in flags,
-                    "hash_window_kib": window >> 10,
                     "case": case,
                     "rep": rep,
                     "load_s": round(wall, 4),

@@ -10,7 +10,7 @@ are in :mod:`.safetensors_write`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -178,76 +178,36 @@ class SafetensorsBackend(BackendBase):
         return None
 
 
-class _BlockVerifier:
-    """Checks the blocks of ``ref`` from ``first_block`` on as their bytes arrive, in any cuts: a block that spans
-    two updates is hashed in two. ``parts`` (every buffer the bytes land in, in order) only serve the error
-    message of a mismatch, which names the failing block."""
-
-    def __init__(self, ref: PieceRef, first_block: int, where: str, parts: Sequence[memoryview]):
-        self.ref, self.first, self.where, self.parts = ref, first_block, where, parts
-        self.block, self.filled, self.h = first_block, 0, xxhash.xxh3_64()
-
-    def update(self, mv: memoryview) -> None:
-        size, off = self.ref.block_bytes, 0
-        while off < len(mv):
-            take = min(size - self.filled, len(mv) - off)
-            self.h.update(mv[off : off + take])
-            off += take
-            self.filled += take
-            if self.filled == size:
-                self._check()
-
-    def finish(self) -> None:
-        if self.filled:
-            self._check()
-
-    def _check(self) -> None:
-        ref = self.ref
-        got = f"{ALGORITHM}:{self.h.hexdigest()}"
-        if self.block >= len(ref.checksums) or got != ref.checksums[self.block]:
-            verify_blocks(b"".join(bytes(p) for p in self.parts), self.first, ref, self.where)  # names the block
-            raise ChecksumMismatchError(
-                f"{self.where}: checksum mismatch in tensor {ref.tensor!r}; the file is corrupt"
-            )
-        self.block, self.filled, self.h = self.block + 1, 0, xxhash.xxh3_64()
-
-
 def _verify_parts(parts: Sequence[memoryview], first_block: int, ref: PieceRef, where: str) -> None:
     """:func:`verify_blocks` over the concatenation of ``parts`` (whole blocks of ``ref`` from ``first_block``)
-    without joining them. A sliced piece's row groups (format version 5) are checked on one joined copy of the
-    parts: each slice takes a part of every row."""
+    without joining them: a block that spans two parts is hashed in two updates. A sliced piece's row groups
+    (format version 5) are checked on one joined copy of the parts: each slice takes a part of every row."""
     if ref.geometry is not None:
         joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]) if parts else np.empty(0, np.uint8)
         verify_blocks(joined.data, first_block, ref, where)
         return
-    check = _BlockVerifier(ref, first_block, where, parts)
-    for part in parts:
-        check.update(part.cast("B") if part.format != "B" else part)
-    check.finish()
+    size = ref.block_bytes
+    block, filled, h = first_block, 0, xxhash.xxh3_64()
 
+    def check() -> None:
+        got = f"{ALGORITHM}:{h.hexdigest()}"
+        if block >= len(ref.checksums) or got != ref.checksums[block]:
+            verify_blocks(b"".join(bytes(p) for p in parts), first_block, ref, where)  # names the failing block
+            raise ChecksumMismatchError(f"{where}: checksum mismatch in tensor {ref.tensor!r}; the file is corrupt")
 
-#: a verified read is read and hashed in windows of this many bytes: each window is hashed while it is still in the
-#: core's cache, not read back from memory after the whole read (a load is bound by memory bandwidth on a host whose
-#: threads all read at once; docs/benchmarks/README.md).
-HASH_WINDOW_BYTES = 1024 * 1024
-
-
-def _windows(parts: Sequence[memoryview], window: int) -> Iterator[tuple[int, list[memoryview]]]:
-    """The concatenation of ``parts`` cut every ``window`` bytes: ``(offset, the pieces of parts it covers)``."""
-    at, batch, filled = 0, [], 0
     for part in parts:
         mv = part.cast("B") if part.format != "B" else part
         off = 0
         while off < len(mv):
-            take = min(window - filled, len(mv) - off)
-            batch.append(mv[off : off + take])
+            take = min(size - filled, len(mv) - off)
+            h.update(mv[off : off + take])
             off += take
             filled += take
-            if filled == window:
-                yield at, batch
-                at, batch, filled = at + filled, [], 0
-    if batch:
-        yield at, batch
+            if filled == size:
+                check()
+                block, filled, h = block + 1, 0, xxhash.xxh3_64()
+    if filled:
+        check()
 
 
 class SafetensorsReader:
@@ -319,7 +279,8 @@ class SafetensorsReader:
             parts.append(buf.cast("B") if buf.format != "B" else buf)
         if read_hi > b:
             parts.append(scratch[at:])
-        self._read_verified(ref, read_lo, parts, b0)
+        where = self._read_whole(ref, read_lo, parts)
+        _verify_parts(parts, b0, ref, where)
         return True
 
     def read_columns_into(self, ref: PieceRef, s0: int, s1: int, c0: int, c1: int, out: torch.Tensor) -> bool:
@@ -423,22 +384,6 @@ class SafetensorsReader:
         if buf is None or len(buf) < nbytes:
             buf = self._scratch.buf = memoryview(bytearray(nbytes))
         return buf[:nbytes]
-
-    def _read_verified(self, ref: PieceRef, offset: int, parts: list[memoryview], first_block: int) -> None:
-        """:meth:`_read_whole` then :func:`_verify_parts`, in windows of :data:`HASH_WINDOW_BYTES`: each window is
-        read, then hashed at once, while its bytes are in the core's cache. ``parts`` hold whole checksum blocks
-        from ``first_block`` on."""
-        if ref.geometry is not None or sum(len(p) for p in parts) <= HASH_WINDOW_BYTES:
-            where = self._read_whole(ref, offset, parts)
-            _verify_parts(parts, first_block, ref, where)
-            return
-        where = self.storage.path(ref.file)
-        check = _BlockVerifier(ref, first_block, where, parts)
-        for at, window in _windows(parts, HASH_WINDOW_BYTES):
-            self._read_whole(ref, offset + at, window)
-            for mv in window:
-                check.update(mv)
-        check.finish()
 
     def _read_whole(self, ref: PieceRef, offset: int, parts: list[memoryview]) -> str:
         """Fill ``parts`` from byte ``offset`` of ``ref``'s data, all of them or a typed error naming the file and

@@ -15,7 +15,6 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from moeckpt.formats.backends import safetensors
 from moeckpt.formats.backends.safetensors import SafetensorsReader
 from moeckpt.formats.box import Box
 from moeckpt.formats.errors import ChecksumMismatchError
@@ -85,21 +84,10 @@ def _covered_blocks(ref: PieceRef, item: ReadItem, span) -> int:
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    case=cases(),
-    vectored=st.booleans(),
-    part=st.sampled_from([8, 64, 1 << 20]),
-    threads=st.sampled_from([1, 3]),
-    window=st.sampled_from([7, 64, 1 << 20]),
-)
-def test_boxes_spanning_stored_pieces_are_read_in_place_exactly(
-    tmp_path, monkeypatch, case, vectored, part, threads, window
-):
-    """``window``: the verified reads are read and hashed in windows of that many bytes (cutting blocks and the
-    scratch between ranges anywhere), or whole."""
+@given(case=cases(), vectored=st.booleans(), part=st.sampled_from([8, 64, 1 << 20]), threads=st.sampled_from([1, 3]))
+def test_boxes_spanning_stored_pieces_are_read_in_place_exactly(tmp_path, monkeypatch, case, vectored, part, threads):
     shape, sources, target, block = case
     monkeypatch.setattr(inplace, "VECTORED_RANGE_BYTES", 0 if vectored else 1 << 30)
-    monkeypatch.setattr(safetensors, "HASH_WINDOW_BYTES", window)
     monkeypatch.setattr(inplace, "COPY_PART_BYTES", part)
     full, refs = _store(tmp_path, shape, sources, block)
     piece = _plan(sources, target)
@@ -196,26 +184,4 @@ def test_the_scratch_of_a_thread_is_reused_and_every_read_still_verified(tmp_pat
     with pytest.raises(ChecksumMismatchError, match="'t'"):
         session.read_segments_into(ref, segments(torch.zeros(target.shape)))
     assert session._scratch.buf is scratch  # the same buffer, filled again
-    session.close()
-
-
-@pytest.mark.parametrize("at", [3, 2 * 32 + 28, 6 * 32 - 1], ids=["first window", "a middle one", "the last"])
-def test_a_read_hashed_in_windows_catches_a_flipped_byte_in_any_window(tmp_path, monkeypatch, at):
-    """A verified read is read and hashed window by window (each hashed while in the core's cache): a byte
-    flipped in any window, inside the box or in the scratch around it, fails the read and names the tensor;
-    unflipped, the same read lands exactly the box's bytes."""
-    monkeypatch.setattr(safetensors, "HASH_WINDOW_BYTES", 24)  # cuts the 40-byte blocks and the 32-byte rows
-    shape, block = (6, 8), 40
-    sources = [Box((0, 0), (6, 8))]
-    target = Box((0, 2), (6, 5))
-    full, refs = _store(tmp_path, shape, sources, block)
-    ref = refs[("t", sources[0])]
-    session = SafetensorsReader(LocalStorage(str(tmp_path)))
-    segments = lambda out: [(r * 32 + 8, out[r].numpy().data.cast("B")) for r in range(6)]  # noqa: E731
-    good = torch.zeros(target.shape)
-    assert session.read_segments_into(ref, segments(good))
-    assert torch.equal(good, full[target.slices()])
-    flip_byte(str(tmp_path), FILE, at)
-    with pytest.raises(ChecksumMismatchError, match="'t'"):
-        session.read_segments_into(ref, segments(torch.zeros(target.shape)))
     session.close()
