@@ -27,6 +27,8 @@ import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.backends import safetensors
 from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.checksum import checksum
+from moeckpt.formats.errors import ChecksumMismatchError
 from moeckpt.reshard import staging
 from moeckpt.reshard.load import LoadStats, load_rank_state
 from moeckpt.reshard.options import LoadOptions
@@ -116,6 +118,41 @@ def verify(on: bool) -> None:
         setattr(safetensors, name, fn if on else (lambda *a, **k: None))
 
 
+_ROWS_INTO = safetensors.SafetensorsReader.read_rows_into
+
+
+def _mapped_rows_into(self, ref, lo, hi, out):
+    """Rows ``[lo, hi)`` of ``ref`` into ``out`` from a mapping of the file: each checksum block hashed from the
+    mapping (one read of it from memory), then copied into ``out`` while it is in the core's cache, instead of a
+    ``pread`` into ``out`` and a second pass over ``out`` to hash it."""
+    if ref.geometry is not None or not ref.box.ndim or hi <= lo or out.device.type != "cpu":
+        return _ROWS_INTO(self, ref, lo, hi, out)
+    row = ref.nbytes // ref.box.shape[0]
+    a, b, block = lo * row, hi * row, ref.block_bytes
+    if not block or a % block or (b % block and b != ref.nbytes) or out.numel() * out.element_size() != b - a:
+        return _ROWS_INTO(self, ref, lo, hi, out)
+    found = self._files.map(ref.file, ref.start + a, b - a)
+    if found is None:
+        return _ROWS_INTO(self, ref, lo, hi, out)
+    mapped, at = found
+    src = torch.frombuffer(mapped, dtype=torch.uint8, count=b - a, offset=at)
+    dst = out.reshape(-1).view(torch.uint8)
+    view = memoryview(mapped)
+    first = a // block
+    for i, off in enumerate(range(0, b - a, block)):
+        end = min(off + block, b - a)
+        if checksum(view[at + off : at + end]) != ref.checksums[first + i]:
+            raise ChecksumMismatchError(f"{ref.tensor!r}: block {first + i} differs")
+        dst[off:end].copy_(src[off:end])
+    del src, view
+    return True
+
+
+def mapped_copy(on: bool) -> None:
+    """The candidate read path (:func:`_mapped_rows_into`) for whole rows, or moeckpt's own."""
+    safetensors.SafetensorsReader.read_rows_into = _mapped_rows_into if on else _ROWS_INTO
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/moeckpt-bench-load-gpu", help="where bench_load_gpu.py --keep saved")
@@ -125,8 +162,9 @@ def main() -> None:
     ap.add_argument(
         "--grid",
         default="8:16,16:16",
-        help="comma-separated THREADS:STAGE_MIB, or THREADS:STAGE_MIB:nv for a run with checksums not computed (an "
-        "upper bound of what hashing costs; never how moeckpt loads)",
+        help="comma-separated THREADS:STAGE_MIB[:FLAG...]; flags: nv, checksums not computed (an upper bound of what "
+        "hashing costs; never how moeckpt loads); mc, whole rows hashed block by block from a mapping of the file, "
+        "each block copied into the staging buffer while in the core's cache (a candidate read path, A/B only)",
     )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--stage-host", action="store_true", help="with --device cpu: through the staged path on the host")
@@ -148,6 +186,7 @@ def main() -> None:
         threads_s, stage_s, *flags = cell.split(":")
         threads, stage_mib = int(threads_s), int(stage_s)
         verify(on="nv" not in flags)
+        mapped_copy(on="mc" in flags)
         options = LoadOptions(fill_threads=threads, stage_bytes=stage_mib << 20)
         for case in cases:
             source, target, rank = CASES[case]
@@ -180,6 +219,7 @@ def main() -> None:
                     "threads": threads,
                     "stage_mib": stage_mib,
                     "verified": "nv" not in flags,
+                    "mapped_copy": "mc" in flags,
                     "case": case,
                     "rep": rep,
                     "load_s": round(wall, 4),
