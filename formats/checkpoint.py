@@ -9,6 +9,7 @@ index; ``moeckpt gc`` removes such leftovers.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -184,6 +185,22 @@ def committed_steps(run_dir: str) -> list[tuple[int, Storage]]:
             if is_committed(child):
                 out.append((int(name[len(STEP_PREFIX) :]), child))
     return sorted(out, key=lambda x: x[0])
+
+
+class ReusedBuffer:
+    """One host buffer that many boxes are read into in turn (``read_box(out=)``: an export's logical tensors, a
+    diff's), grown to the largest: a new tensor per read has its pages faulted in anew each time (the kernel zeroing
+    fresh memory), which was most of an export's system time."""
+
+    def __init__(self) -> None:
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of ``shape`` and ``dtype`` over the buffer (its contents are the last read's)."""
+        n = math.prod(shape) * dtype.itemsize
+        if self._bytes.numel() < n:
+            self._bytes = torch.empty(n, dtype=torch.uint8)
+        return self._bytes[:n].view(dtype).view(shape)
 
 
 class CheckpointReader:

@@ -11,16 +11,13 @@ written tensor by tensor; the directory's layout and commit are :mod:`moeckpt.fo
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 from types import ModuleType
 
-import torch
-
 from moeckpt.formats import dtypes
-from moeckpt.formats.checkpoint import CheckpointReader
+from moeckpt.formats.checkpoint import CheckpointReader, ReusedBuffer
 from moeckpt.formats.hf_shards import (
     INDEX_FILE,
     HfExportError,
@@ -45,22 +42,6 @@ __all__ = ["INDEX_FILE", "HfExportError", "export_hf", "hf_module", "parse_size"
 def hf_module(spec: ModelSpec) -> ModuleType:
     """The ``<arch>/hf.py`` mapping module of a model (config mapping, tensor names)."""
     return importlib.import_module(f"{spec.module.__name__}.hf")
-
-
-class ReusedBuffer:
-    """One host buffer that every logical tensor of an export is read into in turn, grown to the largest: a new
-    tensor per read has its pages faulted in anew each time (the kernel zeroing fresh memory), which was most of the
-    export's system time."""
-
-    def __init__(self) -> None:
-        self._bytes = torch.empty(0, dtype=torch.uint8)
-
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` and ``dtype`` over the buffer (its contents are the last read's)."""
-        n = math.prod(shape) * dtype.itemsize
-        if self._bytes.numel() < n:
-            self._bytes = torch.empty(n, dtype=torch.uint8)
-        return self._bytes[:n].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
