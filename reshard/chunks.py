@@ -189,6 +189,17 @@ class ChunkReader:
                 self._used(_key(ref, lo, hi))
             yield first, view
 
+    def copy_region(self, tensor: str, box: Box, region: Box, out: torch.Tensor, *, until: int | None = None) -> None:
+        """``region`` (in piece coordinates) of the stored piece ``(tensor, box)`` copied into ``out`` (a tensor of
+        its shape, any strides: a view of where it lands), chunk by chunk from :meth:`row_parts` (``until`` as
+        there), with no concatenation of the rows first."""
+        if not box.ndim:
+            out.copy_(self.rows(tensor, box, 0, 1, until=until))
+            return
+        r0, cols = region.offsets[0], (slice(None),) + region.slices()[1:]
+        for first, data in self.row_parts(tensor, box, r0, r0 + region.shape[0], until=until):
+            out[first - r0 : first - r0 + data.shape[0]] = data[cols]
+
     def expect(self, pieces: Iterable[TargetPiece], *, reader: object = None) -> None:
         """Count the planned uses of the chunks ``pieces`` read (whole chunks: not with ``clip``), as the uses of
         ``reader`` where named (the name its thread gives :meth:`consumer`)."""

@@ -97,18 +97,6 @@ def _grown(buf: torch.Tensor, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     return buf, buf[:nbytes]
 
 
-def _copy_region(chunks: ChunkReader, tensor: str, src: Box, sub: Box, out: torch.Tensor) -> None:
-    """Region ``sub`` of the stored piece ``src`` copied into ``out`` (of ``sub``'s shape, any strides), chunk by
-    chunk: no concatenation of the rows first (a fresh tensor and a second copy of every byte)."""
-    if not src.ndim:
-        out.copy_(chunks.rows(tensor, src, 0, 1))
-        return
-    rel = sub.relative_to(src)
-    r0, cols = rel.offsets[0], (slice(None),) + rel.slices()[1:]
-    for first, data in chunks.row_parts(tensor, src, r0, r0 + rel.shape[0]):
-        out[first - r0 : first - r0 + data.shape[0]] = data[cols]
-
-
 class GuardedExtract:
     """Reads the regions this rank owns; after a read fails it keeps the rank in step with zeros.
 
@@ -117,15 +105,14 @@ class GuardedExtract:
     zeros in its place, and all ranks then raise the same error together (:func:`~.load._raise_if_any_failed`).
     """
 
-    def __init__(self, index):
-        self.index = index
+    def __init__(self):
         self.failure: MoeckptError | OSError | None = None
 
     def copy_into(self, chunks: ChunkReader, tensor: str, src: Box, sub: Box, out: torch.Tensor) -> None:
         """Region ``sub`` of stored piece ``src`` into ``out`` (zeros once a read has failed)."""
         if self.failure is None:
             try:
-                _copy_region(chunks, tensor, src, sub, out)
+                chunks.copy_region(tensor, src, sub.relative_to(src), out)
                 return
             except (MoeckptError, OSError) as e:
                 # Kept without its traceback: the traceback's frames hold this object, and a cycle through them

@@ -261,7 +261,7 @@ def _load_collective(
     mine = plan.ranks[0]
     state_list = [torch.empty(p.box.shape, dtype=dtypes.to_torch(index.tensors[p.tensor].dtype)) for p in mine.pieces]
     owned_sources = {SourcePiece(k[0], Box(k[1], k[2]), k[3]) for k in order if owner[k] == me}
-    extract = GuardedExtract(index)
+    extract = GuardedExtract()
     try:
         refs = refs_for(reader, owned_sources, stored)  # reads the headers of the files this rank reads from
     except (MoeckptError, OSError) as e:  # a damaged header: take part in the rounds anyway, then fail

@@ -31,13 +31,8 @@ def fill(out: torch.Tensor, out_box: Box, reads: Sequence[ReadItem], chunks: Chu
             continue
         rel = sub.relative_to(item.src_box)
         if out_box.ndim:
-            r0 = rel.offsets[0]
-            at = sub.relative_to(out_box).slices()
-            cols = (slice(None),) + rel.slices()[1:]
-            # chunk by chunk into place: no concatenation of the rows first (a fresh tensor and a second copy)
-            for first, data in chunks.row_parts(item.tensor, item.src_box, r0, r0 + rel.shape[0], until=item.rows[1]):
-                lo = at[0].start + first - r0
-                out[(slice(lo, lo + data.shape[0]),) + at[1:]] = data[cols]
+            at = out[sub.relative_to(out_box).slices()]
+            chunks.copy_region(item.tensor, item.src_box, rel, at, until=item.rows[1])
         else:
             out.copy_(chunks.rows(item.tensor, item.src_box, 0, 1, until=1))
         copied += sub.numel
