@@ -3,18 +3,23 @@
 The output is what ``transformers.AutoModelForCausalLM.from_pretrained`` reads: ``model-0000k-of-0000n.safetensors``
 shards, ``model.safetensors.index.json`` (``total_size`` and the weight map), ``config.json`` and
 ``generation_config.json``. Logical tensors are streamed: each is read whole from the checkpoint (only its own
-pieces), converted to the output dtype, written into the open shard and dropped, so memory holds one tensor, never
-the model. Shard headers are known up front (names and shapes come from the plan), which is what lets a shard be
-written tensor by tensor; the directory's layout and commit are :mod:`moeckpt.formats.hf_shards`'s.
+pieces), converted to the output dtype, written into the open shard and dropped, so memory holds two tensors (the
+one being written and the next, read ahead), never the model. Shard headers are known up front (names and shapes
+come from the plan), which is what lets a shard be written tensor by tensor; the directory's layout and commit are
+:mod:`moeckpt.formats.hf_shards`'s.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import dataclass
+from itertools import groupby
 from types import ModuleType
+
+import torch
 
 from moeckpt.formats import dtypes
 from moeckpt.formats.checkpoint import CheckpointReader, ReusedBuffer
@@ -153,6 +158,10 @@ def export_hf(
 ) -> ExportResult:
     """Write the parameters of checkpoint ``ckpt`` as a Hugging Face model directory at ``out``.
 
+    The next logical tensor is read (and verified) on a second thread while this one writes the last: memory holds
+    at most two logical tensors (the largest two, in two reused buffers), and the source's reads overlap the
+    output's writes instead of taking turns with them.
+
     ``model`` names the bundled model a state-dict checkpoint's tensors are (see
     :mod:`moeckpt.trainer.interop.bundled`); a checkpoint of the bundled trainer records its own.
 
@@ -184,19 +193,25 @@ def export_hf(
         raise HfExportError(f"cannot export as {dtype!r}; choose bfloat16 or float32")
     torch_dtype = dtypes.to_torch(dtype)
     hf = hf_module(spec)
+
+    def read_values(source: str, scratch: ReusedBuffer) -> dict[str, torch.Tensor]:
+        """The HF tensors cut from logical tensor ``source``, read into ``scratch`` (a damaged source raises here,
+        named as itself)."""
+        where = stored.get(source) or _value_source(reader, source, dtype)
+        entry = reader.index.tensors[where]
+        out = scratch.get(entry.shape, dtypes.to_torch(entry.dtype))
+        full = reader.read_tensor(where, out=out, session=session).to(torch_dtype)
+        return hf.export_values(source, full, spec.config)
+
+    sources = {t.name: t.source for t in tensors}
+    shards = pack_shards((ShardTensor(t.name, dtype, t.shape) for t in tensors), max_shard_size)
+    # the logical tensors in the order the shards take their HF tensors (one run per logical tensor)
+    ahead = ReadAhead([s for s, _ in groupby(sources[t.name] for shard in shards for t in shard)], read_values)
     current: list = [None, {}]  # the logical tensor being written and its HF tensors not yet written
-    scratch = ReusedBuffer()
 
     def produce(t: ShardTensor) -> Iterator[bytes | memoryview]:
-        source = sources[t.name]
-        if source != current[0]:
-            where = stored.get(source) or _value_source(reader, source, dtype)
-            entry = reader.index.tensors[where]
-            # into one reused buffer once every HF tensor cut from the last one is written (they are its views)
-            out = scratch.get(entry.shape, dtypes.to_torch(entry.dtype)) if not current[1] else None
-            # a damaged source raises here, named as itself
-            full = reader.read_tensor(where, out=out, session=session).to(torch_dtype)
-            current[:] = [source, hf.export_values(source, full, spec.config)]
+        if not current[1]:
+            current[:] = [sources[t.name], ahead.next(sources[t.name])]
         yield tensor_bytes(current[1].pop(t.name))
 
     def configs() -> dict[str, bytes]:
@@ -205,11 +220,49 @@ def export_hf(
             "config.json": json_file(hf.to_hf_config(spec.config, dtype=dtype)),
         }
 
-    sources = {t.name: t.source for t in tensors}
-    shards = pack_shards((ShardTensor(t.name, dtype, t.shape) for t in tensors), max_shard_size)
-    # One tensor after another on this thread: torch's intra-op pool spreading each conversion over the cores
+    # Each conversion on one core (the read-ahead thread's): torch's intra-op pool spreading it over the cores
     # bought no time and cost CPU that a training job beside the export wants (docs/benchmarks/README.md,
     # "Figures behind the code's defaults").
-    with single_threaded_torch(), closing(reader.open_reader()) as session:
+    with single_threaded_torch(), closing(reader.open_reader()) as session, ahead:
         written = write_shards(out, shards, produce, overwrite=overwrite, extra_files=configs, on_bytes=on_bytes)
     return ExportResult(files=written.files, total_size=written.total_size, num_tensors=len(tensors), dtype=dtype)
+
+
+class ReadAhead:
+    """The logical tensors of an export read one ahead, on a thread of their own, into two reused buffers in turn.
+
+    ``next(source)`` returns ``read(source, buffer)`` (the HF tensors cut from it) and starts the read of the
+    tensor after it; a read's error is raised by the ``next`` that asks for it. A buffer is reused two tensors
+    later, when every HF tensor cut from it has been written: the writer asks for tensor ``i + 1`` only after
+    writing all of ``i``'s, and the read that starts then is ``i + 2``'s, into ``i``'s buffer.
+    """
+
+    def __init__(self, order: list[str], read: Callable[[str, ReusedBuffer], dict[str, torch.Tensor]]) -> None:
+        self._order = order
+        self._read = read
+        self._buffers = (ReusedBuffer(), ReusedBuffer())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeckpt-export-read")
+        self._pending: dict[int, Future[dict[str, torch.Tensor]]] = {}
+        self._at = 0
+
+    def _start(self, i: int) -> None:
+        if i < len(self._order) and i not in self._pending:
+            self._pending[i] = self._pool.submit(self._read, self._order[i], self._buffers[i % 2])
+
+    def next(self, source: str) -> dict[str, torch.Tensor]:
+        i = self._at
+        if i >= len(self._order) or self._order[i] != source:  # a bug in the caller's order, not a user error
+            raise RuntimeError(f"export asked for {source!r}, expected {self._order[i : i + 1]}")
+        self._start(i)
+        values = self._pending.pop(i).result()
+        self._at = i + 1
+        self._start(i + 1)
+        return values
+
+    def __enter__(self) -> ReadAhead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._pending.values():
+            f.cancel()
+        self._pool.shutdown(wait=True)  # a read in flight ends before the session it reads through is closed
