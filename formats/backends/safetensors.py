@@ -181,8 +181,12 @@ class SafetensorsBackend(BackendBase):
 def _verify_parts(parts: Sequence[memoryview], first_block: int, ref: PieceRef, where: str) -> None:
     """:func:`verify_blocks` over the concatenation of ``parts`` (whole blocks of ``ref`` from ``first_block``)
     without joining them: a block that spans two parts is hashed in two updates. A sliced piece's row groups
-    (format version 5) are checked on one joined copy of the parts: each slice takes a part of every row."""
+    (format version 5) are checked in place when they arrive in one part, else on one joined copy of the parts
+    (each slice takes a part of every row)."""
     if ref.geometry is not None:
+        if len(parts) == 1:  # whole row groups read straight into one buffer (a load's usual part): no copy
+            verify_blocks(parts[0], first_block, ref, where)
+            return
         joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]) if parts else np.empty(0, np.uint8)
         verify_blocks(joined.data, first_block, ref, where)
         return

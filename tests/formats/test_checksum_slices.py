@@ -312,3 +312,51 @@ def test_slices_in_an_index_of_an_earlier_version_are_refused(tmp_path):
         CheckpointReader(path).pieces()
     with pytest.raises(spec_reader.SpecError, match="need version 5"):
         spec_reader.Checkpoint(path).pieces()
+
+
+def test_whole_row_groups_read_in_one_part_verify_in_place_and_catch_a_flipped_byte(tp1, tmp_path):
+    """A load's usual read of a sliced piece: whole row groups straight into one buffer. Its slices are checked
+    where they landed (no joined copy), the narrow ones gathered through a reused buffer; a flipped byte in one
+    narrow slice still fails the read, named."""
+    from moeckpt.formats.storages.local import LocalStorage
+
+    path = str(tmp_path / "ck")
+    shutil.copytree(tp1, path)
+    (ref,) = [r for r in CheckpointReader(path).pieces() if r.tensor == "o"]
+    g = ref.geometry
+    assert g is not None and g.groups > 1 and g.cols[1] < 1024  # narrow slices, several row groups
+    rows = ref.box.shape[0]
+    session = safetensors.SafetensorsReader(LocalStorage(path))
+    try:
+        out = torch.empty(tuple(ref.box.shape), dtype=torch.bfloat16)
+        assert session.read_rows_into(ref, 0, rows, out)
+        assert torch.equal(out, _value(TENSORS["o"]))
+    finally:
+        session.close()
+    at = ref.start + g.row_bytes * (g.group_rows + 3) + g.cols[5] + 7  # row group 1, slice 5
+    with open(os.path.join(path, ref.file), "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    session = safetensors.SafetensorsReader(LocalStorage(path))
+    try:
+        with pytest.raises(ChecksumMismatchError, match="slice 5"):
+            session.read_rows_into(ref, 0, rows, torch.empty_like(out))
+    finally:
+        session.close()
+
+
+def test_slice_checksums_of_strided_slices_equal_those_of_contiguous_copies():
+    """The gather buffer a thread reuses gives each strided slice the checksum of its own contiguous bytes, for
+    slices of several sizes in turn (a smaller one after a larger one reads only its own bytes)."""
+    import numpy as np
+    import xxhash
+
+    from moeckpt.formats.slices import _slice_digest
+
+    rng = np.random.default_rng(0)
+    rows = rng.integers(0, 256, size=(64, 4096), dtype=np.uint8)
+    for c0, c1 in [(0, 2048), (512, 1024), (4000, 4096), (0, 4096), (1, 3)]:
+        want = "xxh3_64:" + xxhash.xxh3_64_hexdigest(np.ascontiguousarray(rows[:, c0:c1]).tobytes())
+        assert _slice_digest(rows, c0, c1) == want
