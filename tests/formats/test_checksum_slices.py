@@ -12,6 +12,7 @@ import os
 import shutil
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -360,3 +361,46 @@ def test_slice_checksums_of_strided_slices_equal_those_of_contiguous_copies():
     for c0, c1 in [(0, 2048), (512, 1024), (4000, 4096), (0, 4096), (1, 3)]:
         want = "xxh3_64:" + xxhash.xxh3_64_hexdigest(np.ascontiguousarray(rows[:, c0:c1]).tobytes())
         assert _slice_digest(rows, c0, c1) == want
+
+
+def test_a_read_from_inside_a_row_group_verifies_across_its_parts(tp1, tmp_path, monkeypatch):
+    """Bytes from the middle of a row group (a ZeRO part's cut): the group's rows before them land in scratch,
+    the rest in the caller's buffer, and the slices are hashed across the two parts without joining them; a
+    flipped byte in either part fails the read."""
+    from moeckpt.formats.storages.local import LocalStorage
+
+    path = str(tmp_path / "ck")
+    shutil.copytree(tp1, path)
+    (ref,) = [r for r in CheckpointReader(path).pieces() if r.tensor == "o"]
+    g = ref.geometry
+    assert g is not None and g.groups > 2
+    a = g.row_bytes * (g.group_rows + 5)  # row 5 of group 1: rows 0-4 of the group go to scratch
+    b = g.row_bytes * 3 * g.group_rows
+    joined = []
+    real = np.concatenate
+    monkeypatch.setattr(safetensors.np, "concatenate", lambda *x, **k: joined.append(1) or real(*x, **k))
+    full = _value(TENSORS["o"]).reshape(-1).view(torch.uint8)
+
+    def read() -> torch.Tensor:
+        session = safetensors.SafetensorsReader(LocalStorage(path))
+        try:
+            out = torch.empty(b - a, dtype=torch.uint8)
+            assert session.read_bytes_into(ref, a, b, out)
+            return out
+        finally:
+            session.close()
+
+    assert torch.equal(read(), full[a:b])
+    assert not joined  # a sound read is verified where it landed
+    for at in (g.row_bytes * g.group_rows + g.cols[6] + 1, a + g.cols[2] + 3):  # in the scratch, in the buffer
+        with open(os.path.join(path, ref.file), "r+b") as f:
+            f.seek(ref.start + at)
+            byte = f.read(1)
+            f.seek(ref.start + at)
+            f.write(bytes([byte[0] ^ 0x04]))
+        with pytest.raises(ChecksumMismatchError, match="slice"):
+            read()
+        with open(os.path.join(path, ref.file), "r+b") as f:
+            f.seek(ref.start + at)
+            f.write(byte)
+    assert torch.equal(read(), full[a:b])
