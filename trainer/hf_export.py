@@ -207,12 +207,12 @@ def export_hf(
     shards = pack_shards((ShardTensor(t.name, dtype, t.shape) for t in tensors), max_shard_size)
     # the logical tensors in the order the shards take their HF tensors (one run per logical tensor)
     ahead = ReadAhead([s for s, _ in groupby(sources[t.name] for shard in shards for t in shard)], read_values)
-    current: list = [None, {}]  # the logical tensor being written and its HF tensors not yet written
+    unwritten: dict[str, torch.Tensor] = {}  # the HF tensors of the logical tensor being written, not yet written
 
     def produce(t: ShardTensor) -> Iterator[bytes | memoryview]:
-        if not current[1]:
-            current[:] = [sources[t.name], ahead.next(sources[t.name])]
-        yield tensor_bytes(current[1].pop(t.name))
+        if not unwritten:
+            unwritten.update(ahead.next(sources[t.name]))
+        yield tensor_bytes(unwritten.pop(t.name))
 
     def configs() -> dict[str, bytes]:
         return {
