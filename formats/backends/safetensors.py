@@ -208,7 +208,7 @@ def _verify_parts(parts: Sequence[memoryview], first_block: int, ref: PieceRef, 
         if len(parts) == 1:  # whole row groups read straight into one buffer (a load's usual part): no copy
             verify_blocks(parts[0], first_block, ref, where)
         elif not _slices_match(parts, first_block, ref):  # checked again on a joined copy, which names the slice
-            joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts]) if parts else np.empty(0)
+            joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts] or [np.empty(0, np.uint8)])
             verify_blocks(joined.data, first_block, ref, where)
         return
     size = ref.block_bytes
