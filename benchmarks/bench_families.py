@@ -11,7 +11,9 @@
    * ``moeckpt export-hf CK2 OUT``;
    each beside ``cp -r`` of what the step writes (the same bytes, read cold and written, then ``sync``: moeckpt
    fsyncs what it writes), so each ratio is moeckpt's time over cp's for the same bytes;
-3. the exported tensors are compared with the source's, bit for bit (first repetition), tensor by tensor.
+3. ``moeckpt export-hf --help``, cold: the fixed cost in the export's time (the interpreter importing torch and the
+   command) before it reads a byte;
+4. the exported tensors are compared with the source's, bit for bit (first repetition), tensor by tensor.
 
 Writes ``families_dsv3.json`` and ``families_dsv3.png`` to ``--out``. The disk holds the source, two
 checkpoints, the export and one copy at a time: about 3.3x the checkpoint's size.
@@ -286,6 +288,10 @@ def main() -> None:
                 f"{ref['s']:6.2f} s: {row[step]['ratio']:.3f}x",
                 flush=True,
             )
+        # The export's fixed cost, timed the same way (cold): the interpreter importing torch and the command,
+        # before a byte of the checkpoint is read.
+        row["startup"] = timed(moeckpt("export-hf", "--help"), args.settle)
+        print(f"  rep {rep + 1} startup   {row['startup']['s']:7.2f} s (moeckpt export-hf --help, cold)", flush=True)
         if rep == 0:
             equal, checked = same_tensors(w["src"], w["out"])
             row["export_equals_source"] = {"equal": equal, "tensors": checked}
@@ -303,6 +309,7 @@ def main() -> None:
         }
         for step, _, _ in STEPS
     }
+    data["summary"]["startup_s_per_rep"] = [r["startup"]["s"] for r in data["reps"]]
     with open(os.path.join(args.out, "families_dsv3.json"), "w") as f:
         json.dump(data, f, indent=1)
     plot(data, os.path.join(args.out, "families_dsv3.png"))
