@@ -14,8 +14,9 @@ import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
 from . import dtypes
 from .backend import Backend, PieceReader, get_backend
@@ -32,11 +33,16 @@ from .pieces import Piece, PieceRef
 from .storage import Storage
 from .storages import open_storage
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
     "STAGING_SUFFIX",
     "STEP_PREFIX",
     "CheckpointReader",
+    "ReusedBuffer",
     "begin_save",
+    "byte_view",
     "commit",
     "committed_steps",
     "discard",
@@ -190,17 +196,24 @@ def committed_steps(run_dir: str) -> list[tuple[int, Storage]]:
 class ReusedBuffer:
     """One host buffer that many boxes are read into in turn (``read_box(out=)``: an export's logical tensors, a
     diff's), grown to the largest: a new tensor per read has its pages faulted in anew each time (the kernel zeroing
-    fresh memory), which was most of an export's system time."""
+    fresh memory), which was most of an export's system time. Viewed as a tensor (:meth:`get`) or as bytes
+    (:meth:`get_bytes`, for a reader without torch)."""
 
     def __init__(self) -> None:
-        self._bytes = torch.empty(0, dtype=torch.uint8)
+        self._bytes = np.empty(0, dtype=np.uint8)
+
+    def get_bytes(self, nbytes: int) -> np.ndarray:
+        """The buffer's first ``nbytes`` bytes (its contents are the last read's)."""
+        if len(self._bytes) < nbytes:
+            self._bytes = np.empty(nbytes, dtype=np.uint8)
+        return self._bytes[:nbytes]
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of ``shape`` and ``dtype`` over the buffer (its contents are the last read's)."""
+        import torch
+
         n = math.prod(shape) * dtype.itemsize
-        if self._bytes.numel() < n:
-            self._bytes = torch.empty(n, dtype=torch.uint8)
-        return self._bytes[:n].view(dtype).view(shape)
+        return torch.from_numpy(self.get_bytes(n)).view(dtype).view(shape)
 
 
 class CheckpointReader:
@@ -257,6 +270,8 @@ class CheckpointReader:
         mapped where the storage maps its files (checksums computed over the page cache, then the box's bytes
         copied out of it once, so the result is never backed by the file), instead of read into fresh memory
         per piece and copied from there."""
+        import torch
+
         entry = self.tensor(name)
         dtype = dtypes.to_torch(entry.dtype)
         if out is None:
@@ -305,6 +320,47 @@ class CheckpointReader:
         entry = self.tensor(name)
         return self.read_box(name, Box.full(entry.shape), out=out, session=session)
 
+    def read_bytes(self, name: str, out: np.ndarray, session: PieceReader) -> bool:
+        """The whole tensor ``name`` as its bytes in C order, into ``out`` (a contiguous uint8 array of exactly its
+        bytes), every stored piece's checksum blocks verified, without torch: what an export that moves bytes
+        unchanged reads with. Pieces that fill a contiguous range of the tensor are read straight into it; the
+        others (a TP rank's columns) are verified over a mapping of their file and copied into place once.
+        False (``out`` partly filled) where ``session`` cannot (a storage that neither reads into memory nor maps
+        its files): the caller reads through :meth:`read_tensor` instead."""
+        entry = self.tensor(name)
+        if out.dtype != np.uint8 or out.ndim != 1 or len(out) != entry.nbytes or not out.flags.c_contiguous:
+            raise ValueError(
+                f"read_bytes: out must be a contiguous uint8 array of the {entry.nbytes} bytes of {name!r}"
+            )
+        into = getattr(session, "read_pieces_into", None)
+        mapped_rows = getattr(session, "map_rows_bytes", None)
+        if into is None or mapped_rows is None:
+            return False
+        item = dtypes.itemsize(entry.dtype)
+        view = byte_view(out, entry.shape, item)
+        filled = 0
+        for ref in (r for r in self.pieces() if r.tensor == name):
+            region = _byte_region(ref.box, item)
+            dest = view[region]
+            if dest.flags.c_contiguous:
+                if not into([ref], [dest.reshape(-1).data]):
+                    return False
+            else:
+                found = mapped_rows(ref, 0, ref.box.shape[0])
+                if found is None:
+                    return False
+                mapped, offset, nbytes = found
+                src = np.frombuffer(mapped, dtype=np.uint8, count=nbytes, offset=offset)
+                dest[...] = src.reshape(dest.shape)
+                del src, mapped
+            filled += ref.box.numel
+        if filled != math.prod(entry.shape):
+            raise CheckpointIndexError(
+                f"{self.location}: stored pieces of {name!r} cover {filled} of its {math.prod(entry.shape)} elements; "
+                "the checkpoint is incomplete"
+            )
+        return True
+
     def tensor(self, name: str) -> TensorEntry:
         try:
             return self.index.tensors[name]
@@ -352,3 +408,20 @@ def verify(reader: CheckpointReader, on_piece: Callable[[PieceRef], None] | None
 
 def replace_files(index: Index, files: list[FileEntry]) -> Index:
     return replace(index, files={f.path: f for f in files})
+
+
+def byte_view(flat: np.ndarray, shape: tuple[int, ...], itemsize: int) -> np.ndarray:
+    """A tensor's bytes ``flat`` viewed with its shape, the last dimension counted in bytes (a 0-d tensor: its
+    bytes in one row): any dtype's regions, and any cut along the other dimensions, are then slices of a uint8
+    array."""
+    return flat.reshape(tuple(shape[:-1]) + (shape[-1] * itemsize,) if shape else (itemsize,))
+
+
+def _byte_region(box: Box, itemsize: int) -> tuple[slice, ...]:
+    """Box ``box`` as slices of :func:`byte_view`."""
+    if not box.ndim:
+        return (slice(0, itemsize),)
+    slices = list(box.slices())
+    last = slices[-1]
+    slices[-1] = slice(last.start * itemsize, last.stop * itemsize)
+    return tuple(slices)

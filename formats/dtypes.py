@@ -3,37 +3,43 @@ takes for them (``--dtype bf16``): the one home of dtype names."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import CheckpointIndexError
 
-#: index dtype name -> (torch dtype, safetensors dtype code, bytes per element)
-_DTYPES: dict[str, tuple[torch.dtype, str, int]] = {
-    "float64": (torch.float64, "F64", 8),
-    "float32": (torch.float32, "F32", 4),
-    "float16": (torch.float16, "F16", 2),
-    "bfloat16": (torch.bfloat16, "BF16", 2),
-    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3", 1),
-    "float8_e5m2": (torch.float8_e5m2, "F8_E5M2", 1),
-    "int64": (torch.int64, "I64", 8),
-    "int32": (torch.int32, "I32", 4),
-    "int16": (torch.int16, "I16", 2),
-    "int8": (torch.int8, "I8", 1),
-    "uint8": (torch.uint8, "U8", 1),
-    "bool": (torch.bool, "BOOL", 1),
-    "uint16": (torch.uint16, "U16", 2),
-    "uint32": (torch.uint32, "U32", 4),
-    "uint64": (torch.uint64, "U64", 8),
-    "complex64": (torch.complex64, "C64", 8),
+if TYPE_CHECKING:
+    import torch
+
+#: index dtype name (torch's own name for it) -> (safetensors dtype code, bytes per element). torch is imported by
+#: the first call that needs a torch dtype, not with this module: reading an index or a header needs only names, and
+#: an export that moves bytes need not pay torch's import (docs/benchmarks/README.md, the families benchmark).
+_DTYPES: dict[str, tuple[str, int]] = {
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "float8_e4m3fn": ("F8_E4M3", 1),
+    "float8_e5m2": ("F8_E5M2", 1),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "bool": ("BOOL", 1),
+    "uint16": ("U16", 2),
+    "uint32": ("U32", 4),
+    "uint64": ("U64", 8),
+    "complex64": ("C64", 8),
     # safetensors (0.8) has no code for complex128; moeckpt's readers take C128 (docs/format.md)
-    "complex128": (torch.complex128, "C128", 16),
+    "complex128": ("C128", 16),
 }
 
 #: the dtypes format version 3 added (``dcp.save`` of any state dict); every other dtype is in every version.
 _VERSION_3 = frozenset({"uint16", "uint32", "uint64", "complex64", "complex128"})
 
-_BY_TORCH = {v[0]: k for k, v in _DTYPES.items()}
-_BY_ST = {v[1]: k for k, v in _DTYPES.items()}
+_BY_ST = {v[0]: k for k, v in _DTYPES.items()}
+_TO_TORCH: dict[str, torch.dtype] = {}
+_BY_TORCH: dict[torch.dtype, str] = {}
 
 DTYPE_NAMES = tuple(_DTYPES)
 
@@ -58,11 +64,25 @@ def since_version(name: str) -> int:
     return 3 if name in _VERSION_3 else 1
 
 
+def _torch_tables() -> None:
+    import torch
+
+    for name in _DTYPES:
+        _BY_TORCH[getattr(torch, name)] = name
+        _TO_TORCH[name] = getattr(torch, name)
+
+
 def to_torch(name: str) -> torch.dtype:
-    return _DTYPES[name][0]
+    try:
+        return _TO_TORCH[name]
+    except KeyError:
+        _torch_tables()
+        return _TO_TORCH[name]
 
 
 def from_torch(dtype: torch.dtype) -> str:
+    if not _BY_TORCH:
+        _torch_tables()
     try:
         return _BY_TORCH[dtype]
     except KeyError:
@@ -70,7 +90,7 @@ def from_torch(dtype: torch.dtype) -> str:
 
 
 def to_safetensors(name: str) -> str:
-    return _DTYPES[name][1]
+    return _DTYPES[name][0]
 
 
 def from_safetensors(code: object) -> str | None:
@@ -78,4 +98,4 @@ def from_safetensors(code: object) -> str | None:
 
 
 def itemsize(name: str) -> int:
-    return _DTYPES[name][2]
+    return _DTYPES[name][1]

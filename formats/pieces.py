@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-
-import torch
+from typing import TYPE_CHECKING
 
 from . import dtypes
 from .box import Box
 from .checksum import checksum
 from .errors import ChecksumMismatchError
 from .slices import SliceGeometry, geometry, verify_rows
+
+if TYPE_CHECKING:
+    import torch
 
 #: Pieces are checksummed in blocks of this many bytes, so a reader that needs part of a piece (a new ZeRO split
 #: reading a row range of an old one) can verify exactly the blocks it reads instead of the whole piece.
@@ -98,6 +100,8 @@ def fetched_bytes(ref: PieceRef, lo: int, hi: int) -> int:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor without a copy when it is contiguous (any dtype, bf16 included)."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -8,8 +8,6 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from . import collectives
-
 
 def host_cores() -> int:
     """The cores this process may run on (its affinity mask where the OS has one)."""
@@ -22,6 +20,8 @@ def cores_per_rank(group=None) -> int:
 
     What a rank's own thread pools (its file writers, its in-place readers) are sized by: a rank's pool as large
     as the whole host, on every rank of the host, only makes the threads take turns."""
+    from . import collectives  # here, not at import: torch.distributed is not what a command's options need
+
     cores = host_cores()
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     ranks = int(local) if local.isdigit() and int(local) > 0 else collectives.world_size(group)

@@ -14,15 +14,17 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import closing
+from contextlib import closing, nullcontext
 from dataclasses import dataclass
 from itertools import groupby
 from types import ModuleType
+from typing import Any
 
-import torch
+import numpy as np
 
 from moeckpt.formats import dtypes
-from moeckpt.formats.checkpoint import CheckpointReader, ReusedBuffer
+from moeckpt.formats.backend import PieceReader
+from moeckpt.formats.checkpoint import CheckpointReader, ReusedBuffer, byte_view
 from moeckpt.formats.hf_shards import (
     INDEX_FILE,
     HfExportError,
@@ -37,8 +39,6 @@ from moeckpt.formats.roles import PARAM
 from moeckpt.reshard.runtime import single_threaded_torch
 from moeckpt.reshard.state_dict_checkpoints import is_state_dict
 
-from .interop.bundled import match_model_names
-from .interop.common import MappingError
 from .models import ARCHITECTURES, ModelSpec, UnknownModelError
 
 __all__ = ["INDEX_FILE", "HfExportError", "export_hf", "hf_module", "parse_size"]
@@ -113,6 +113,9 @@ def plan_tensors(spec: ModelSpec, reader: CheckpointReader) -> list[HfTensor]:
     hf = hf_module(spec)
     out = []
     if is_state_dict(reader.index):  # a trainer's state dict under the model's names (maybe below a prefix)
+        from .interop.bundled import match_model_names
+        from .interop.common import MappingError
+
         try:
             match_model_names(reader.index, spec, reader.location)  # every parameter is there, in its shape
         except MappingError as e:
@@ -178,41 +181,46 @@ def export_hf(
         raise HfExportError(f"max shard size must be positive, got {max_shard_size}")
     tensors = plan_tensors(spec, reader)
     # where each parameter is stored: under its own name, or (a state dict) where match_model_names found it
-    stored = (
-        {
-            p: n
-            for (role, p), n in match_model_names(reader.index, spec, reader.location).tensors.items()
-            if role == PARAM
-        }
-        if is_state_dict(reader.index)
-        else {}
-    )
+    stored: dict[str, str] = {}
+    if is_state_dict(reader.index):
+        from .interop.bundled import match_model_names
+
+        found = match_model_names(reader.index, spec, reader.location).tensors
+        stored = {p: n for (role, p), n in found.items() if role == PARAM}
     param_dtype = reader.index.tensors[stored.get(tensors[0].source, tensors[0].source)].dtype
     dtype = dtype or param_dtype
     if dtype not in ("bfloat16", "float32", "float16"):
         raise HfExportError(f"cannot export as {dtype!r}; choose bfloat16 or float32")
-    torch_dtype = dtypes.to_torch(dtype)
     hf = hf_module(spec)
+    item = dtypes.itemsize(dtype)
+    # Where every value is exported in the dtype it is stored in, the export only moves bytes: it reads them
+    # without torch, and a command that never imports torch saves the seconds that import takes on a cold start
+    # (docs/benchmarks/README.md, the families benchmark). A conversion goes through torch.
+    moves_bytes = not stored and all(reader.index.tensors[t.source].dtype == dtype for t in tensors)
 
-    def read_values(source: str, scratch: ReusedBuffer) -> dict[str, torch.Tensor]:
+    def read_values(source: str, scratch: ReusedBuffer) -> dict[str, Any]:
         """The HF tensors cut from logical tensor ``source``, read into ``scratch`` (a damaged source raises here,
-        named as itself)."""
+        named as itself): byte views of them where the export moves bytes, else tensors."""
         where = stored.get(source) or _value_source(reader, source, dtype)
         entry = reader.index.tensors[where]
+        if moves_bytes:
+            raw = scratch.get_bytes(entry.nbytes)
+            if reader.read_bytes(where, raw, session):
+                return hf.export_values(source, byte_view(raw, entry.shape, item), spec.config)
         out = scratch.get(entry.shape, dtypes.to_torch(entry.dtype))
-        full = reader.read_tensor(where, out=out, session=session).to(torch_dtype)
+        full = reader.read_tensor(where, out=out, session=session).to(dtypes.to_torch(dtype))
         return hf.export_values(source, full, spec.config)
 
     sources = {t.name: t.source for t in tensors}
     shards = pack_shards((ShardTensor(t.name, dtype, t.shape) for t in tensors), max_shard_size)
     # the logical tensors in the order the shards take their HF tensors (one run per logical tensor)
     ahead = ReadAhead([s for s, _ in groupby(sources[t.name] for shard in shards for t in shard)], read_values)
-    unwritten: dict[str, torch.Tensor] = {}  # the HF tensors of the logical tensor being written, not yet written
+    unwritten: dict[str, Any] = {}  # the HF tensors of the logical tensor being written, not yet written
 
     def produce(t: ShardTensor) -> Iterator[bytes | memoryview]:
         if not unwritten:
             unwritten.update(ahead.next(sources[t.name]))
-        yield tensor_bytes(unwritten.pop(t.name))
+        yield value_bytes(unwritten.pop(t.name))
 
     def configs() -> dict[str, bytes]:
         return {
@@ -223,9 +231,16 @@ def export_hf(
     # Each conversion on one core (the read-ahead thread's): torch's intra-op pool spreading it over the cores
     # bought no time and cost CPU that a training job beside the export wants (docs/benchmarks/README.md,
     # "Figures behind the code's defaults").
-    with single_threaded_torch(), closing(reader.open_reader()) as session, ahead:
+    threads = nullcontext() if moves_bytes else single_threaded_torch()
+    session: PieceReader
+    with threads, closing(reader.open_reader()) as session, ahead:
         written = write_shards(out, shards, produce, overwrite=overwrite, extra_files=configs, on_bytes=on_bytes)
     return ExportResult(files=written.files, total_size=written.total_size, num_tensors=len(tensors), dtype=dtype)
+
+
+def value_bytes(value: Any) -> memoryview:
+    """The bytes an HF tensor is written as: of a byte view (the export that moves bytes) or of a tensor."""
+    return value.reshape(-1).data if isinstance(value, np.ndarray) else tensor_bytes(value)
 
 
 class ReadAhead:
@@ -237,19 +252,19 @@ class ReadAhead:
     writing all of ``i``'s, and the read that starts then is ``i + 2``'s, into ``i``'s buffer.
     """
 
-    def __init__(self, order: list[str], read: Callable[[str, ReusedBuffer], dict[str, torch.Tensor]]) -> None:
+    def __init__(self, order: list[str], read: Callable[[str, ReusedBuffer], dict[str, Any]]) -> None:
         self._order = order
         self._read = read
         self._buffers = (ReusedBuffer(), ReusedBuffer())
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeckpt-export-read")
-        self._pending: dict[int, Future[dict[str, torch.Tensor]]] = {}
+        self._pending: dict[int, Future[dict[str, Any]]] = {}
         self._at = 0
 
     def _start(self, i: int) -> None:
         if i < len(self._order) and i not in self._pending:
             self._pending[i] = self._pool.submit(self._read, self._order[i], self._buffers[i % 2])
 
-    def next(self, source: str) -> dict[str, torch.Tensor]:
+    def next(self, source: str) -> dict[str, Any]:
         i = self._at
         if i >= len(self._order) or self._order[i] != source:  # a bug in the caller's order, not a user error
             raise RuntimeError(f"export asked for {source!r}, expected {self._order[i : i + 1]}")

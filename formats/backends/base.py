@@ -10,11 +10,11 @@ import itertools
 from collections.abc import Collection, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from ..pieces import Piece
 
 if TYPE_CHECKING:
+    import torch
+
     from ..backend import Backend, PieceReader
     from ..box import Box
     from ..index import FileEntry, Index, TensorEntry
@@ -58,6 +58,8 @@ def write_stream_by_pieces(
     """``write_stream`` for a backend that stores whole pieces: each piece's slabs are joined and handed to
     ``backend.write``, in batches of about ``batch_bytes`` when it stores pieces one by one (``piecewise_writes``),
     else all of the writer's pieces in one call."""
+    import torch
+
     entries: list[FileEntry] = []
     batch: list[Piece] = []
     held = 0

@@ -10,14 +10,17 @@ that arrive in arbitrary slices (a piece streamed slab by slab).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..checksum import checksum
 from ..pieces import CHECKSUM_BLOCK_BYTES
 from ..slices import SliceGeometry, SliceHasher
 from ..writeback import Writeback
+
+if TYPE_CHECKING:
+    import torch
 
 #: rows of a strided piece at least this long are written straight from the trainer's tensor; shorter ones are
 #: gathered into a reused buffer first, so that small rows do not turn into many small writes.
@@ -60,6 +63,8 @@ def _fragments(t: torch.Tensor) -> Iterator[memoryview]:
 
     A yielded buffer may be reused for the next one: consume it before advancing.
     """
+    import torch
+
     t = flat_if_scalar(t.detach())
     if t.device.type != "cpu":
         t = t.cpu()
@@ -93,6 +98,8 @@ def _byte_rows(a: np.ndarray) -> Iterator[memoryview]:
 
 def _gathered(t: torch.Tensor) -> Iterator[memoryview]:
     """Any other layout (e.g. a transposed view): copied a block's worth of rows at a time into one buffer."""
+    import torch
+
     row_bytes = max(1, t[0].numel() * t.element_size())
     per = max(1, CHECKSUM_BLOCK_BYTES // row_bytes)
     scratch = torch.empty((min(per, t.shape[0]),) + tuple(t.shape[1:]), dtype=t.dtype)
@@ -104,6 +111,8 @@ def _gathered(t: torch.Tensor) -> Iterator[memoryview]:
 
 def _contiguous_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (a leaner :func:`tensor_bytes` for the hot loop)."""
+    import torch
+
     t = flat_if_scalar(t)
     if t.numel() == 0:
         return memoryview(b"")

@@ -9,11 +9,12 @@ are in :mod:`.safetensors_write`.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Collection, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 import xxhash
 
 from .. import dtypes
@@ -38,6 +39,9 @@ from .safetensors_header import (
 )
 from .safetensors_read import list_pieces, read_header
 from .safetensors_write import encode, write_file, write_file_parallel, write_file_stream
+
+if TYPE_CHECKING:
+    import torch
 
 #: a sliced piece's columns of at least this many rows are copied from a mapping of the file (one strided copy)
 #: rather than read by a call per row, where the storage maps its files.
@@ -70,6 +74,8 @@ def read_piece(storage: Storage, ref: PieceRef, rows: tuple[int, int] | None = N
 
     The read is widened to whole checksum blocks, so every byte returned was checked.
     """
+    import torch
+
     where = storage.path(ref.file)
     shape = list(ref.box.shape)
     item = dtypes.itemsize(ref.dtype)
@@ -251,6 +257,8 @@ class SafetensorsReader:
         self._scratch = threading.local()
 
     def read_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor:
+        import torch
+
         if not self._files.direct or not ref.box.ndim or not ref.nbytes:
             return read_piece(self.storage, ref, (lo, hi) if ref.box.ndim else None)
         a, b, b0, read_lo, read_hi = block_span(ref, lo, hi)
@@ -272,6 +280,8 @@ class SafetensorsReader:
     def read_bytes_into(self, ref: PieceRef, a: int, b: int, out: torch.Tensor) -> bool:
         """Bytes ``[a, b)`` of ``ref``'s data straight into ``out`` (contiguous, CPU, ``b - a`` bytes), verified
         as :meth:`read_rows_into`: a contiguous part of a row (one TP rank's slice of an expert's matrix)."""
+        import torch
+
         if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() != b - a:
             return False
         return self.read_segments_into(ref, [(a, out.reshape(-1).view(torch.uint8).numpy().data)])
@@ -315,6 +325,8 @@ class SafetensorsReader:
         read row by row, and only the slices that hold them, each slice's checksums verified over the rows read
         (widened to whole row groups and slices). False (nothing read) where this session cannot: a storage
         without direct reads, a piece without slices, another ``out``."""
+        import torch
+
         g = ref.geometry
         if (
             g is None
@@ -429,6 +441,25 @@ class SafetensorsReader:
     def map_rows(self, ref: PieceRef, lo: int, hi: int) -> torch.Tensor | None:
         """Checked like :meth:`read_rows` (whole checksum blocks), but nothing is copied into this process: the
         checksums are computed over the mapped pages, and the caller copies what it needs straight from them."""
+        import torch
+
+        found = self.map_rows_bytes(ref, lo, hi)
+        if found is None:
+            return None
+        mapped, offset, nbytes = found
+        shape = (hi - lo,) + ref.box.shape[1:]
+        dtype = dtypes.to_torch(ref.dtype)
+        if not nbytes:
+            return torch.empty(shape, dtype=dtype)
+        # Not a uint8 view: safetensors data need not sit at an offset aligned for its dtype (the header's length
+        # is arbitrary), and torch refuses unaligned dtype views but reads an unaligned buffer fine.
+        count = nbytes // dtypes.itemsize(ref.dtype)
+        return torch.frombuffer(mapped, dtype=dtype, offset=offset, count=count).reshape(shape)
+
+    def map_rows_bytes(self, ref: PieceRef, lo: int, hi: int) -> tuple[mmap.mmap, int, int] | None:
+        """:meth:`map_rows` as bytes: the mapping, where rows ``[lo, hi)`` begin in it and how many bytes they are,
+        their checksum blocks verified over the mapped pages; None where the storage maps nothing or the piece has
+        no rows. What a reader without torch (an export that moves bytes) takes."""
         if not ref.box.ndim or not ref.nbytes:
             return None
         a, b, b0, read_lo, read_hi = block_span(ref, lo, hi)
@@ -449,14 +480,7 @@ class SafetensorsReader:
             return None
         mapped, at = found
         verify_blocks(memoryview(mapped)[at:], b0, ref, where)
-        shape = (hi - lo,) + ref.box.shape[1:]
-        dtype = dtypes.to_torch(ref.dtype)
-        if b == a:
-            return torch.empty(shape, dtype=dtype)
-        # Not a uint8 view: safetensors data need not sit at an offset aligned for its dtype (the header's length
-        # is arbitrary), and torch refuses unaligned dtype views but reads an unaligned buffer fine.
-        count = (b - a) // dtypes.itemsize(ref.dtype)
-        return torch.frombuffer(mapped, dtype=dtype, offset=at + a - read_lo, count=count).reshape(shape)
+        return mapped, at + a - read_lo, b - a
 
     def advise(self, ref: PieceRef, lo: int, hi: int) -> None:
         if ref.box.ndim and ref.nbytes:

@@ -130,7 +130,7 @@ def test_an_interrupted_export_leaves_nothing(tmp_path, moeckpt_cli, monkeypatch
     ck, out = tmp_path / "ck", tmp_path / "hf"
     assert moeckpt_cli("init", ck, "--model", "zaya-tiny")[0] == 0
     calls = []
-    real = hf_export.tensor_bytes
+    real = hf_export.value_bytes  # what every HF tensor's bytes pass through on their way to the shard
 
     def interrupted_midway(t):
         calls.append(1)
@@ -138,7 +138,7 @@ def test_an_interrupted_export_leaves_nothing(tmp_path, moeckpt_cli, monkeypatch
             signal.raise_signal(signal.SIGINT)  # a real Ctrl-C, half way through the shard
         return real(t)
 
-    monkeypatch.setattr(hf_export, "tensor_bytes", interrupted_midway)
+    monkeypatch.setattr(hf_export, "value_bytes", interrupted_midway)
     code, _, err = moeckpt_cli("export-hf", ck, out, "--max-shard-size", "100KB")
     assert code == 130 and _one_line(err) == "moeckpt: interrupted"
     assert not out.exists() and not [p for p in os.listdir(tmp_path) if p.startswith(".hf")]

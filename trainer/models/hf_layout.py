@@ -16,9 +16,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 _FUSED = re.compile(r"^(model\.layers\.\d+\.)(mlp)\.experts\.(gate_up_proj|down_proj)$")
 
@@ -63,16 +65,19 @@ class ExpertLayout:
         per = len(parts) // e
         return [(p, (rows // per, cols)) for p in parts]
 
-    def export_values(self, name: str, tensor: torch.Tensor, cfg) -> dict[str, torch.Tensor]:
-        """A plan tensor's values under the names :meth:`export_tensors` gives (views, no copies)."""
+    def export_values(self, name: str, tensor, cfg) -> dict:
+        """A plan tensor's values under the names :meth:`export_tensors` gives (views, no copies): of a tensor, or
+        of its bytes viewed with its shape (:func:`moeckpt.formats.checkpoint.byte_view`), cut along the first
+        two dimensions only."""
         parts = self._parts(name, cfg)
         if parts is None:
             return {self._legacy(name): tensor}
         per = len(parts) // tensor.shape[0]
+        rows = tensor.shape[1] // per
         out = {}
         for e in range(tensor.shape[0]):
-            for p, value in zip(parts[e * per : (e + 1) * per], tensor[e].chunk(per, dim=0)):
-                out[p] = value
+            for i, p in enumerate(parts[e * per : (e + 1) * per]):
+                out[p] = tensor[e, i * rows : (i + 1) * rows]  # a torch tensor or a byte view (numpy) alike
         return out
 
     def import_sources(self, name: str, cfg, available) -> list[str]:
@@ -92,6 +97,8 @@ class ExpertLayout:
     def import_rows(self, name: str, cfg, available, read_rows, r0: int, r1: int) -> torch.Tensor:
         """Rows ``[r0, r1)`` of plan tensor ``name``; a fused tensor's rows are experts, so a per-expert
         checkpoint is read only for the experts asked for."""
+        import torch
+
         if name in available:
             return read_rows(name, r0, r1)
         parts = self._parts(name, cfg)
@@ -110,7 +117,7 @@ class FusedOnly:
     def export_tensors(self, name: str, shape: tuple[int, ...], cfg) -> list[tuple[str, tuple[int, ...]]]:
         return [(name, tuple(shape))]
 
-    def export_values(self, name: str, tensor: torch.Tensor, cfg) -> dict[str, torch.Tensor]:
+    def export_values(self, name: str, tensor, cfg) -> dict:
         return {name: tensor}
 
     def import_sources(self, name: str, cfg, available) -> list[str]:
