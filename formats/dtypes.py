@@ -67,9 +67,11 @@ def since_version(name: str) -> int:
 def _torch_tables() -> None:
     import torch
 
-    for name in _DTYPES:
-        _BY_TORCH[getattr(torch, name)] = name
-        _TO_TORCH[name] = getattr(torch, name)
+    to = {name: getattr(torch, name) for name in _DTYPES}
+    # Whole tables in one update each (one step for other threads): a thread seeing half a table would refuse a
+    # dtype it stores.
+    _BY_TORCH.update({d: name for name, d in to.items()})
+    _TO_TORCH.update(to)
 
 
 def to_torch(name: str) -> torch.dtype:
