@@ -228,6 +228,7 @@ class CheckpointReader:
         self.index = Index.loads(raw, self.storage.path(INDEX_NAME))
         self.backend: Backend = get_backend(self.index.backend)
         self._pieces: list[PieceRef] | None = None
+        self._by_tensor: dict[str, list[PieceRef]] | None = None
 
     @property
     def location(self) -> str:
@@ -245,6 +246,15 @@ class CheckpointReader:
             None if tensors is None else set(tensors),
             None if writers is None else set(writers),
         )
+
+    def pieces_of(self, name: str) -> list[PieceRef]:
+        """The stored pieces of tensor ``name`` (grouped once for the reader: a whole-model read asks per tensor)."""
+        if self._by_tensor is None:
+            by: dict[str, list[PieceRef]] = {}
+            for r in self.pieces():
+                by.setdefault(r.tensor, []).append(r)
+            self._by_tensor = by
+        return self._by_tensor.get(name, [])
 
     def read_piece(self, ref: PieceRef, rows: tuple[int, int] | None = None) -> torch.Tensor:
         return self.backend.read_piece(self.storage, ref, rows)
@@ -282,7 +292,7 @@ class CheckpointReader:
                 f"{list(box.shape)}"
             )
         if refs is None:
-            refs = [r for r in self.pieces() if r.tensor == name]
+            refs = self.pieces_of(name)
         filled = 0
         for ref in refs:
             if ref.tensor != name:
@@ -299,11 +309,7 @@ class CheckpointReader:
             out[overlap.relative_to(box).slices()] = src
             del src  # freed before the next piece is read: a box's reads are held one at a time
             filled += overlap.numel
-        if filled != box.numel:
-            raise CheckpointIndexError(
-                f"{self.location}: stored pieces of {name!r} cover {filled} of the {box.numel} elements of box "
-                f"{box.to_json()}; the checkpoint is incomplete"
-            )
+        self._check_cover(name, box, filled)
         return out
 
     def _read_rows(self, ref: PieceRef, lo: int, hi: int, session: PieceReader | None) -> torch.Tensor:
@@ -339,7 +345,7 @@ class CheckpointReader:
         item = dtypes.itemsize(entry.dtype)
         view = byte_view(out, entry.shape, item)
         filled = 0
-        for ref in (r for r in self.pieces() if r.tensor == name):
+        for ref in self.pieces_of(name):
             region = _byte_region(ref.box, item)
             dest = view[region]
             if dest.flags.c_contiguous:
@@ -354,12 +360,16 @@ class CheckpointReader:
                 dest[...] = src.reshape(dest.shape)
                 del src, mapped
             filled += ref.box.numel
-        if filled != math.prod(entry.shape):
-            raise CheckpointIndexError(
-                f"{self.location}: stored pieces of {name!r} cover {filled} of its {math.prod(entry.shape)} elements; "
-                "the checkpoint is incomplete"
-            )
+        self._check_cover(name, Box.full(entry.shape), filled)
         return True
+
+    def _check_cover(self, name: str, box: Box, filled: int) -> None:
+        """Refuse a read whose pieces filled ``filled`` of the ``box.numel`` elements asked for."""
+        if filled != box.numel:
+            raise CheckpointIndexError(
+                f"{self.location}: stored pieces of {name!r} cover {filled} of the {box.numel} elements of box "
+                f"{box.to_json()}; the checkpoint is incomplete"
+            )
 
     def tensor(self, name: str) -> TensorEntry:
         try:
