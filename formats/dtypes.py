@@ -3,6 +3,7 @@ takes for them (``--dtype bf16``): the one home of dtype names."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from .errors import CheckpointIndexError
@@ -38,8 +39,6 @@ _DTYPES: dict[str, tuple[str, int]] = {
 _VERSION_3 = frozenset({"uint16", "uint32", "uint64", "complex64", "complex128"})
 
 _BY_ST = {v[0]: k for k, v in _DTYPES.items()}
-_TO_TORCH: dict[str, torch.dtype] = {}
-_BY_TORCH: dict[torch.dtype, str] = {}
 
 DTYPE_NAMES = tuple(_DTYPES)
 
@@ -64,29 +63,22 @@ def since_version(name: str) -> int:
     return 3 if name in _VERSION_3 else 1
 
 
-def _torch_tables() -> None:
+@functools.cache
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    """Index name -> torch dtype and back, made on first use (whole, whichever thread asks first)."""
     import torch
 
     to = {name: getattr(torch, name) for name in _DTYPES}
-    # Whole tables in one update each (one step for other threads): a thread seeing half a table would refuse a
-    # dtype it stores.
-    _BY_TORCH.update({d: name for name, d in to.items()})
-    _TO_TORCH.update(to)
+    return to, {d: name for name, d in to.items()}
 
 
 def to_torch(name: str) -> torch.dtype:
-    try:
-        return _TO_TORCH[name]
-    except KeyError:
-        _torch_tables()
-        return _TO_TORCH[name]
+    return _torch_tables()[0][name]
 
 
 def from_torch(dtype: torch.dtype) -> str:
-    if not _BY_TORCH:
-        _torch_tables()
     try:
-        return _BY_TORCH[dtype]
+        return _torch_tables()[1][dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} cannot be stored; supported: {', '.join(DTYPE_NAMES)}") from None
 
