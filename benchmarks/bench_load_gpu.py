@@ -13,8 +13,12 @@ layout from one stored layout, the classes a resume or an elastic restart hits:
 The page cache is warmed (every file read once) before the timed runs; each repetition runs every method in
 turn, starting with another one each time:
 
-* ``moeckpt``: ``load_rank_state(..., device=, out=)`` into preallocated device tensors (pinned staging buffers,
-  host-to-device copies on side streams overlapped with the reads, ``fill_threads`` threads);
+* ``moeckpt``: ``load_rank_state(..., device=, out=)`` into preallocated device tensors, ``fill_threads`` threads:
+  whole stored rows copied to the device straight from page-locked mappings of the files (the page cache itself,
+  ``moeckpt.reshard.page_lock``), the rest through pinned staging buffers, copies on side streams overlapped with
+  the reads; ``locked_bytes`` is what went the first way;
+* ``staged``: the same with ``LoadOptions(mapped_bytes=0)``: every part through pinned staging (the load before
+  page-locked mappings);
 * ``raw``: the stored layout's files read by a thread per core (``fill_threads`` where more; ``pread``, 64 MiB
   at a time) into preallocated pinned memory, then one copy to a preallocated device buffer: the physical limit of this machine
   for those files; ``raw_needed`` the same for the first bytes of them, as many as the rank needs (the limit of
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import json
 import os
 import platform
@@ -47,7 +52,7 @@ import torch
 from moeckpt.formats import dtypes
 from moeckpt.formats.box import Box
 from moeckpt.formats.checkpoint import CheckpointReader
-from moeckpt.reshard import staging
+from moeckpt.reshard import page_lock, staging
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.load import LoadStats, load_rank_state
 from moeckpt.reshard.options import LoadOptions
@@ -59,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_reshard import scaled_model, state_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ["moeckpt", "raw", "raw_needed", "dcp"]
+METHODS = ["moeckpt", "staged", "raw", "raw_needed", "dcp"]
 ONE = Layout(tp=1, ep=1, dp=1)
 #: case -> (stored layout, target layout, target rank)
 CASES = {
@@ -124,6 +129,22 @@ def raw_read(files: list[str], host: torch.Tensor, dev: torch.Tensor, threads: i
     return got
 
 
+class CountingRegistrar:
+    """The load's registrar, counting the bytes it page-locks (to show which way a load went)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.bytes = 0
+
+    def register(self, address: int, nbytes: int) -> bool:
+        ok = self.inner.register(address, nbytes)
+        self.bytes += nbytes if ok else 0
+        return ok
+
+    def unregister(self, address: int) -> None:
+        self.inner.unregister(address)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", help="where the state is loaded (cuda; cpu for a check)")
@@ -165,6 +186,11 @@ def main() -> None:
     if args.stage_mib:
         tuned["stage_bytes"] = args.stage_mib << 20
     options = LoadOptions(**tuned)
+    registrar = page_lock.registrar_for(device)
+    counting = CountingRegistrar(registrar) if registrar is not None else None
+    if counting is not None:
+        page_lock.registrar_for = lambda d: counting  # type: ignore[assignment]
+    print("page-locked copies:", "the CUDA driver's" if counting is not None else "none (every part stages)")
     threads = options.fill_threads
     # the raw read's threads: the host's cores, or moeckpt's count where that is more (the machine's limit)
     raw_threads = max(threads, len(os.sched_getaffinity(0)))
@@ -229,18 +255,21 @@ def main() -> None:
                 sync(device)
                 t0 = time.perf_counter()
                 extra: dict = {}
-                if method == "moeckpt":
+                if method in ("moeckpt", "staged"):
                     stats = LoadStats()
                     prof = cProfile.Profile() if args.profile and rep == args.reps - 1 else None
+                    how = options if method == "moeckpt" else dataclasses.replace(options, mapped_bytes=0)
+                    locked = counting.bytes if counting is not None else 0
                     if prof is not None:
                         prof.enable()
-                    state = load_rank_state(src, target, rank, device=device, out=out, stats=stats, options=options)
+                    state = load_rank_state(src, target, rank, device=device, out=out, stats=stats, options=how)
                     sync(device)
                     if prof is not None:
                         prof.disable()
-                        profiles.append((case, prof))
+                        profiles.append((f"{case} {method}", prof))
                     extra = {
                         "bytes_read": stats.bytes_read,
+                        "locked_bytes": (counting.bytes if counting is not None else 0) - locked,
                         "in_place": all(t is out[(n, b)] for n, boxes in state.items() for b, t in boxes),
                     }
                     state = None
@@ -254,9 +283,21 @@ def main() -> None:
                     dcp.load(dest, checkpoint_id=dcp_path)
                     sync(device)
                 runs[method].append({"s": round(time.perf_counter() - t0, 4), **extra})
-                print(f"{case} rep {rep} {method}: {runs[method][-1]['s']:.3f} s", flush=True)
+                locked = f", {extra['locked_bytes'] / 1e9:.2f} GB page-locked" if extra.get("locked_bytes") else ""
+                print(f"{case} rep {rep} {method}: {runs[method][-1]['s']:.3f} s{locked}", flush=True)
+        equal = None
+        if {"moeckpt", "staged"} <= set(todo):  # the two ways land the same bytes (checked after the timed runs)
+            load_rank_state(src, target, rank, device=device, out=out, options=options)
+            first = {k: t.clone() for k, t in out.items()}
+            load_rank_state(
+                src, target, rank, device=device, out=out, options=dataclasses.replace(options, mapped_bytes=0)
+            )
+            equal = all(torch.equal(first[k], t) for k, t in out.items())
+            del first
+            print(f"{case}: page-locked and staged loads equal: {equal}", flush=True)
         del out, dest
         results[case] = summarize(case, runs, needed, source, target, rank)
+        results[case]["locked_equal_to_staged"] = equal
         print(json.dumps({case: {k: results[case].get(k) for k in ("median_s", "runs_moeckpt_over")}}), flush=True)
 
     summary = {
@@ -319,17 +360,18 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     cases = summary["cases"]
-    colors = {"moeckpt": "#1f77b4", "raw": "#999999", "raw_needed": "#bbbbbb", "dcp": "#dddddd"}
+    colors = {"moeckpt": "#1f77b4", "staged": "#aec7e8", "raw": "#999999", "raw_needed": "#bbbbbb", "dcp": "#dddddd"}
     fig, ax = plt.subplots(figsize=(2.4 + 2.2 * len(cases), 4))
-    width = 0.2
+    width = 0.16
     labelled: set[str] = set()
     for i, res in enumerate(cases.values()):
         for j, m in enumerate(METHODS):
             if m not in res["runs"]:
                 continue
-            x = i + (j - 1.5) * width
+            x = i + (j - (len(METHODS) - 1) / 2) * width
             ys = [res["needed_gb"] / r["s"] for r in res["runs"][m]]
-            label = None if m in labelled else {"raw_needed": "raw, the rank's bytes only"}.get(m, m)
+            names = {"raw_needed": "raw, the rank's bytes only", "staged": "moeckpt, every part staged"}
+            label = None if m in labelled else names.get(m, m)
             labelled.add(m)
             ax.bar(x, res["gb_per_s"][m], width, color=colors[m], label=label, edgecolor="#555")
             ax.scatter([x] * len(ys), ys, color="black", s=8, zorder=3)

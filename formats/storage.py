@@ -92,10 +92,12 @@ class StorageReader(Protocol):
         ``len(parts[0])`` bytes into the first, the next ones into the second, ...); returns the bytes read."""
         ...
 
-    def map(self, relpath: str, offset: int, length: int) -> tuple[Any, int] | None:
+    def map(self, relpath: str, offset: int, length: int, *, shared: bool = False) -> tuple[Any, int] | None:
         """A private read-only mapping covering bytes ``[offset, offset + length)`` and where ``offset`` lies in
         it, or ``None`` where files cannot be mapped. Raises ``EOFError`` if the file is shorter (touching a
-        mapping past the end of a file kills the process)."""
+        mapping past the end of a file kills the process). ``shared``: a shared read-only mapping instead, the
+        page cache's own pages, which a device driver can lock for DMA without copying them (a private one would
+        be copied page by page on the lock)."""
         ...
 
     def advise(self, relpath: str, offset: int, length: int) -> None:
@@ -265,7 +267,7 @@ class CopyingReader:
             at += take
         return at
 
-    def map(self, relpath: str, offset: int, length: int) -> None:
+    def map(self, relpath: str, offset: int, length: int, *, shared: bool = False) -> None:
         return None
 
     def advise(self, relpath: str, offset: int, length: int) -> None:

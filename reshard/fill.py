@@ -91,7 +91,13 @@ def fill_boxes(
     ) as chunks:
         with ThreadPoolExecutor(1) as one:
             in_place = one.submit(
-                read_in_place, chunks, jobs, options.fill_threads, options.chunk_bytes, options.stage_bytes
+                read_in_place,
+                chunks,
+                jobs,
+                options.fill_threads,
+                options.chunk_bytes,
+                options.stage_bytes,
+                options.mapped_bytes,
             )
             try:
                 rest = [pos for pos in range(len(pieces)) if pos not in direct]

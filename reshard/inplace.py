@@ -25,12 +25,15 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
 from moeckpt.formats.slices import column_span, columns_fetched
 
+from . import page_lock
 from .chunks import ChunkReader, chunk_rows, grid_spans
-from .options import LOAD_STAGE_BYTES
+from .options import LOAD_MAPPED_BYTES, LOAD_STAGE_BYTES
+from .page_lock import MappedRows
 from .plan import ReadItem, TargetPiece
 from .slabs import RowSpan, direct_read, row_spans, thread_buffer
 from .staging import (
     ReadInto,
+    Rows,
     RowsGroup,
     Run,
     RunInto,
@@ -325,12 +328,21 @@ def _staged(target: torch.Tensor | Scatter | Run) -> bool:
 
 
 def read_in_place(
-    chunks: ChunkReader, jobs: Sequence[Job], threads: int, chunk_bytes: int, stage_bytes: int = LOAD_STAGE_BYTES
+    chunks: ChunkReader,
+    jobs: Sequence[Job],
+    threads: int,
+    chunk_bytes: int,
+    stage_bytes: int = LOAD_STAGE_BYTES,
+    mapped_bytes: int = LOAD_MAPPED_BYTES,
 ) -> tuple[set[int], int]:
     """Read each job (a read of one stored piece: full-width rows, one byte range per row, or rows scattered into
     place) into its destination by ``threads`` threads, in parts of the chunk grid (rows; parts of about
-    ``stage_bytes`` through staging) or row by row (byte ranges); returns the positions the session could not
-    read in place (the caller assembles them) and the bytes fetched for the others."""
+    ``stage_bytes`` through staging, ``mapped_bytes`` copied from page-locked mappings) or row by row (byte
+    ranges); returns the positions the session could not read in place (the caller assembles them) and the bytes
+    fetched for the others.
+
+    Into a device whose driver page-locks file mappings (:mod:`.page_lock`; ``mapped_bytes`` 0: never), parts of
+    whole stored rows are copied to the device from the page cache itself; the others stage."""
     # A session that cannot read in place lacks the method: its jobs are handed back (``failed``).
     no_read: ReadInto = _cannot_read
     rows_into: ReadInto = getattr(chunks.pieces, "read_rows_into", no_read)
@@ -342,19 +354,20 @@ def read_in_place(
     failed = set().union(*map(positions, jobs)) - set().union(*map(positions, usable))
     if not usable:
         return failed, 0
+    mapped = _mapped_rows(chunks, usable, mapped_bytes)
     local = threading.local()
     stagers: list[Stager] = []
     lock = threading.Lock()
     run_into: RunInto | None = getattr(chunks.pieces, "read_pieces_into", None)
-    # parts: (positions, fetched bytes, fill(target) -> bool, destination view, Scatter or Run)
-    parts: list[tuple[set[int], int, Callable[[torch.Tensor], bool], torch.Tensor | Scatter | Run]] = []
+    # parts: (positions, fetched bytes, fill(target) -> bool, destination view, Scatter or Run, whole rows read)
+    parts: list[tuple[set[int], int, Callable[[torch.Tensor], bool], torch.Tensor | Scatter | Run, Rows | None]] = []
     # pieces read whole into contiguous views, host and staged apart: the small ones are coalesced below
     whole: dict[bool, list[tuple[set[int], PieceRef, torch.Tensor]]] = {False: [], True: []}
     for job in usable:
         pos, item, dest, span = job
         ref = chunks.ref(item.tensor, item.src_box)
         staged = stages(dest)
-        grid = stage_bytes if staged else chunk_bytes
+        grid = (mapped_bytes if mapped is not None else stage_bytes) if staged else chunk_bytes
         # a small piece read whole joins a run; a larger one is read in parts on the grid below, by several threads
         if run_into is not None and is_small(ref, stage_bytes) and (view := whole_piece_view(ref, job)) is not None:
             whole[staged].append((positions(job), ref, view))
@@ -366,28 +379,31 @@ def read_in_place(
             # parts on the chunk grid: every thread gets work, no checksum block is read twice
             for lo, hi in grid_spans(r0, r1, per):
                 fill = functools.partial(rows_into, ref, lo, hi)
-                parts.append(({pos}, fetched_bytes(ref, lo, hi), fill, dest[lo - r0 : hi - r0]))
+                parts.append(({pos}, fetched_bytes(ref, lo, hi), fill, dest[lo - r0 : hi - r0], Rows(ref, lo, hi)))
         elif columns_into is not None and sliced_columns(ref, span):
-            parts += [({pos}, *part) for part in _column_parts(ref, item, dest, span, grid, columns_into)]
+            parts += [({pos}, *part, None) for part in _column_parts(ref, item, dest, span, grid, columns_into)]
         else:
             if span.c1 - span.c0 >= VECTORED_RANGE_BYTES or staged:
                 found = _vectored_parts(ref, item, dest, span, grid, bytes_into, segments_into)
             else:
                 found = _copied_parts(ref, item, dest, span, bytes_into)
-            parts += [({pos}, *part) for part in found]
+            parts += [({pos}, *part, None) for part in found]
     for some in whole.values():
         if not some or run_into is None:  # whole pieces are only gathered where the session reads runs
             continue
         runs, alone = coalesce(some, stage_bytes, run_into)
-        parts += runs
+        parts += [(*run, None) for run in runs]
         for i in alone:
             where, ref, view = some[i]
-            fill = functools.partial(rows_into, ref, 0, ref.box.shape[0])
-            parts.append((where, fetched_bytes(ref, 0, ref.box.shape[0]), fill, view))
-    # the staging buffers' size: the largest staged part
-    part_bytes = max((staged_bytes(t) for *_, t in parts if _staged(t)), default=0)
+            rows = Rows(ref, 0, ref.box.shape[0])
+            fill = functools.partial(rows_into, *rows)
+            parts.append((where, fetched_bytes(*rows), fill, view, rows))
+    # the staging buffers' size: the largest staged part (parts of whole rows are copied from mappings instead)
+    part_bytes = max(
+        (staged_bytes(t) for *_, t, rows in parts if _staged(t) and (rows is None or mapped is None)), default=0
+    )
 
-    def run(fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter | Run) -> bool:
+    def run(fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter | Run, rows: Rows | None) -> bool:
         if not _staged(dest):
             return fill(dest)  # type: ignore[arg-type]
         stager = getattr(local, "stager", None)
@@ -395,18 +411,34 @@ def read_in_place(
             stager = local.stager = Stager(part_bytes, dest.device)
             with lock:
                 stagers.append(stager)
+        if rows is not None and mapped is not None and not isinstance(dest, Run):
+            found = mapped.open(rows)
+            if found is not None:
+                stager.copy_mapped(*found, dest)
+                return True
         return stager.read(fill, dest)
 
     fetched_total = 0
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="moeckpt-fill") as pool:
-            futures = [(where, nbytes, pool.submit(run, fill, dest)) for where, nbytes, fill, dest in parts]
+            futures = [(where, nbytes, pool.submit(run, fill, dest, rows)) for where, nbytes, fill, dest, rows in parts]
             for where, nbytes, fut in futures:
                 if fut.result():
                     fetched_total += nbytes
                 else:
                     failed |= where
     finally:
-        for stager in stagers:  # every thread has stopped: its last copies end before its buffers go
+        for stager in stagers:  # every thread has stopped: its last copies end before its buffers (and mappings) go
             stager.finish()
     return failed, fetched_total
+
+
+def _mapped_rows(chunks: ChunkReader, jobs: Sequence[Job], mapped_bytes: int) -> MappedRows | None:
+    """The load's copies from page-locked mappings, where its staged destinations are on a device whose driver
+    registers mappings and the session maps its files; else None (every part stages)."""
+    staged = [job[2] for job in jobs if stages(job[2])]
+    map_rows_bytes = getattr(chunks.pieces, "map_rows_bytes", None)
+    if not mapped_bytes or not staged or map_rows_bytes is None:
+        return None
+    registrar = page_lock.registrar_for(staged[0].device)
+    return None if registrar is None else MappedRows(map_rows_bytes, registrar)

@@ -7,6 +7,7 @@ not be read twice; large chunks at load time, where a box that is one whole chun
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 
 from .runtime import cores_per_rank, host_cores
@@ -39,6 +40,9 @@ LOAD_CHUNK_BYTES = 64 * MiB
 #: load into device memory: boxes are read in parts of about this size through pinned staging buffers, two per
 #: fill thread (parts larger than a few checksum blocks gained nothing, and every byte of them is pinned memory).
 LOAD_STAGE_BYTES = 16 * MiB
+#: load into device memory: parts of whole stored rows are copied to the device straight from page-locked mappings
+#: of their files in parts of about this size (registering a part costs per call as well as per byte).
+LOAD_MAPPED_BYTES = 64 * MiB
 #: load: byte budget of a loading rank's chunk cache (beyond the state it returns).
 LOAD_CACHE_BYTES = 256 * MiB
 #: load: threads reading ahead of a loading rank.
@@ -58,11 +62,13 @@ def load_fill_threads() -> int:
     return max(LOAD_FILL_THREADS_MIN, min(LOAD_FILL_THREADS_MAX, cores_per_rank()))
 
 
-def _check_positive(obj: object) -> None:
+def _check_positive(obj: object, zero_turns_off: Collection[str] = ()) -> None:
     for f in fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
-        if type(value) is not int or value < 1:
-            raise ValueError(f"{type(obj).__name__}.{f.name} must be a positive integer, got {value!r}")
+        least = 0 if f.name in zero_turns_off else 1
+        if type(value) is not int or value < least:
+            what = "a positive integer, or 0 (off)" if least == 0 else "a positive integer"
+            raise ValueError(f"{type(obj).__name__}.{f.name} must be {what}, got {value!r}")
 
 
 def offline_workers() -> int:
@@ -118,6 +124,9 @@ class LoadOptions:
     prefetch_bytes: int = PREFETCH_BYTES
     #: into device memory: boxes are read in parts of about this many bytes through pinned staging buffers.
     stage_bytes: int = LOAD_STAGE_BYTES
+    #: into a CUDA device: whole stored rows are copied straight from the page cache (file mappings page-locked by
+    #: the driver, :mod:`~moeckpt.reshard.page_lock`) in parts of about this many bytes; 0 stages them instead.
+    mapped_bytes: int = LOAD_MAPPED_BYTES
 
     def __post_init__(self) -> None:
-        _check_positive(self)
+        _check_positive(self, zero_turns_off=("mapped_bytes",))

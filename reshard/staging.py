@@ -102,28 +102,53 @@ class Stager:
     def __init__(self, nbytes: int, device: torch.device):
         self.device = device
         self.nbytes = nbytes
-        pin = device.type == "cuda" and torch.cuda.is_available()
-        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.pin = device.type == "cuda" and torch.cuda.is_available()
+        # made at the first staged part: a load whose parts are all copied from page-locked mappings pins nothing
+        self.buffers: list[torch.Tensor] = []
         self.scratch: list[torch.Tensor | None] = [None, None]
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this thread's current context: what the driver's registrations take
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         if self.stream is not None:
             torch.cuda.set_stream(self.stream)  # this thread's current stream: every copy below goes on it
             self.events = [torch.cuda.Event(), torch.cuda.Event()]
         self.used = [False, False]
+        # per buffer turn: the releases of the page-locked mappings its copies read, due once they have finished
+        self.pending: list[list[Callable[[], None]]] = [[], []]
         self.turn = 0
 
-    def read(self, fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter | Run) -> bool:
-        """``fill(stage)`` reads bytes into the next staging buffer, viewed as ``dest`` (contiguous), as the rows
-        of a :class:`Scatter` or as the bytes of a :class:`Run`; they are then copied to their place."""
+    def _next_turn(self) -> int:
+        """The next of the two turns, once the copies of its previous part have finished."""
         k = self.turn
         self.turn ^= 1
         if self.used[k] and self.stream is not None:
             self.events[k].synchronize()  # the copies out of this buffer have finished: it may be filled again
+        self._release(k)
+        return k
+
+    def _release(self, k: int) -> None:
+        done, self.pending[k] = self.pending[k], []
+        for release in done:
+            release()
+
+    def _copied(self, k: int) -> None:
+        """The copies of turn ``k`` are queued: its buffer (and its mappings) are free once they have run."""
+        if self.stream is not None:
+            self.events[k].record(self.stream)
+            self.used[k] = True
+        else:
+            self._release(k)  # host copies: done already
+
+    def read(self, fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter | Run) -> bool:
+        """``fill(stage)`` reads bytes into the next staging buffer, viewed as ``dest`` (contiguous), as the rows
+        of a :class:`Scatter` or as the bytes of a :class:`Run`; they are then copied to their place."""
+        k = self._next_turn()
+        buffer = self._buffer(k, staged_bytes(dest))
         if isinstance(dest, Run):
-            stage = self.buffers[k][: dest.nbytes]
+            stage = buffer[: dest.nbytes]
         else:
             shape, dtype = (dest.shape, dest.dtype) if isinstance(dest, Scatter) else (tuple(dest.shape), dest.dtype)
-            stage = self.buffers[k][: _numel(shape) * dtype.itemsize].view(dtype).view(shape)
+            stage = buffer[: _numel(shape) * dtype.itemsize].view(dtype).view(shape)
         if not fill(stage):
             return False
         copy = self.stream is not None  # non-blocking copies from pinned memory on this thread's stream
@@ -131,29 +156,59 @@ class Stager:
             for to, at in dest.lands:  # as bytes: a piece's offset in the run need not align to its element size
                 n = to.numel() * to.element_size()
                 to.reshape(-1).view(torch.uint8).copy_(stage[at : at + n], non_blocking=copy)
-        elif isinstance(dest, Scatter):
-            rows = stage
+        else:
+            self._land(stage, dest, k)
+        self._copied(k)
+        return True
+
+    def copy_mapped(self, host: torch.Tensor, release: Callable[[], None], dest: torch.Tensor | Scatter) -> None:
+        """Land ``host`` (the bytes of whole rows, uint8, page-locked: :class:`~.page_lock.MappedRows`) in
+        ``dest`` as :meth:`read` lands a staged part; ``release`` is called once the copies from it have run."""
+        k = self._next_turn()
+        try:
+            if isinstance(dest, Scatter):
+                self._land(host, dest, k)
+            else:
+                dest.reshape(-1).view(torch.uint8).copy_(host, non_blocking=self.stream is not None)
+        finally:
+            self.pending[k].append(release)
+            self._copied(k)
+
+    def _land(self, stage: torch.Tensor, dest: torch.Tensor | Scatter, k: int) -> None:
+        """Copy the rows in ``stage`` (host memory, shaped as ``dest`` or its bytes) to their place."""
+        copy = self.stream is not None
+        if isinstance(dest, Scatter):
+            rows = stage.view(torch.uint8).reshape(-1).view(dest.dtype).view(dest.shape)
             if copy:  # the whole rows to the device in one copy; the regions are cut out of them there
-                rows = self._scratch(k)[: stage.numel() * stage.element_size()].view(stage.dtype).view(stage.shape)
-                rows.copy_(stage, non_blocking=True)
+                n = stage.numel() * stage.element_size()
+                rows = self._scratch(k, n)[:n].view(dest.dtype).view(dest.shape)
+                rows.view(torch.uint8).reshape(-1).copy_(stage.view(torch.uint8).reshape(-1), non_blocking=True)
             for to, pick in dest.lands:
                 to.copy_(rows[(slice(None),) + pick], non_blocking=copy)
         else:
             dest.copy_(stage, non_blocking=copy)
-        if self.stream is not None:
-            self.events[k].record(self.stream)
-            self.used[k] = True
-        return True
 
-    def _scratch(self, k: int) -> torch.Tensor:
+    def _buffer(self, k: int, nbytes: int) -> torch.Tensor:
+        if not self.buffers:
+            self.buffers = [torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.pin) for _ in range(2)]
+        if len(self.buffers[k]) < nbytes:  # a part planned as a mapped copy and staged after all (a refusal)
+            self.buffers[k] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return self.buffers[k]
+
+    def _scratch(self, k: int, nbytes: int) -> torch.Tensor:
         buf = self.scratch[k]
-        if buf is None:
-            buf = self.scratch[k] = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        if buf is None or len(buf) < nbytes:
+            buf = self.scratch[k] = torch.empty(max(nbytes, self.nbytes), dtype=torch.uint8, device=self.device)
         return buf
 
     def finish(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
+        """Wait for this thread's copies, then release the mappings they read."""
+        try:
+            if self.stream is not None:
+                self.stream.synchronize()
+        finally:
+            self._release(0)
+            self._release(1)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -172,8 +227,17 @@ def staged_bytes(dest: torch.Tensor | Scatter | Run) -> int:
     return dest.numel() * dest.element_size()
 
 
-#: a staged part: (fetched bytes, fill(stage) -> bool, where it lands).
-Part = tuple[int, Callable[[torch.Tensor], bool], "torch.Tensor | Scatter | Run"]
+class Rows(NamedTuple):
+    """Rows ``[lo, hi)`` of stored piece ``ref``: what a part of whole stored rows reads, staged or copied from a
+    page-locked mapping (:mod:`.page_lock`)."""
+
+    ref: PieceRef
+    lo: int
+    hi: int
+
+
+#: a staged part: (fetched bytes, fill(stage) -> bool, where it lands, the rows it reads where they are whole).
+Part = tuple[int, Callable[[torch.Tensor], bool], "torch.Tensor | Scatter | Run", "Rows | None"]
 
 
 def scatter_groups(
@@ -241,7 +305,7 @@ def scatter_parts(ref: PieceRef, group: RowsGroup, stage_bytes: int, rows_into: 
         fill = functools.partial(rows_into, ref, lo, hi)
         at = lands[0][0]
         target = at if whole and at.is_contiguous() else Scatter((hi - lo,) + shape, lands)
-        parts.append((fetched_bytes(ref, lo, hi), fill, target))
+        parts.append((fetched_bytes(ref, lo, hi), fill, target, Rows(ref, lo, hi)))
     return parts
 
 

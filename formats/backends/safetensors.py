@@ -456,16 +456,19 @@ class SafetensorsReader:
         count = nbytes // dtypes.itemsize(ref.dtype)
         return torch.frombuffer(mapped, dtype=dtype, offset=offset, count=count).reshape(shape)
 
-    def map_rows_bytes(self, ref: PieceRef, lo: int, hi: int) -> tuple[mmap.mmap, int, int] | None:
+    def map_rows_bytes(
+        self, ref: PieceRef, lo: int, hi: int, *, shared: bool = False
+    ) -> tuple[mmap.mmap, int, int] | None:
         """:meth:`map_rows` as bytes: the mapping, where rows ``[lo, hi)`` begin in it and how many bytes they are,
         their checksum blocks verified over the mapped pages; None where the storage maps nothing or the piece has
-        no rows. What a reader without torch (an export that moves bytes) takes."""
+        no rows. What a reader without torch (an export that moves bytes) takes; ``shared``: a shared read-only
+        mapping (the page cache's pages, which a device load registers for DMA: :mod:`moeckpt.reshard.page_lock`)."""
         if not ref.box.ndim or not ref.nbytes:
             return None
         a, b, b0, read_lo, read_hi = block_span(ref, lo, hi)
         where = self.storage.path(ref.file)
         try:
-            found = self._files.map(ref.file, ref.start + read_lo, read_hi - read_lo)
+            found = self._files.map(ref.file, ref.start + read_lo, read_hi - read_lo, shared=shared)
         except EOFError:
             raise DataFileError(
                 f"{where}: file ends early reading tensor {ref.tensor!r}: the file is truncated"

@@ -219,16 +219,17 @@ class LocalFiles:
                 break
         return got
 
-    def map(self, relpath: str, offset: int, length: int) -> tuple[mmap.mmap, int]:
+    def map(self, relpath: str, offset: int, length: int, *, shared: bool = False) -> tuple[mmap.mmap, int]:
         """A private (copy-on-write) mapping: nothing written through it reaches the file; its pages are unmapped
-        when the last view of it goes."""
+        when the last view of it goes. ``shared``: a read-only shared one (``MAP_SHARED``, ``PROT_READ``)."""
         where = self.storage.path(relpath)
         fd = self.fd(relpath)
         base = offset - offset % mmap.ALLOCATIONGRANULARITY
         try:
             if os.fstat(fd).st_size < offset + length:  # mapping past the end would raise SIGBUS on access
                 raise EOFError(f"{where}: file ends before byte {offset + length}")
-            return mmap.mmap(fd, offset - base + length, offset=base, access=mmap.ACCESS_COPY), offset - base
+            access = mmap.ACCESS_READ if shared else mmap.ACCESS_COPY
+            return mmap.mmap(fd, offset - base + length, offset=base, access=access), offset - base
         except OSError as e:
             raise storage_error(e, f"mapping bytes {offset}..{offset + length}", where) from e
 
