@@ -46,6 +46,8 @@ if TYPE_CHECKING:
 #: a sliced piece's columns of at least this many rows are copied from a mapping of the file (one strided copy)
 #: rather than read by a call per row, where the storage maps its files.
 MAPPED_COLUMN_ROWS = 4
+#: a verified read reads and hashes this many bytes at a time (within the CPU's cache: :meth:`_read_verified`).
+HASH_STEP_BYTES = 512 * 1024
 
 __all__ = [
     "MAX_HEADER_BYTES",
@@ -314,8 +316,7 @@ class SafetensorsReader:
             parts.append(buf.cast("B") if buf.format != "B" else buf)
         if read_hi > b:
             parts.append(scratch[at:])
-        where = self._read_whole(ref, read_lo, parts)
-        _verify_parts(parts, b0, ref, where)
+        self._read_verified(ref, read_lo, parts, b0)
         return True
 
     def read_columns_into(self, ref: PieceRef, s0: int, s1: int, c0: int, c1: int, out: torch.Tensor) -> bool:
@@ -413,6 +414,29 @@ class SafetensorsReader:
         for ref, out in zip(refs, outs):
             verify_blocks(out, 0, ref, where)
         return True
+
+    def _read_verified(self, ref: PieceRef, offset: int, parts: list[memoryview], first_block: int) -> None:
+        """:meth:`_read_whole` and :func:`_verify_parts` interleaved: the bytes are read :data:`HASH_STEP_BYTES` at
+        a time and each step is hashed at once, while it is still in the CPU's cache. Hashing a part after reading
+        all of it read every byte from memory a second time, which is what a load on many cores is bound by
+        (docs/benchmarks/README.md). A sliced piece's row groups are hashed across slices: read whole, then checked."""
+        if ref.geometry is not None or not parts:
+            where = self._read_whole(ref, offset, parts)
+            _verify_parts(parts, first_block, ref, where)
+            return
+        hasher = BlockHasher(ref.block_bytes)
+        where = ""
+        for part in parts:
+            mv = part.cast("B") if part.format != "B" else part
+            for at in range(0, len(mv), HASH_STEP_BYTES):
+                step = mv[at : at + HASH_STEP_BYTES]
+                where = self._read_whole(ref, offset, [step])
+                hasher.update(step)
+                offset += len(step)
+        got = hasher.finish()
+        if got != list(ref.checksums[first_block : first_block + len(got)]):
+            verify_blocks(b"".join(bytes(p) for p in parts), first_block, ref, where)  # names the failing block
+            raise ChecksumMismatchError(f"{where}: checksum mismatch in tensor {ref.tensor!r}; the file is corrupt")
 
     def _scratch_bytes(self, nbytes: int) -> memoryview:
         """This thread's reused buffer for bytes that are read only to be hashed (the parts of checksum blocks a

@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from moeckpt.formats.backends import safetensors as safetensors_backend
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError
 from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES
@@ -35,7 +36,11 @@ def _save(location: str, layout: Layout, rule: ShardingRule | None = None) -> to
     return full
 
 
-def test_rows_read_into_a_tensor_equal_the_rows_read_and_verify_the_blocks_around_them(tmp_path):
+@pytest.mark.parametrize("step", [None, 3001], ids=["default step", "odd step"])
+def test_rows_read_into_a_tensor_equal_the_rows_read_and_verify_the_blocks_around_them(tmp_path, monkeypatch, step):
+    """Also with reads hashed a step at a time where the steps divide neither rows nor blocks."""
+    if step is not None:
+        monkeypatch.setattr(safetensors_backend, "HASH_STEP_BYTES", step)
     # replicated: blocks of CHECKSUM_BLOCK_BYTES along the flat bytes (a TP split along dim 0 would give the piece
     # blocks that end at the split's rows, format version 5)
     _save(str(tmp_path / "a"), Layout(tp=1, ep=1, dp=1), ShardingRule())
