@@ -197,15 +197,17 @@ class ReusedBuffer:
     """One host buffer that many boxes are read into in turn (``read_box(out=)``: an export's logical tensors, a
     diff's), grown to the largest: a new tensor per read has its pages faulted in anew each time (the kernel zeroing
     fresh memory), which was most of an export's system time. Viewed as a tensor (:meth:`get`) or as bytes
-    (:meth:`get_bytes`, for a reader without torch)."""
+    (:meth:`get_bytes`, for a reader without torch). ``reserve``: the size of the largest read to come, taken at
+    the first read, where the caller knows it: growing by steps faults every step's pages in anew."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = 0) -> None:
         self._bytes = np.empty(0, dtype=np.uint8)
+        self._reserve = reserve
 
     def get_bytes(self, nbytes: int) -> np.ndarray:
         """The buffer's first ``nbytes`` bytes (its contents are the last read's)."""
         if len(self._bytes) < nbytes:
-            self._bytes = np.empty(nbytes, dtype=np.uint8)
+            self._bytes = np.empty(max(nbytes, self._reserve), dtype=np.uint8)
         return self._bytes[:nbytes]
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -198,10 +198,14 @@ def export_hf(
     # (docs/benchmarks/README.md, the families benchmark). A conversion goes through torch.
     moves_bytes = not stored and all(reader.index.tensors[t.source].dtype == dtype for t in tensors)
 
+    def where_of(source: str) -> str:
+        """The stored tensor that plan tensor ``source`` is exported from."""
+        return stored.get(source) or _value_source(reader, source, dtype)
+
     def read_values(source: str, scratch: ReusedBuffer) -> dict[str, Any]:
         """The HF tensors cut from logical tensor ``source``, read into ``scratch`` (a damaged source raises here,
         named as itself): byte views of them where the export moves bytes, else tensors."""
-        where = stored.get(source) or _value_source(reader, source, dtype)
+        where = where_of(source)
         entry = reader.index.tensors[where]
         if moves_bytes:
             raw = scratch.get_bytes(entry.nbytes)
@@ -214,7 +218,9 @@ def export_hf(
     sources = {t.name: t.source for t in tensors}
     shards = pack_shards((ShardTensor(t.name, dtype, t.shape) for t in tensors), max_shard_size)
     # the logical tensors in the order the shards take their HF tensors (one run per logical tensor)
-    ahead = ReadAhead([s for s, _ in groupby(sources[t.name] for shard in shards for t in shard)], read_values)
+    order = [s for s, _ in groupby(sources[t.name] for shard in shards for t in shard)]
+    largest = max((reader.index.tensors[where_of(s)].nbytes for s in order), default=0)
+    ahead = ReadAhead(order, read_values, reserve=largest)
     unwritten: dict[str, Any] = {}  # the HF tensors of the logical tensor being written, not yet written
 
     def produce(t: ShardTensor) -> Iterator[bytes | memoryview]:
@@ -252,10 +258,10 @@ class ReadAhead:
     writing all of ``i``'s, and the read that starts then is ``i + 2``'s, into ``i``'s buffer.
     """
 
-    def __init__(self, order: list[str], read: Callable[[str, ReusedBuffer], dict[str, Any]]) -> None:
+    def __init__(self, order: list[str], read: Callable[[str, ReusedBuffer], dict[str, Any]], reserve: int = 0) -> None:
         self._order = order
         self._read = read
-        self._buffers = (ReusedBuffer(), ReusedBuffer())
+        self._buffers = (ReusedBuffer(reserve), ReusedBuffer(reserve))  # each at once the largest read's size
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moeckpt-export-read")
         self._pending: dict[int, Future[dict[str, Any]]] = {}
         self._at = 0

@@ -49,3 +49,14 @@ def test_asking_out_of_order_is_a_bug_it_names():
     with ReadAhead(["a", "b"], lambda n, s: {n: torch.zeros(1)}) as ahead:
         with pytest.raises(RuntimeError, match="expected \\['a'\\]"):
             ahead.next("b")
+
+
+def test_a_reserved_buffer_is_taken_once_at_the_largest_size():
+    """Reads growing one after another land in the memory the first one took (its pages faulted in once)."""
+    grown, reserved = ReusedBuffer(), ReusedBuffer(reserve=1 << 20)
+    first = reserved.get_bytes(10).ctypes.data
+    assert all(reserved.get_bytes(n).ctypes.data == first for n in (100, 1 << 16, 1 << 20))
+    assert len(reserved.get_bytes(1 << 20)) == 1 << 20
+    grown.get_bytes(10)
+    assert len(grown.get_bytes(1 << 20)) == 1 << 20  # without a reserve it grows as asked
+    assert reserved.get_bytes(2 << 20).nbytes == 2 << 20  # and past the reserve too
