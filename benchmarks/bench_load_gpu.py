@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="repetitions (every method in each, in rotating order)")
     ap.add_argument("--threads", type=int, default=0, help="fill threads (default: LoadOptions' default)")
     ap.add_argument("--stage-mib", type=int, default=0, help="LoadOptions.stage_bytes in MiB (default: its default)")
+    ap.add_argument("--mapped-mib", type=int, default=-1, help="LoadOptions.mapped_bytes in MiB (default: its default)")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated: " + ", ".join(METHODS))
     ap.add_argument("--dir", default="/tmp/moeckpt-bench-load-gpu", help="scratch directory (local disk)")
@@ -185,6 +186,8 @@ def main() -> None:
     tuned = {"fill_threads": args.threads} if args.threads else {}
     if args.stage_mib:
         tuned["stage_bytes"] = args.stage_mib << 20
+    if args.mapped_mib >= 0:
+        tuned["mapped_bytes"] = args.mapped_mib << 20
     options = LoadOptions(**tuned)
     registrar = page_lock.registrar_for(device)
     counting = CountingRegistrar(registrar) if registrar is not None else None
@@ -315,7 +318,8 @@ def main() -> None:
         "threads": threads,
         "stage_host": args.stage_host,
         "raw_threads": raw_threads,
-        "stage_bytes": getattr(options, "stage_bytes", None),
+        "stage_bytes": options.stage_bytes,
+        "mapped_bytes": options.mapped_bytes,
         "cases": results,
         "targets": {"moeckpt_over_raw": 0.9, "moeckpt_over_dcp": 1.8, "tp_rank_read_over_needed": 1.05},
     }
