@@ -367,7 +367,7 @@ def read_in_place(
         pos, item, dest, span = job
         ref = chunks.ref(item.tensor, item.src_box)
         staged = stages(dest)
-        grid = (mapped_bytes if mapped is not None else stage_bytes) if staged else chunk_bytes
+        grid = stage_bytes if staged else chunk_bytes
         # a small piece read whole joins a run; a larger one is read in parts on the grid below, by several threads
         if run_into is not None and is_small(ref, stage_bytes) and (view := whole_piece_view(ref, job)) is not None:
             whole[staged].append((positions(job), ref, view))
@@ -375,7 +375,13 @@ def read_in_place(
             parts += [(span.positions, *part) for part in scatter_parts(ref, span, grid, rows_into)]
         elif span is None:
             r0, r1 = item.rows
-            per = max(1, chunk_rows(ref.box, ref.dtype, grid, ref.unit_bytes))
+            # rows that land as they are need no device scratch: copied from page-locked mappings, in larger parts
+            # (a part's registration costs per call as well as per byte); scattered rows keep the staging grid,
+            # which bounds each fill thread's device scratch
+            per = max(
+                1,
+                chunk_rows(ref.box, ref.dtype, mapped_bytes if staged and mapped is not None else grid, ref.unit_bytes),
+            )
             # parts on the chunk grid: every thread gets work, no checksum block is read twice
             for lo, hi in grid_spans(r0, r1, per):
                 fill = functools.partial(rows_into, ref, lo, hi)

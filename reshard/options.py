@@ -40,8 +40,9 @@ LOAD_CHUNK_BYTES = 64 * MiB
 #: load into device memory: boxes are read in parts of about this size through pinned staging buffers, two per
 #: fill thread (parts larger than a few checksum blocks gained nothing, and every byte of them is pinned memory).
 LOAD_STAGE_BYTES = 16 * MiB
-#: load into device memory: parts of whole stored rows are copied to the device straight from page-locked mappings
-#: of their files in parts of about this size (registering a part costs per call as well as per byte).
+#: load into device memory: whole stored rows that land as they are are copied to the device straight from
+#: page-locked mappings of their files in parts of about this size (registering a part costs per call as well as
+#: per byte).
 LOAD_MAPPED_BYTES = 64 * MiB
 #: load: byte budget of a loading rank's chunk cache (beyond the state it returns).
 LOAD_CACHE_BYTES = 256 * MiB
@@ -125,7 +126,8 @@ class LoadOptions:
     #: into device memory: boxes are read in parts of about this many bytes through pinned staging buffers.
     stage_bytes: int = LOAD_STAGE_BYTES
     #: into a CUDA device: whole stored rows are copied straight from the page cache (file mappings page-locked by
-    #: the driver, :mod:`~moeckpt.reshard.page_lock`) in parts of about this many bytes; 0 stages them instead.
+    #: the driver, :mod:`~moeckpt.reshard.page_lock`), those that land as they are in parts of about this many
+    #: bytes (rows scattered into place keep ``stage_bytes``, which bounds the device scratch); 0 stages them all.
     mapped_bytes: int = LOAD_MAPPED_BYTES
 
     def __post_init__(self) -> None:
