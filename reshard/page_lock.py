@@ -109,7 +109,6 @@ class MappedRows:
         self._registrar = registrar
         self._lock = threading.Lock()
         self.on = True
-        self.registered = 0  # bytes copied from registered mappings (what the benchmarks report)
 
     def open(self, rows: Rows) -> tuple[torch.Tensor, Callable[[], None]] | None:
         """Rows ``rows`` as a uint8 host tensor over a registered mapping of their file, verified, and the
@@ -130,8 +129,6 @@ class MappedRows:
                     self.on = False
                     log.info("device load: a mapping could not be page-locked; the rest of the load stages")
             return None
-        with self._lock:
-            self.registered += nbytes
         # a writable view of the read-only pages (nothing writes to them): torch would warn at a read-only buffer
         host = torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(base + at), dtype=torch.uint8)
 
