@@ -19,6 +19,7 @@ import torch
 
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.errors import ChecksumMismatchError
+from moeckpt.formats.pieces import CHECKSUM_BLOCK_BYTES
 from moeckpt.reshard import page_lock, staging
 from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.options import LoadOptions
@@ -184,3 +185,47 @@ def test_on_a_gpu_locked_copies_equal_staged_ones(tmp_path):
         for name, boxes in state.items():
             for box, got in boxes:
                 assert torch.equal(got.cpu(), values[name][box.slices()]), (name, box)
+
+
+def test_rows_scattered_into_place_keep_the_staging_grid_and_rows_that_land_as_they_are_take_the_mapped_one(
+    tmp_path, driver, monkeypatch
+):
+    """A fill thread's device scratch holds one scattered part per turn: those parts stay on the staging grid
+    (``stage_bytes``) however large ``mapped_bytes`` is; rows that land as they are need no scratch and go in
+    parts of about ``mapped_bytes``."""
+    from moeckpt.reshard.rules import ShardingRule, TpSplit
+    from moeckpt.reshard.save import save_full_tensors
+    from moeckpt.reshard.tensors import ParamSpec, logical_tensors
+
+    seen: list[tuple[int, bool]] = []
+    real = staging.Stager.copy_mapped
+
+    def spy(self, host, release, dest):
+        seen.append((host.numel(), isinstance(dest, staging.Scatter)))
+        return real(self, host, release, dest)
+
+    monkeypatch.setattr(staging.Stager, "copy_mapped", spy)
+    rows, cols = 3000, 1024  # fp32: 4 KiB rows, 1,024 to a 4 MiB checksum block
+    full = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1))
+    options = LoadOptions(stage_bytes=1 << 20, mapped_bytes=16 << 20)
+    block = CHECKSUM_BLOCK_BYTES  # parts are cut at checksum blocks: the staging grid is at least one
+    for name, dim, stored, expect_scatter in (("halves", 1, 2, True), ("whole", 0, 1, False)):
+        params = [ParamSpec(name="w", shape=(rows, cols), rule=ShardingRule(tp=TpSplit(dim=dim)))]
+        save_full_tensors(
+            str(tmp_path / name),
+            tensors=logical_tensors(params, param_dtype="float32", with_optimizer=False),
+            layout=Layout(tp=stored, ep=1, dp=1),
+            values=lambda e: full,
+            model={"arch": "toy", "config": {}},
+        )
+        seen.clear()
+        _, out, state, _ = _load_into_out(str(tmp_path / name), Layout(tp=1, ep=1, dp=1), 0, options)
+        ((box, got),) = state["w"]
+        assert torch.equal(got, full), name
+        assert seen and all(scattered == expect_scatter for _, scattered in seen), name
+        largest = max(n for n, _ in seen)
+        if expect_scatter:  # a half's rows, one block a part
+            assert largest <= max(options.stage_bytes, block), largest
+        else:  # the whole 11.7 MiB matrix in one part: more than a block, within the mapped grid
+            assert block < largest <= options.mapped_bytes, largest
+    assert not driver.live
