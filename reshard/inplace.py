@@ -442,9 +442,9 @@ def read_in_place(
 def _mapped_rows(chunks: ChunkReader, jobs: Sequence[Job], mapped_bytes: int) -> MappedRows | None:
     """The load's copies from page-locked mappings, where its staged destinations are on a device whose driver
     registers mappings and the session maps its files; else None (every part stages)."""
-    staged = [job[2] for job in jobs if stages(job[2])]
+    staged = next((job[2] for job in jobs if stages(job[2])), None)
     map_rows_bytes = getattr(chunks.pieces, "map_rows_bytes", None)
-    if not mapped_bytes or not staged or map_rows_bytes is None:
+    if not mapped_bytes or staged is None or map_rows_bytes is None:
         return None
-    registrar = page_lock.registrar_for(staged[0].device)
+    registrar = page_lock.registrar_for(staged.device)
     return None if registrar is None else MappedRows(map_rows_bytes, registrar)

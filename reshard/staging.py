@@ -166,27 +166,25 @@ class Stager:
         ``dest`` as :meth:`read` lands a staged part; ``release`` is called once the copies from it have run."""
         k = self._next_turn()
         try:
-            if isinstance(dest, Scatter):
-                self._land(host, dest, k)
-            else:
-                dest.reshape(-1).view(torch.uint8).copy_(host, non_blocking=self.stream is not None)
+            self._land(host, dest, k)
         finally:
             self.pending[k].append(release)
             self._copied(k)
 
     def _land(self, stage: torch.Tensor, dest: torch.Tensor | Scatter, k: int) -> None:
-        """Copy the rows in ``stage`` (host memory, shaped as ``dest`` or its bytes) to their place."""
+        """Copy the rows in ``stage`` (host memory, contiguous: shaped as ``dest`` or its bytes) to their place, as
+        bytes (a mapping's rows need not sit at an address aligned for their dtype)."""
         copy = self.stream is not None
+        flat = stage.view(torch.uint8).reshape(-1)
         if isinstance(dest, Scatter):
-            rows = stage.view(torch.uint8).reshape(-1).view(dest.dtype).view(dest.shape)
+            rows = flat.view(dest.dtype).view(dest.shape)
             if copy:  # the whole rows to the device in one copy; the regions are cut out of them there
-                n = stage.numel() * stage.element_size()
-                rows = self._scratch(k, n)[:n].view(dest.dtype).view(dest.shape)
-                rows.view(torch.uint8).reshape(-1).copy_(stage.view(torch.uint8).reshape(-1), non_blocking=True)
+                rows = self._scratch(k, len(flat))[: len(flat)].view(dest.dtype).view(dest.shape)
+                rows.view(torch.uint8).reshape(-1).copy_(flat, non_blocking=True)
             for to, pick in dest.lands:
                 to.copy_(rows[(slice(None),) + pick], non_blocking=copy)
         else:
-            dest.copy_(stage, non_blocking=copy)
+            dest.reshape(-1).view(torch.uint8).copy_(flat, non_blocking=copy)
 
     def _buffer(self, k: int, nbytes: int) -> torch.Tensor:
         if not self.buffers:

@@ -7,12 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-import xxhash
 
-from ..checksum import ALGORITHM
 from ..errors import ChecksumMismatchError
 from ..pieces import PieceRef, verify_blocks
 from ..slices import SliceHasher
+from .piece_stream import BlockHasher
 
 
 def slices_match(parts: Sequence[memoryview], first_group: int, ref: PieceRef) -> bool:
@@ -48,25 +47,20 @@ def verify_parts(parts: Sequence[memoryview], first_block: int, ref: PieceRef, w
             joined = np.concatenate([np.frombuffer(p, dtype=np.uint8) for p in parts] or [np.empty(0, np.uint8)])
             verify_blocks(joined.data, first_block, ref, where)
         return
-    size = ref.block_bytes
-    block, filled, h = first_block, 0, xxhash.xxh3_64()
-
-    def check() -> None:
-        got = f"{ALGORITHM}:{h.hexdigest()}"
-        if block >= len(ref.checksums) or got != ref.checksums[block]:
-            verify_blocks(b"".join(bytes(p) for p in parts), first_block, ref, where)  # names the failing block
-            raise ChecksumMismatchError(f"{where}: checksum mismatch in tensor {ref.tensor!r}; the file is corrupt")
-
+    hasher = BlockHasher(ref.block_bytes)
     for part in parts:
-        mv = part.cast("B") if part.format != "B" else part
-        off = 0
-        while off < len(mv):
-            take = min(size - filled, len(mv) - off)
-            h.update(mv[off : off + take])
-            off += take
-            filled += take
-            if filled == size:
-                check()
-                block, filled, h = block + 1, 0, xxhash.xxh3_64()
-    if filled:
-        check()
+        hasher.update(part)
+    check_block_sums(hasher, parts, first_block, ref, where)
+
+
+def check_block_sums(
+    hasher: BlockHasher, parts: Sequence[memoryview], first_block: int, ref: PieceRef, where: str
+) -> None:
+    """Refuse bytes ``parts`` (whole blocks of ``ref`` from ``first_block``, all fed to ``hasher``) unless every
+    block has its recorded checksum; the error names the first failing block."""
+    if not any(len(p) for p in parts):
+        return
+    got = hasher.finish()
+    if got != list(ref.checksums[first_block : first_block + len(got)]):
+        verify_blocks(b"".join(bytes(p) for p in parts), first_block, ref, where)  # names the failing block
+        raise ChecksumMismatchError(f"{where}: checksum mismatch in tensor {ref.tensor!r}; the file is corrupt")

@@ -18,13 +18,13 @@ import numpy as np
 
 from .. import dtypes
 from ..box import Box
-from ..errors import ChecksumMismatchError, DataFileError, StorageError
+from ..errors import DataFileError, StorageError
 from ..index import SLICED_FORMAT_VERSION, FileEntry, Index, TensorEntry
 from ..pieces import Piece, PieceRef, block_span, tensor_bytes, verify_blocks
 from ..slices import column_span, verify_columns
 from ..storage import Storage, StorageReader
 from .base import BackendBase
-from .block_checks import verify_parts
+from .block_checks import check_block_sums, verify_parts
 from .piece_stream import BlockHasher
 from .safetensors_header import (
     MAX_HEADER_BYTES,
@@ -375,10 +375,7 @@ class SafetensorsReader:
                 where = self._read_whole(ref, offset, [step])
                 hasher.update(step)
                 offset += len(step)
-        got = hasher.finish()
-        if got != list(ref.checksums[first_block : first_block + len(got)]):
-            verify_blocks(b"".join(bytes(p) for p in parts), first_block, ref, where)  # names the failing block
-            raise ChecksumMismatchError(f"{where}: checksum mismatch in tensor {ref.tensor!r}; the file is corrupt")
+        check_block_sums(hasher, parts, first_block, ref, where)
 
     def _scratch_bytes(self, nbytes: int) -> memoryview:
         """This thread's reused buffer for bytes that are read only to be hashed (the parts of checksum blocks a
