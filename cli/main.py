@@ -55,6 +55,13 @@ COMMAND_MODULES = {
 }
 
 
+#: commands whose usual run never imports torch (an export that moves bytes): the others import it with their
+#: module, inside the window where a Ctrl-C exits at once. The library imports torch where tensors are made, so
+#: without this a command's first tensor would import it later, where a KeyboardInterrupt raised inside torch's
+#: import leaves the process to end by SIGINT instead of exit code 130 (:func:`.common.interrupts_exit_at_once`).
+TORCH_FREE_COMMANDS = frozenset({"export-hf"})
+
+
 class _LazyGroup(click.Group):
     """A group that imports a subcommand's module only when that command is looked up."""
 
@@ -77,6 +84,8 @@ class _LazyGroup(click.Group):
             return None
         with interrupts_exit_at_once():
             command = importlib.import_module(f"{__package__}.{module}").command
+            if name not in TORCH_FREE_COMMANDS:
+                importlib.import_module("torch")
         check_interrupted()  # a Ctrl-C that arrived before (native code may have swallowed its KeyboardInterrupt)
         _freeze_imports()
         check_interrupted()
