@@ -15,7 +15,9 @@ part), beside the raw read of the same files (``bench_load_gpu.raw_read``). Prin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import mmap
 import os
 import sys
 import threading
@@ -29,7 +31,8 @@ from moeckpt.formats.backends import block_checks, safetensors
 from moeckpt.formats.checkpoint import CheckpointReader
 from moeckpt.formats.checksum import checksum
 from moeckpt.formats.errors import ChecksumMismatchError
-from moeckpt.reshard import staging
+from moeckpt.formats.storages.local import LocalFiles
+from moeckpt.reshard import page_lock, staging
 from moeckpt.reshard.load import LoadStats, load_rank_state
 from moeckpt.reshard.options import LoadOptions
 from moeckpt.reshard.planner import plan_load
@@ -37,7 +40,19 @@ from moeckpt.reshard.planner import plan_load
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_load_gpu import CASES, data_files, layout_name, raw_read, sync
 
-PHASES = ("stager_init", "fill", "wait", "enqueue", "parts")
+PHASES = (
+    "stager_init",
+    "fill",
+    "wait",
+    "enqueue",
+    "parts",
+    "map_verify",
+    "register",
+    "unregister",
+    "mapped_enqueue",
+    "mapped_parts",
+    "finish",
+)
 
 
 class Timers:
@@ -74,8 +89,41 @@ class _TimedEvent:
 
 
 def instrument(timers: Timers) -> None:
-    """Wrap :class:`staging.Stager`'s constructor and ``read`` with timers."""
+    """Wrap :class:`staging.Stager`'s constructor, ``read``, ``copy_mapped`` and ``finish``, and the page-locked
+    path's mapping (with its checksums), registration and release, with timers."""
     init, read = staging.Stager.__init__, staging.Stager.read
+    copy_mapped, finish = staging.Stager.copy_mapped, staging.Stager.finish
+    mapped_init = page_lock.MappedRows.__init__
+
+    def timed(phase, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                timers.add(phase, time.perf_counter() - t)
+
+        return wrapper
+
+    class TimedRegistrar:
+        def __init__(self, inner):
+            self.register = timed("register", inner.register)
+            self.unregister = timed("unregister", inner.unregister)
+
+    def timed_mapped_init(self, map_rows_bytes, registrar):
+        mapped_init(self, timed("map_verify", map_rows_bytes), TimedRegistrar(registrar))
+
+    def timed_copy_mapped(self, host, release, dest):
+        before = timers.by_thread[threading.get_ident()]["wait"]
+        t = time.perf_counter()
+        copy_mapped(self, host, release, dest)
+        waited = timers.by_thread[threading.get_ident()]["wait"] - before
+        timers.add("mapped_enqueue", time.perf_counter() - t - waited)
+        timers.add("mapped_parts", 1)
+
+    page_lock.MappedRows.__init__ = timed_mapped_init  # type: ignore[method-assign]
+    staging.Stager.copy_mapped = timed_copy_mapped  # type: ignore[method-assign]
+    staging.Stager.finish = timed("finish", finish)  # type: ignore[method-assign]
 
     def timed_init(self, nbytes, device):
         t = time.perf_counter()
@@ -166,6 +214,24 @@ def mapped_copy(on: bool) -> None:
     safetensors.SafetensorsReader.read_rows_into = _mapped_rows_into if on else _ROWS_INTO
 
 
+_MAP = LocalFiles.map
+
+
+def _populated_map(self, relpath, offset, length, *, shared=False):
+    """Shared mappings made with ``MAP_POPULATE`` (every page mapped by the ``mmap`` call itself)."""
+    if not shared:
+        return _MAP(self, relpath, offset, length, shared=shared)
+    fd = self.fd(relpath)
+    base = offset - offset % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | mmap.MAP_POPULATE
+    return mmap.mmap(fd, offset - base + length, flags=flags, prot=mmap.PROT_READ, offset=base), offset - base
+
+
+def variants(flags: list[str]) -> None:
+    """pop: shared mappings populated by ``mmap``."""
+    LocalFiles.map = _populated_map if "pop" in flags else _MAP
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default="/tmp/moeckpt-bench-load-gpu", help="where bench_load_gpu.py --keep saved")
@@ -176,7 +242,9 @@ def main() -> None:
         "--grid",
         default="8:16,16:16",
         help="comma-separated THREADS:STAGE_MIB[:FLAG...]; flags: nv, checksums not computed (an upper bound of what "
-        "hashing costs; never how moeckpt loads); mc, whole rows hashed block by block from a mapping of the file, "
+        "hashing costs; never how moeckpt loads); mN, LoadOptions.mapped_bytes N MiB (m0: every part staged); "
+        "pop, shared mappings made with MAP_POPULATE; "
+        "mc, whole rows hashed block by block from a mapping of the file, "
         "each block copied into the staging buffer while in the core's cache (a candidate read path, A/B only)",
     )
     ap.add_argument("--reps", type=int, default=3)
@@ -200,7 +268,11 @@ def main() -> None:
         threads, stage_mib = int(threads_s), int(stage_s)
         verify(on="nv" not in flags)
         mapped_copy(on="mc" in flags)
+        variants(flags)
+        mapped = [int(f[1:]) for f in flags if f[:1] == "m" and f[1:].isdigit()]
         options = LoadOptions(fill_threads=threads, stage_bytes=stage_mib << 20)
+        if mapped:
+            options = dataclasses.replace(options, mapped_bytes=mapped[0] << 20)
         for case in cases:
             source, target, rank = CASES[case]
             src = os.path.join(args.dir, layout_name(source))
@@ -233,6 +305,8 @@ def main() -> None:
                     "stage_mib": stage_mib,
                     "verified": "nv" not in flags,
                     "mapped_copy": "mc" in flags,
+                    "mapped_mib": options.mapped_bytes >> 20,
+                    "flags": flags,
                     "case": case,
                     "rep": rep,
                     "load_s": round(wall, 4),
