@@ -14,11 +14,12 @@ The page cache is warmed (every file read once) before the timed runs; each repe
 turn, starting with another one each time:
 
 * ``moeckpt``: ``load_rank_state(..., device=, out=)`` into preallocated device tensors, ``fill_threads`` threads:
-  whole stored rows copied to the device straight from page-locked mappings of the files (the page cache itself,
-  ``moeckpt.reshard.page_lock``), the rest through pinned staging buffers, copies on side streams overlapped with
-  the reads; ``locked_bytes`` is what went the first way;
-* ``staged``: the same with ``LoadOptions(mapped_bytes=0)``: every part through pinned staging (the load before
-  page-locked mappings);
+  every byte hashed on the host; whole stored rows copied to the device straight from page-locked mappings of the
+  files (the page cache itself, ``moeckpt.reshard.page_lock``; ``locked_bytes`` is what went that way), the rest
+  through pinned staging buffers, copies on side streams overlapped with the reads;
+* ``device_checks``: the same with ``LoadOptions(checksums_on_device=True)``: parts of whole checksum blocks read
+  unhashed through pinned staging and hashed on the GPU where they land (``moeckpt.reshard.device_checks``, a
+  Triton kernel; the first load of the process includes Triton's start);
 * ``raw``: the stored layout's files read by a thread per core (``fill_threads`` where more; ``pread``, 64 MiB
   at a time) into preallocated pinned memory, then one copy to a preallocated device buffer: the physical limit of this machine
   for those files; ``raw_needed`` the same for the first bytes of them, as many as the rank needs (the limit of
@@ -64,7 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_reshard import scaled_model, state_tensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = ["moeckpt", "staged", "raw", "raw_needed", "dcp"]
+METHODS = ["moeckpt", "device_checks", "raw", "raw_needed", "dcp"]
 ONE = Layout(tp=1, ep=1, dp=1)
 #: case -> (stored layout, target layout, target rank)
 CASES = {
@@ -258,10 +259,10 @@ def main() -> None:
                 sync(device)
                 t0 = time.perf_counter()
                 extra: dict = {}
-                if method in ("moeckpt", "staged"):
+                if method in ("moeckpt", "device_checks"):
                     stats = LoadStats()
                     prof = cProfile.Profile() if args.profile and rep == args.reps - 1 else None
-                    how = options if method == "moeckpt" else dataclasses.replace(options, mapped_bytes=0)
+                    how = options if method == "moeckpt" else dataclasses.replace(options, checksums_on_device=True)
                     locked = counting.bytes if counting is not None else 0
                     if prof is not None:
                         prof.enable()
@@ -289,18 +290,23 @@ def main() -> None:
                 locked = f", {extra['locked_bytes'] / 1e9:.2f} GB page-locked" if extra.get("locked_bytes") else ""
                 print(f"{case} rep {rep} {method}: {runs[method][-1]['s']:.3f} s{locked}", flush=True)
         equal = None
-        if {"moeckpt", "staged"} <= set(todo):  # the two ways land the same bytes (checked after the timed runs)
+        if {"moeckpt", "device_checks"} <= set(todo):  # the two ways land the same bytes (checked after the timed runs)
             load_rank_state(src, target, rank, device=device, out=out, options=options)
             first = {k: t.clone() for k, t in out.items()}
             load_rank_state(
-                src, target, rank, device=device, out=out, options=dataclasses.replace(options, mapped_bytes=0)
+                src,
+                target,
+                rank,
+                device=device,
+                out=out,
+                options=dataclasses.replace(options, checksums_on_device=True),
             )
             equal = all(torch.equal(first[k], t) for k, t in out.items())
             del first
-            print(f"{case}: page-locked and staged loads equal: {equal}", flush=True)
+            print(f"{case}: loads hashing on the device and on the host equal: {equal}", flush=True)
         del out, dest
         results[case] = summarize(case, runs, needed, source, target, rank)
-        results[case]["locked_equal_to_staged"] = equal
+        results[case]["device_checks_equal_to_host_checks"] = equal  # None where one of the two did not run
         print(json.dumps({case: {k: results[case].get(k) for k in ("median_s", "runs_moeckpt_over")}}), flush=True)
 
     summary = {
@@ -364,7 +370,13 @@ def plot(summary: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     cases = summary["cases"]
-    colors = {"moeckpt": "#1f77b4", "staged": "#aec7e8", "raw": "#999999", "raw_needed": "#bbbbbb", "dcp": "#dddddd"}
+    colors = {
+        "moeckpt": "#1f77b4",
+        "device_checks": "#aec7e8",
+        "raw": "#999999",
+        "raw_needed": "#bbbbbb",
+        "dcp": "#dddddd",
+    }
     fig, ax = plt.subplots(figsize=(2.4 + 2.2 * len(cases), 4))
     width = 0.16
     labelled: set[str] = set()
@@ -374,7 +386,7 @@ def plot(summary: dict, path: str) -> None:
                 continue
             x = i + (j - (len(METHODS) - 1) / 2) * width
             ys = [res["needed_gb"] / r["s"] for r in res["runs"][m]]
-            names = {"raw_needed": "raw, the rank's bytes only", "staged": "moeckpt, every part staged"}
+            names = {"raw_needed": "raw, the rank's bytes only", "device_checks": "moeckpt, hashing on the GPU"}
             label = None if m in labelled else names.get(m, m)
             labelled.add(m)
             ax.bar(x, res["gb_per_s"][m], width, color=colors[m], label=label, edgecolor="#555")

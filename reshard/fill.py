@@ -98,6 +98,7 @@ def fill_boxes(
                 options.chunk_bytes,
                 options.stage_bytes,
                 options.mapped_bytes,
+                options.checksums_on_device,
             )
             try:
                 rest = [pos for pos in range(len(pieces)) if pos not in direct]

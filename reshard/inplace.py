@@ -25,8 +25,9 @@ from moeckpt.formats.box import Box
 from moeckpt.formats.pieces import PieceRef, fetched_bytes
 from moeckpt.formats.slices import column_span, columns_fetched
 
-from . import page_lock
+from . import device_checks, page_lock
 from .chunks import ChunkReader, chunk_rows, grid_spans
+from .device_checks import DeviceChecks
 from .options import LOAD_MAPPED_BYTES, LOAD_STAGE_BYTES
 from .page_lock import MappedRows
 from .plan import ReadItem, TargetPiece
@@ -334,6 +335,7 @@ def read_in_place(
     chunk_bytes: int,
     stage_bytes: int = LOAD_STAGE_BYTES,
     mapped_bytes: int = LOAD_MAPPED_BYTES,
+    checksums_on_device: bool = False,
 ) -> tuple[set[int], int]:
     """Read each job (a read of one stored piece: full-width rows, one byte range per row, or rows scattered into
     place) into its destination by ``threads`` threads, in parts of the chunk grid (rows; parts of about
@@ -341,8 +343,10 @@ def read_in_place(
     ranges); returns the positions the session could not read in place (the caller assembles them) and the bytes
     fetched for the others.
 
-    Into a device whose driver page-locks file mappings (:mod:`.page_lock`; ``mapped_bytes`` 0: never), parts of
-    whole stored rows are copied to the device from the page cache itself; the others stage."""
+    Into a GPU where Triton runs (``checksums_on_device``), parts that are whole checksum blocks are read unhashed
+    and hashed where they land (:mod:`.device_checks`); the load raises at its end if one differs. Else, into a
+    device whose driver page-locks file mappings (:mod:`.page_lock`; ``mapped_bytes`` 0: never), parts of whole
+    stored rows are copied to the device from the page cache itself; the others stage."""
     # A session that cannot read in place lacks the method: its jobs are handed back (``failed``).
     no_read: ReadInto = _cannot_read
     rows_into: ReadInto = getattr(chunks.pieces, "read_rows_into", no_read)
@@ -354,7 +358,10 @@ def read_in_place(
     failed = set().union(*map(positions, jobs)) - set().union(*map(positions, usable))
     if not usable:
         return failed, 0
-    mapped = _mapped_rows(chunks, usable, mapped_bytes)
+    checks = _device_checks(chunks, usable) if checksums_on_device else None
+    blocks_into: ReadInto | None = getattr(chunks.pieces, "read_blocks_into", None)
+    # hashed on the device, a part is read once into pinned memory: as cheap for the host as locking its pages
+    mapped = None if checks is not None and blocks_into is not None else _mapped_rows(chunks, usable, mapped_bytes)
     local = threading.local()
     stagers: list[Stager] = []
     lock = threading.Lock()
@@ -417,8 +424,12 @@ def read_in_place(
             stager = local.stager = Stager(part_bytes, dest.device)
             with lock:
                 stagers.append(stager)
-        if rows is not None and mapped is not None and not isinstance(dest, Run):
-            found = mapped.open(rows)
+        if rows is not None and not isinstance(dest, Run):
+            if checks is not None and blocks_into is not None and DeviceChecks.takes(*rows):
+                return stager.read(
+                    functools.partial(blocks_into, *rows), dest, functools.partial(checks.add, rows=rows)
+                )
+            found = mapped.open(rows) if mapped is not None else None
             if found is not None:
                 stager.copy_mapped(*found, dest)
                 return True
@@ -436,7 +447,20 @@ def read_in_place(
     finally:
         for stager in stagers:  # every thread has stopped: its last copies end before its buffers (and mappings) go
             stager.finish()
+    if checks is not None:
+        checks.verify()  # every stream has finished: the digests the device computed are final
     return failed, fetched_total
+
+
+def _device_checks(chunks: ChunkReader, jobs: Sequence[Job]) -> DeviceChecks | None:
+    """The load's checksums computed on its device, where its staged destinations are on a device the kernel runs
+    on; else None (hashed on the host)."""
+    staged = next((job[2] for job in jobs if stages(job[2])), None)
+    accumulate = None if staged is None else device_checks.accumulator_for(staged.device)
+    if accumulate is None:
+        return None
+    storage = getattr(chunks.pieces, "storage", None)
+    return DeviceChecks(accumulate, getattr(storage, "path", str))
 
 
 def _mapped_rows(chunks: ChunkReader, jobs: Sequence[Job], mapped_bytes: int) -> MappedRows | None:

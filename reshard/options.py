@@ -63,9 +63,13 @@ def load_fill_threads() -> int:
     return max(LOAD_FILL_THREADS_MIN, min(LOAD_FILL_THREADS_MAX, cores_per_rank()))
 
 
-def _check_positive(obj: object, zero_turns_off: Collection[str] = ()) -> None:
+def _check_positive(obj: object, zero_turns_off: Collection[str] = (), flags: Collection[str] = ()) -> None:
     for f in fields(obj):  # type: ignore[arg-type]
         value = getattr(obj, f.name)
+        if f.name in flags:
+            if type(value) is not bool:
+                raise ValueError(f"{type(obj).__name__}.{f.name} must be True or False, got {value!r}")
+            continue
         least = 0 if f.name in zero_turns_off else 1
         if type(value) is not int or value < least:
             what = "a positive integer, or 0 (off)" if least == 0 else "a positive integer"
@@ -129,6 +133,11 @@ class LoadOptions:
     #: the driver, :mod:`~moeckpt.reshard.page_lock`), those that land as they are in parts of about this many
     #: bytes (rows scattered into place keep ``stage_bytes``, which bounds the device scratch); 0 stages them all.
     mapped_bytes: int = LOAD_MAPPED_BYTES
+    #: into a GPU where Triton is installed: whole checksum blocks are read unhashed and hashed where they land, on
+    #: the device (:mod:`~moeckpt.reshard.device_checks`), instead of on the host before the copy. Off by default:
+    #: on an idle 16-core host it was no faster, and a process's first load pays Triton's start
+    #: (docs/benchmarks/gpu.md); it takes the hashing off the host's cores.
+    checksums_on_device: bool = False
 
     def __post_init__(self) -> None:
-        _check_positive(self, zero_turns_off=("mapped_bytes",))
+        _check_positive(self, zero_turns_off=("mapped_bytes",), flags=("checksums_on_device",))

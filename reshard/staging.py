@@ -139,9 +139,16 @@ class Stager:
         else:
             self._release(k)  # host copies: done already
 
-    def read(self, fill: Callable[[torch.Tensor], bool], dest: torch.Tensor | Scatter | Run) -> bool:
+    def read(
+        self,
+        fill: Callable[[torch.Tensor], bool],
+        dest: torch.Tensor | Scatter | Run,
+        check: Callable[[torch.Tensor], None] | None = None,
+    ) -> bool:
         """``fill(stage)`` reads bytes into the next staging buffer, viewed as ``dest`` (contiguous), as the rows
-        of a :class:`Scatter` or as the bytes of a :class:`Run`; they are then copied to their place."""
+        of a :class:`Scatter` or as the bytes of a :class:`Run`; they are then copied to their place. ``check``
+        (not for a run) is handed the rows' bytes where they landed (on the device: the destination, or the
+        scratch they are scattered from), on this thread's stream after their copy."""
         k = self._next_turn()
         buffer = self._buffer(k, staged_bytes(dest))
         if isinstance(dest, Run):
@@ -157,7 +164,9 @@ class Stager:
                 n = to.numel() * to.element_size()
                 to.reshape(-1).view(torch.uint8).copy_(stage[at : at + n], non_blocking=copy)
         else:
-            self._land(stage, dest, k)
+            landed = self._land(stage, dest, k)
+            if check is not None:
+                check(landed)
         self._copied(k)
         return True
 
@@ -171,20 +180,24 @@ class Stager:
             self.pending[k].append(release)
             self._copied(k)
 
-    def _land(self, stage: torch.Tensor, dest: torch.Tensor | Scatter, k: int) -> None:
+    def _land(self, stage: torch.Tensor, dest: torch.Tensor | Scatter, k: int) -> torch.Tensor:
         """Copy the rows in ``stage`` (host memory, contiguous: shaped as ``dest`` or its bytes) to their place, as
-        bytes (a mapping's rows need not sit at an address aligned for their dtype)."""
+        bytes (a mapping's rows need not sit at an address aligned for their dtype); returns the rows' bytes where
+        they landed whole (the device scratch of a scattered part, else the destination)."""
         copy = self.stream is not None
         flat = stage.view(torch.uint8).reshape(-1)
         if isinstance(dest, Scatter):
-            rows = flat.view(dest.dtype).view(dest.shape)
+            landed = flat
             if copy:  # the whole rows to the device in one copy; the regions are cut out of them there
-                rows = self._scratch(k, len(flat))[: len(flat)].view(dest.dtype).view(dest.shape)
-                rows.view(torch.uint8).reshape(-1).copy_(flat, non_blocking=True)
+                landed = self._scratch(k, len(flat))[: len(flat)]
+                landed.copy_(flat, non_blocking=True)
+            rows = landed.view(dest.dtype).view(dest.shape)
             for to, pick in dest.lands:
                 to.copy_(rows[(slice(None),) + pick], non_blocking=copy)
-        else:
-            dest.reshape(-1).view(torch.uint8).copy_(flat, non_blocking=copy)
+            return landed
+        landed = dest.reshape(-1).view(torch.uint8)
+        landed.copy_(flat, non_blocking=copy)
+        return landed
 
     def _buffer(self, k: int, nbytes: int) -> torch.Tensor:
         if not self.buffers:

@@ -221,6 +221,23 @@ class SafetensorsReader:
         row = ref.nbytes // ref.box.shape[0]
         return self.read_bytes_into(ref, lo * row, hi * row, out)
 
+    def read_blocks_into(self, ref: PieceRef, lo: int, hi: int, out: torch.Tensor) -> bool:
+        """Rows ``[lo, hi)`` of ``ref``, whole checksum blocks (they start and end on block edges), read into
+        ``out`` (contiguous, CPU, exactly their bytes) **unverified**: for a caller that verifies the blocks
+        itself, where they land (a device load hashes them on the GPU: :mod:`moeckpt.reshard.device_checks`).
+        False (nothing read) where the rows are not whole blocks or this session cannot read into memory."""
+        import torch
+
+        if not self._files.direct or not ref.box.ndim or hi <= lo or not ref.block_bytes or ref.geometry is not None:
+            return False
+        a, b, _, read_lo, read_hi = block_span(ref, lo, hi)
+        if (a, b) != (read_lo, read_hi) or out.device.type != "cpu" or not out.is_contiguous():
+            return False
+        if out.numel() * out.element_size() != b - a:
+            return False
+        self._read_whole(ref, a, [out.reshape(-1).view(torch.uint8).numpy().data])
+        return True
+
     def read_bytes_into(self, ref: PieceRef, a: int, b: int, out: torch.Tensor) -> bool:
         """Bytes ``[a, b)`` of ``ref``'s data straight into ``out`` (contiguous, CPU, ``b - a`` bytes), verified
         as :meth:`read_rows_into`: a contiguous part of a row (one TP rank's slice of an expert's matrix)."""
