@@ -11,9 +11,9 @@ before the load returns. (The destination then holds what the files held: a fail
 used, as after any failed load.)
 
 Off by default (``LoadOptions.checksums_on_device``): measured side by side on a 16-core H100 host, a load that
-hashes on the device ran at 0.92-1.16x the one that hashes on the host (the load is bound elsewhere: its per-part
-work on 8 threads), and a process's first load paid about a second of Triton's start; what it buys is the
-hashing's host CPU time (docs/benchmarks/gpu.md).
+hashes on the device took 0.88-1.09x the time of one that hashes on the host (the load is bound elsewhere: its
+per-part work on 8 threads), and a process's first load paid about a second of Triton's start; what it buys is
+the hashing's host CPU time (docs/benchmarks/gpu.md).
 
 The kernel is written in Triton, which runs on CUDA and ROCm GPUs alike. Where there is no Triton or no GPU,
 :func:`accumulator_for` is None and every byte is hashed on the host as before. Blocks of at most
