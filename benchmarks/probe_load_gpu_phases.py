@@ -1,6 +1,8 @@
 """Where a staged device load's time goes: each fill thread's time reading and verifying, waiting for a staging
 buffer's copies to end, and handing copies to its stream, for each case of ``bench_load_gpu.py``, over a grid of
-fill threads and stage sizes (issue 36).
+fill threads and stage sizes (issue 36). Parts copied from page-locked mappings are timed by step too: mapping and
+verifying (``map_verify``), registering and unregistering with the driver, handing the copy over (with the
+releases of earlier mappings it runs: ``mapped_enqueue``), and the end-of-load wait (``finish``).
 
 Uses the checkpoints a ``bench_load_gpu.py --keep`` run left in ``--dir`` (every case's stored layout). For each
 (threads, stage MiB) of the grid and each case, ``--reps`` loads of one rank into preallocated device tensors, each
