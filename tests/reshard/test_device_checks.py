@@ -4,13 +4,17 @@ On a GPU with Triton a kernel computes each block's xxh3 accumulators (:mod:`moe
 Here, on the CPU, the staged path runs on the host (``STAGE_HOST_MEMORY``) and the host reference of the same
 accumulators stands in for the kernel: every layout class lands the saved bytes, every block of the rows read
 unhashed is checked, and a corrupt block fails the load naming its file, tensor and block. The kernel itself is
-compared with xxhash on a GPU (skipped where there is none).
+compared with xxhash by Triton's interpreter on the CPU (where Triton is installed, as the tests' clients install
+it) and on a GPU (skipped where there is none).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -155,6 +159,33 @@ def test_only_rows_of_whole_long_blocks_go_to_the_device(tmp_path):
     assert DeviceChecks.takes(ending(400), 0, (ref.block_bytes + 400) // 4)
     short = ending(200)
     assert not DeviceChecks.takes(short, 0, short.box.shape[0])
+
+
+#: run by a fresh interpreter: Triton reads TRITON_INTERPRET when it is imported (its reductions are kernels too)
+_INTERPRETED = """
+import numpy as np, torch
+from moeckpt.formats.checksum import checksum
+from moeckpt.formats.xxh3_parts import checksum_of
+from moeckpt.reshard.device_checks import triton_accumulate
+
+raw = np.random.default_rng(7).integers(0, 256, 24_000, dtype=np.uint8)
+data = torch.from_numpy(raw)
+# whole words and unaligned starts, one 1,024-byte step and several, lengths that end mid-stripe
+for first, nbytes, count in [(0, 4096, 2), (8, 1025, 3), (3, 2049, 2), (0, 241, 4), (16, 5000, 2)]:
+    accs = triton_accumulate(data, first, nbytes, count).numpy().view(np.uint64)
+    for i in range(count):
+        part = raw[first + i * nbytes : first + (i + 1) * nbytes].tobytes()
+        assert checksum_of(accs[i].tolist(), nbytes) == checksum(part), (first, nbytes, i)
+print("equal")
+"""
+
+
+def test_the_kernel_run_by_the_interpreter_gives_xxh3_64():
+    """The Triton kernel itself, run by Triton's interpreter on the CPU (numpy in place of a GPU)."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "equal", done.stderr[-3000:]
 
 
 needs_triton_gpu = pytest.mark.skipif(
