@@ -127,12 +127,16 @@ def verify_blocks(data: bytes | bytearray | memoryview, first_block: int, ref: P
         verify_rows(mv, first_block, ref.geometry, ref.checksums, where, f"{ref.tensor!r} box {ref.box.to_json()}")
         return
     for i, off in enumerate(range(0, max(len(mv), 1), ref.block_bytes)):
-        block = first_block + i
-        if block >= len(ref.checksums):
-            raise ChecksumMismatchError(f"{where}: piece of {ref.tensor!r} holds more blocks than recorded")
-        got = checksum(mv[off : off + ref.block_bytes])
-        if got != ref.checksums[block]:
-            raise ChecksumMismatchError(
-                f"{where}: checksum mismatch in tensor {ref.tensor!r} box {ref.box.to_json()} block {block} "
-                f"(expected {ref.checksums[block]}, got {got}); the file is corrupt"
-            )
+        check_block(ref, first_block + i, checksum(mv[off : off + ref.block_bytes]), where)
+
+
+def check_block(ref: PieceRef, block: int, got: str, where: str) -> None:
+    """Refuse checksum ``got`` of block ``block`` of ``ref`` unless it is the recorded one (however it was
+    computed: on the host, or on a device from the block's accumulators)."""
+    if block >= len(ref.checksums):
+        raise ChecksumMismatchError(f"{where}: piece of {ref.tensor!r} holds more blocks than recorded")
+    if got != ref.checksums[block]:
+        raise ChecksumMismatchError(
+            f"{where}: checksum mismatch in tensor {ref.tensor!r} box {ref.box.to_json()} block {block} "
+            f"(expected {ref.checksums[block]}, got {got}); the file is corrupt"
+        )

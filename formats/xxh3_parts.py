@@ -71,6 +71,7 @@ def accumulators(data: bytes | bytearray | memoryview) -> tuple[int, ...]:
     if n <= LONG_INPUT_BYTES:
         raise ValueError(f"accumulators: xxh3 hashes {n} bytes (at most {LONG_INPUT_BYTES}) without them")
     keys = np.array(STRIPE_KEYS, dtype=np.uint64)
+    scramble = np.array(SCRAMBLE_KEYS, dtype=np.uint64)
     acc = np.array(INIT, dtype=np.uint64)
     blocks = (n - 1) // SCRAMBLE_BYTES
     whole = np.frombuffer(mv[: blocks * SCRAMBLE_BYTES], dtype="<u8").reshape(blocks, 16, 8)
@@ -78,7 +79,7 @@ def accumulators(data: bytes | bytearray | memoryview) -> tuple[int, ...]:
         for block in whole:
             acc = acc + _stripes(block, keys)
             acc ^= acc >> np.uint64(47)
-            acc ^= np.array(SCRAMBLE_KEYS, dtype=np.uint64)
+            acc ^= scramble
             acc *= np.uint64(SCRAMBLE_PRIME)
         at = blocks * SCRAMBLE_BYTES
         stripes = (n - 1 - at) // 64

@@ -33,8 +33,7 @@ import numpy as np
 import torch
 
 from moeckpt.formats.checksum import is_checksum
-from moeckpt.formats.errors import ChecksumMismatchError
-from moeckpt.formats.pieces import PieceRef, block_span
+from moeckpt.formats.pieces import PieceRef, block_span, check_block
 from moeckpt.formats.xxh3_parts import (
     INIT,
     LAST_KEYS,
@@ -61,7 +60,8 @@ class DeviceChecks:
     def __init__(self, accumulate: Accumulate, where: Callable[[str], str] = str):
         self._accumulate = accumulate
         self._where = where
-        self._pending: list[tuple[list[tuple[torch.Tensor, int, int]], PieceRef, int]] = []
+        #: per run of blocks hashed: (the piece, its first block, the blocks' bytes each, how many, accumulators)
+        self._pending: list[tuple[PieceRef, int, int, int, torch.Tensor]] = []
         self._lock = threading.Lock()
 
     @staticmethod
@@ -76,8 +76,8 @@ class DeviceChecks:
         a, b, _, read_lo, read_hi = block_span(ref, lo, hi)
         if (a, b) != (read_lo, read_hi):
             return False
-        last = b - a - (b - a - 1) // ref.block_bytes * ref.block_bytes  # the length of the rows' last block
-        return min(last, ref.block_bytes) > LONG_INPUT_BYTES
+        last = (b - a) % ref.block_bytes or ref.block_bytes  # the length of the rows' last block
+        return last > LONG_INPUT_BYTES
 
     def add(self, data: torch.Tensor, rows: Rows) -> None:
         """Hash ``data`` (the bytes of ``rows``, contiguous, where they landed) block by block on its stream."""
@@ -90,30 +90,26 @@ class DeviceChecks:
         flat = data.reshape(-1).view(torch.uint8)
         runs = []
         if whole:
-            runs.append((self._accumulate(flat, 0, block, whole), block, whole))
+            runs.append((ref, b0, block, whole, self._accumulate(flat, 0, block, whole)))
         if rest:
-            runs.append((self._accumulate(flat, whole * block, rest, 1), rest, 1))
+            runs.append((ref, b0 + whole, rest, 1, self._accumulate(flat, whole * block, rest, 1)))
         with self._lock:
-            self._pending.append((runs, ref, b0))
+            self._pending += runs
 
     def verify(self) -> None:
         """Compare every queued block's digest with its recorded checksum (the streams that hashed them have
         finished); the first mismatch raises."""
         with self._lock:
-            pending, self._pending = self._pending, []
-        for runs, ref, b0 in pending:
-            block = b0
-            for accs, nbytes, count in runs:
-                rows = accs.cpu().numpy().view(np.uint64).reshape(count, 8)
-                for acc in rows:
-                    got = checksum_of(acc.tolist(), nbytes)
-                    if block >= len(ref.checksums) or got != ref.checksums[block]:
-                        expected = ref.checksums[block] if block < len(ref.checksums) else "no block"
-                        raise ChecksumMismatchError(
-                            f"{self._where(ref.file)}: checksum mismatch in tensor {ref.tensor!r} box "
-                            f"{ref.box.to_json()} block {block} (expected {expected}, got {got}); the file is corrupt"
-                        )
-                    block += 1
+            runs, self._pending = self._pending, []
+        if not runs:
+            return
+        # every run's accumulators in one copy to the host, not one (and its synchronisation) per run
+        accs = torch.cat([acc for *_, acc in runs]).cpu().numpy().view(np.uint64)
+        row = 0
+        for ref, first, nbytes, count, _ in runs:
+            for i in range(count):
+                check_block(ref, first + i, checksum_of(accs[row + i].tolist(), nbytes), self._where(ref.file))
+            row += count
 
 
 @functools.cache
@@ -180,27 +176,15 @@ def _kernel() -> Any:
     return xxh3_accumulators
 
 
-class _Tables:
-    """The secret's key tables on each device the kernel runs on, made once."""
-
-    def __init__(self) -> None:
-        self._by_device: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-        self._lock = threading.Lock()
-
-    def of(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        with self._lock:
-            found = self._by_device.get(device)
-            if found is None:
-                found = self._by_device[device] = tuple(
-                    torch.from_numpy(np.asarray(values, dtype=np.uint64).reshape(-1).view(np.int64).copy())
-                    .to(device)
-                    .view(torch.uint64)
-                    for values in (STRIPE_KEYS, LAST_KEYS, SCRAMBLE_KEYS, INIT)
-                )
-            return found
-
-
-_TABLES = _Tables()
+@functools.cache
+def _tables(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The secret's key tables and the accumulators' start on ``device``, made once per device."""
+    return tuple(
+        torch.from_numpy(np.asarray(values, dtype=np.uint64).reshape(-1).view(np.int64).copy())
+        .to(device)
+        .view(torch.uint64)
+        for values in (STRIPE_KEYS, LAST_KEYS, SCRAMBLE_KEYS, INIT)
+    )
 
 
 def triton_accumulate(data: torch.Tensor, first: int, nbytes: int, count: int) -> torch.Tensor:
@@ -208,7 +192,7 @@ def triton_accumulate(data: torch.Tensor, first: int, nbytes: int, count: int) -
     kernel = _kernel()
     out = torch.empty((count, 8), dtype=torch.int64, device=data.device)
     aligned = (data.data_ptr() + first) % 8 == 0 and (count == 1 or nbytes % 8 == 0)
-    keys, last, scramble, init = _TABLES.of(data.device)
+    keys, last, scramble, init = _tables(data.device)
     kernel[(count,)](data, first, nbytes, keys, last, scramble, init, out, ALIGNED=aligned)
     return out
 

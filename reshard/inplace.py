@@ -358,10 +358,12 @@ def read_in_place(
     failed = set().union(*map(positions, jobs)) - set().union(*map(positions, usable))
     if not usable:
         return failed, 0
-    checks = _device_checks(chunks, usable) if checksums_on_device else None
+    # the device the staged destinations are on (None: every destination is host memory, nothing stages)
+    device = next((job[2].device for job in usable if stages(job[2])), None)
     blocks_into: ReadInto | None = getattr(chunks.pieces, "read_blocks_into", None)
+    checks = _device_checks(chunks, device) if checksums_on_device and blocks_into is not None else None
     # hashed on the device, a part is read once into pinned memory: as cheap for the host as locking its pages
-    mapped = None if checks is not None and blocks_into is not None else _mapped_rows(chunks, usable, mapped_bytes)
+    mapped = _mapped_rows(chunks, device, mapped_bytes) if checks is None else None
     local = threading.local()
     stagers: list[Stager] = []
     lock = threading.Lock()
@@ -452,23 +454,21 @@ def read_in_place(
     return failed, fetched_total
 
 
-def _device_checks(chunks: ChunkReader, jobs: Sequence[Job]) -> DeviceChecks | None:
-    """The load's checksums computed on its device, where its staged destinations are on a device the kernel runs
-    on; else None (hashed on the host)."""
-    staged = next((job[2] for job in jobs if stages(job[2])), None)
-    accumulate = None if staged is None else device_checks.accumulator_for(staged.device)
+def _device_checks(chunks: ChunkReader, device: torch.device | None) -> DeviceChecks | None:
+    """The load's checksums computed on ``device`` (its staged destinations'), where the kernel runs there; else
+    None (hashed on the host)."""
+    accumulate = None if device is None else device_checks.accumulator_for(device)
     if accumulate is None:
         return None
     storage = getattr(chunks.pieces, "storage", None)
     return DeviceChecks(accumulate, getattr(storage, "path", str))
 
 
-def _mapped_rows(chunks: ChunkReader, jobs: Sequence[Job], mapped_bytes: int) -> MappedRows | None:
-    """The load's copies from page-locked mappings, where its staged destinations are on a device whose driver
-    registers mappings and the session maps its files; else None (every part stages)."""
-    staged = next((job[2] for job in jobs if stages(job[2])), None)
+def _mapped_rows(chunks: ChunkReader, device: torch.device | None, mapped_bytes: int) -> MappedRows | None:
+    """The load's copies from page-locked mappings, where its staged destinations are on ``device``, whose driver
+    registers mappings, and the session maps its files; else None (every part stages)."""
     map_rows_bytes = getattr(chunks.pieces, "map_rows_bytes", None)
-    if not mapped_bytes or staged is None or map_rows_bytes is None:
+    if not mapped_bytes or device is None or map_rows_bytes is None:
         return None
-    registrar = page_lock.registrar_for(staged.device)
+    registrar = page_lock.registrar_for(device)
     return None if registrar is None else MappedRows(map_rows_bytes, registrar)
