@@ -190,6 +190,7 @@ def main() -> None:
     if args.mapped_mib >= 0:
         tuned["mapped_bytes"] = args.mapped_mib << 20
     options = LoadOptions(**tuned)
+    on_device = dataclasses.replace(options, checksums_on_device=True)  # the device_checks method's options
     registrar = page_lock.registrar_for(device)
     counting = CountingRegistrar(registrar) if registrar is not None else None
     if counting is not None:
@@ -262,7 +263,7 @@ def main() -> None:
                 if method in ("moeckpt", "device_checks"):
                     stats = LoadStats()
                     prof = cProfile.Profile() if args.profile and rep == args.reps - 1 else None
-                    how = options if method == "moeckpt" else dataclasses.replace(options, checksums_on_device=True)
+                    how = options if method == "moeckpt" else on_device
                     locked = counting.bytes if counting is not None else 0
                     if prof is not None:
                         prof.enable()
@@ -293,14 +294,7 @@ def main() -> None:
         if {"moeckpt", "device_checks"} <= set(todo):  # the two ways land the same bytes (checked after the timed runs)
             load_rank_state(src, target, rank, device=device, out=out, options=options)
             first = {k: t.clone() for k, t in out.items()}
-            load_rank_state(
-                src,
-                target,
-                rank,
-                device=device,
-                out=out,
-                options=dataclasses.replace(options, checksums_on_device=True),
-            )
+            load_rank_state(src, target, rank, device=device, out=out, options=on_device)
             equal = all(torch.equal(first[k], t) for k, t in out.items())
             del first
             print(f"{case}: loads hashing on the device and on the host equal: {equal}", flush=True)
