@@ -179,8 +179,8 @@ def _release_workers_at_shutdown() -> None:
 
 #: moeckpt's own ``--rdzv-conf`` keys (taken out before torch reads the rest), in seconds: ``poll_interval``, how
 #: often a waiting agent looks at the rendezvous state (torch's c10d rendezvous: every second);
-#: ``restart_last_call_timeout``, the last call of every round after the first (torch's ``last_call_timeout`` is
-#: then the first round's only, when the nodes start and must find each other).
+#: ``restart_last_call_timeout``, the last call of a round after a lost node or failed workers (torch's
+#: ``last_call_timeout`` is then the first round's and a join's, when nodes must find each other).
 OWN_KEYS = ("poll_interval", "restart_last_call_timeout")
 
 
@@ -205,24 +205,41 @@ def _take_own_keys(args) -> dict[str, float]:
     return own
 
 
-def _last_call_after_the_first_round(seconds: float) -> None:
-    """Every rendezvous round after this agent's first gets a last call of ``seconds``: a restart after a lost
-    node waits that long for more survivors (a node joining a full world does not wait: the round closes when
-    ``--nnodes``' maximum joined)."""
+def _last_call_after_the_first_round(seconds: float, handler_class: type | None = None) -> None:
+    """Every rendezvous round after this agent's first that follows a lost node or failed workers gets a last
+    call of ``seconds``: that long it waits for more survivors (a round closes at once when ``--nnodes``' maximum
+    joined). A round that follows nodes asking to join keeps torch's ``last_call_timeout``, as the first round
+    does: the joining node must see the new round open and enter it, and on a loaded machine that took longer than
+    a survivor's short restart last call (the job then restarted once more to take it in). ``handler_class`` is
+    torch's ``DynamicRendezvousHandler`` (a stand-in in tests)."""
     from datetime import timedelta
 
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    if handler_class is None:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 
-    original = DynamicRendezvousHandler.next_rendezvous
+        handler_class = DynamicRendezvousHandler
+    original_next, original_waiting = handler_class.next_rendezvous, handler_class.num_nodes_waiting
+
+    def num_nodes_waiting(self) -> int:
+        # torch's agent asks this only while its workers are healthy, and restarts them when it is not 0
+        waiting = original_waiting(self)
+        if waiting > 0:
+            self._moeckpt_nodes_joining = True
+        return waiting
 
     def next_rendezvous(self):
-        info = original(self)
         timeout = getattr(getattr(self, "_settings", None), "timeout", None)
         if timeout is not None and hasattr(timeout, "_last_call"):  # torch 2.x; another torch keeps its own
-            timeout._last_call = timedelta(seconds=seconds)
-        return info
+            state = self.__dict__
+            first = state.setdefault("_moeckpt_first_last_call", timeout._last_call)
+            if state.get("_moeckpt_rounds", 0):
+                joining = state.pop("_moeckpt_nodes_joining", False)
+                timeout._last_call = first if joining else timedelta(seconds=seconds)
+            state["_moeckpt_rounds"] = state.get("_moeckpt_rounds", 0) + 1
+        return original_next(self)
 
-    DynamicRendezvousHandler.next_rendezvous = next_rendezvous  # type: ignore[method-assign]
+    handler_class.next_rendezvous = next_rendezvous
+    handler_class.num_nodes_waiting = num_nodes_waiting
 
 
 def _poll_rendezvous_every(poll: float) -> None:

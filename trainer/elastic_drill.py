@@ -39,17 +39,18 @@ __all__ = [
     "start_node",
 ]
 
-#: rendezvous timing for a drill on one machine: a dead node's heartbeat expires after 3 s; the first round
-#: closes 3 s after the minimum number of nodes joined (at once when all of them did), every later one 2 s
-#: after (``restart_last_call_timeout``). A restart's survivors rejoin within milliseconds of each other, but a
-#: node that asked to join (C) must see the new round open and join it before the last call ends: under a load
-#: of 13-21 on 2 cores, 0.5 s let node A close the round alone, and the job restarted once more to take C in.
-#: a waiting agent looks at the rendezvous state every 0.1 s instead of torch's 1 s (``poll_interval``). The
-#: last two are moeckpt's agent's own keys (:mod:`moeckpt.trainer.agent`). torch's defaults (15 s, 30 s, 1 s)
-#: suit large clusters. A shorter heartbeat expiry (``keep_alive_max_attempt=2``) was tried and let a loaded
-#: 2-core machine take a live node for dead: the joining node trained a world of its own.
+#: rendezvous timing for a drill on one machine: a dead node's heartbeat expires after 3 s; a round after a lost
+#: node closes 2 s after the survivors joined (``restart_last_call_timeout``: they rejoin within milliseconds of
+#: each other); the first round and a round for a joining node close 10 s after the minimum number of nodes joined
+#: (``last_call_timeout``), at once when all of them did. A joining node (C) must see the new round open and
+#: enter it: under CI's load on 2 cores it once took longer than 2 s, node A closed the round alone and the job
+#: restarted once more to take C in; the 10 s are only waited when a node is late. A waiting agent looks at the
+#: rendezvous state every 0.1 s instead of torch's 1 s (``poll_interval``). ``poll_interval`` and
+#: ``restart_last_call_timeout`` are moeckpt's agent's own keys (:mod:`moeckpt.trainer.agent`). torch's defaults
+#: (15 s, 30 s, 1 s) suit large clusters. A shorter heartbeat expiry (``keep_alive_max_attempt=2``) was tried and
+#: let a loaded 2-core machine take a live node for dead: the joining node trained a world of its own.
 DRILL_RDZV_CONF = (
-    "join_timeout=300,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,"
+    "join_timeout=300,last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=3,"
     "restart_last_call_timeout=2,poll_interval=0.1"
 )
 #: restarts each drill agent allows: the drill needs two (the loss of B, the arrival of C).

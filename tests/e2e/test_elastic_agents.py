@@ -153,6 +153,38 @@ def test_the_agents_own_rendezvous_keys_are_taken_out_before_torch_reads_the_res
             agent._take_own_keys(argparse.Namespace(rdzv_conf=bad))
 
 
+def test_a_round_for_a_joining_node_keeps_the_first_last_call_and_a_restart_after_a_loss_the_short_one():
+    """Under load, a joining node missed a survivor's short restart last call and the job restarted once more:
+    a round the agent enters because nodes wait to join keeps torch's ``last_call_timeout``."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from moeckpt.trainer import agent
+
+    class Handler:  # the two methods of torch's DynamicRendezvousHandler the agent wraps, and its timeout
+        def __init__(self) -> None:
+            self._settings = SimpleNamespace(timeout=SimpleNamespace(_last_call=timedelta(seconds=10)))
+            self.waiting, self.last_calls = 0, []
+
+        def next_rendezvous(self):
+            self.last_calls.append(self._settings.timeout._last_call.total_seconds())
+
+        def num_nodes_waiting(self) -> int:
+            return self.waiting
+
+    agent._last_call_after_the_first_round(2.0, Handler)
+    h = Handler()
+    h.next_rendezvous()  # the first round
+    h.num_nodes_waiting()
+    h.next_rendezvous()  # workers failed (a node lost): no node waited
+    h.waiting = 1
+    assert h.num_nodes_waiting() == 1
+    h.next_rendezvous()  # a node asked to join
+    h.waiting = 0
+    h.next_rendezvous()  # failed again
+    assert h.last_calls == [10.0, 2.0, 10.0, 2.0]
+
+
 def test_workers_are_forked_from_the_warm_server_unless_a_start_method_or_the_opt_out_is_given(monkeypatch):
     from moeckpt.trainer import agent
 

@@ -193,7 +193,7 @@ def test_the_elastic_drill_with_the_memory_tier_resumes_from_memory_past_the_per
     assert [(r["tier"], r["from_layout"]["dp"], r["to_layout"]["dp"]) for r in resumes] == [
         ("memory", 4, 2),
         ("memory", 2, 4),
-    ], resumes
+    ], (resumes, logs)
     shrink = resumes[0]
     # B is killed as soon as step 17 shows in the metrics: step 17's memory checkpoint may still be in flight, so
     # the newest complete one is 17 or 16, past the persisted 15
