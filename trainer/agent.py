@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["main"]
 
@@ -205,7 +206,7 @@ def _take_own_keys(args) -> dict[str, float]:
     return own
 
 
-def _last_call_after_the_first_round(seconds: float, handler_class: type | None = None) -> None:
+def _last_call_after_the_first_round(seconds: float, handler_class: Any = None) -> None:
     """Every rendezvous round after this agent's first that follows a lost node or failed workers gets a last
     call of ``seconds``: that long it waits for more survivors (a round closes at once when ``--nnodes``' maximum
     joined). A round that follows nodes asking to join keeps torch's ``last_call_timeout``, as the first round
