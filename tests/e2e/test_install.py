@@ -116,3 +116,22 @@ def test_demo_without_its_extra_says_which_in_one_line(moeckpt_cli, monkeypatch,
     lines = [ln for ln in (out + err).splitlines() if ln.strip()]
     assert len(lines) == 1 and "pip install 'moeckpt[demo]'" in lines[0] and "matplotlib" in lines[0], lines
     assert not (tmp_path / "demo").exists()  # refused before it made anything
+
+
+def test_the_wheel_check_wants_every_module_and_data_file_and_names_one_missing(tmp_path, capsys):
+    import zipfile
+
+    check = _ci_module("check_wheel")
+    wanted = check.expected_files(ROOT)
+    data = {f"moeckpt/trainer/data/{p.name}" for p in (ROOT / "trainer" / "data").glob("*.txt")}
+    assert data and data <= wanted
+    assert {"moeckpt/__init__.py", "moeckpt/trainer/models/zaya/__init__.py", "moeckpt/cli/main.py"} <= wanted
+    assert not any("__pycache__" in w or w.startswith(("moeckpt/moeckpt/", "moeckpt/trainer/trainer/")) for w in wanted)
+    whole, short = tmp_path / "whole.whl", tmp_path / "short.whl"
+    for path, names in ((whole, wanted), (short, wanted - {"moeckpt/trainer/models/zaya/__init__.py"})):
+        with zipfile.ZipFile(path, "w") as z:
+            for name in names:
+                z.writestr(name, "")
+    assert check.main([str(whole), str(ROOT)]) == 0
+    assert check.main([str(short), str(ROOT)]) == 1
+    assert "lacks moeckpt/trainer/models/zaya/__init__.py" in capsys.readouterr().err
