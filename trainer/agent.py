@@ -231,12 +231,12 @@ def _last_call_after_the_first_round(seconds: float, handler_class: Any = None) 
     def next_rendezvous(self):
         timeout = getattr(getattr(self, "_settings", None), "timeout", None)
         if timeout is not None and hasattr(timeout, "_last_call"):  # torch 2.x; another torch keeps its own
-            state = self.__dict__
-            first = state.setdefault("_moeckpt_first_last_call", timeout._last_call)
-            if state.get("_moeckpt_rounds", 0):
-                joining = state.pop("_moeckpt_nodes_joining", False)
+            first = self.__dict__.get("_moeckpt_first_last_call")
+            if first is None:  # this agent's first round: torch's last call, kept for the joins after it
+                self._moeckpt_first_last_call = timeout._last_call
+            else:
+                joining = self.__dict__.pop("_moeckpt_nodes_joining", False)
                 timeout._last_call = first if joining else timedelta(seconds=seconds)
-            state["_moeckpt_rounds"] = state.get("_moeckpt_rounds", 0) + 1
         return original_next(self)
 
     handler_class.next_rendezvous = next_rendezvous
