@@ -1,0 +1,18 @@
+# Sourced by .ci/run and .ci/installs: side_by_side LOGDIR FUNCTION... runs each shell function in the background
+# (under set -e, output to LOGDIR/FUNCTION.log), then prints each output whole, in the order given, once it is
+# done; returns 1 if any failed, naming it.
+side_by_side() {
+    local logs="$1" failed=0 i
+    shift
+    local jobs=("$@") pids=()
+    for i in "${!jobs[@]}"; do
+        (set -e; "${jobs[$i]}") > "$logs/${jobs[$i]}.log" 2>&1 &
+        pids+=($!)
+    done
+    for i in "${!jobs[@]}"; do
+        echo "-- ${jobs[$i]}"
+        wait "${pids[$i]}" || { failed=1; echo "-- FAILED: ${jobs[$i]} (its output follows)"; }
+        cat "$logs/${jobs[$i]}.log"
+    done
+    return "$failed"
+}
