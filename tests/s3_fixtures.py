@@ -10,6 +10,8 @@ import itertools
 import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -20,17 +22,50 @@ _counter = itertools.count()
 _ENV_DROP = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_ENDPOINT_URL")
 
 
-def start_moto(port: int = 0):
-    """A started ``ThreadedMotoServer`` on 127.0.0.1 and its endpoint URL."""
-    import logging
+#: the server's process: moto's ThreadedMotoServer, its port on stdout, serving until its stdin closes (the test
+#: session ended, or died).
+_SERVER = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request would flood the output
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()
+server.stop()
+"""
 
-    from moto.server import ThreadedMotoServer
 
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request would flood the output
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    host, real_port = server.get_host_and_port()
-    return server, f"http://{host}:{real_port}"
+class MotoServer:
+    """moto's ``ThreadedMotoServer`` on 127.0.0.1, run in a process of its own: in the tests' process its request
+    handling and the client under test took turns on one interpreter lock, every request waiting for the other
+    side's turn (docs/architecture.md, "The test suite")."""
+
+    def __init__(self, port: int = 0) -> None:
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER, str(port)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        if not line.strip().isdigit():
+            self._proc.kill()
+            raise RuntimeError(f"moto's server did not start (exit {self._proc.wait()}): {line!r}")
+        self.endpoint = f"http://127.0.0.1:{int(line)}"
+
+    def stop(self) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def start_moto(port: int = 0) -> tuple[MotoServer, str]:
+    """A started moto S3 server on 127.0.0.1 (its own process) and its endpoint URL."""
+    server = MotoServer(port)
+    return server, server.endpoint
 
 
 def make_bucket(endpoint: str, bucket: str) -> None:
