@@ -4,6 +4,8 @@ tests/e2e/test_elastic_agents.py through the session's ``demo_run`` fixture: the
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -18,6 +20,32 @@ def test_demo_runs(demo_run):
     assert f"working in {root}" in out  # it says where it keeps its files
     assert (root / "loss.png").stat().st_size > 10_000  # the README's first command draws the picture
     assert "skipped" not in out.split("moeckpt demo summary")[1]
+
+
+#: the ``plot`` extra alone (matplotlib; transformers, pytest and moto unimportable, as in such an install) draws a
+#: drill's loss curve (tests/e2e/test_install.py holds the other extras' rules).
+_PLOT_EXTRA_ALONE = r"""
+import json, sys
+for name in ("pytest", "_pytest", "transformers", "moto"):
+    sys.modules[name] = None
+from moeckpt.trainer.elastic_drill import DrillResult, plot_drill
+with open(sys.argv[1]) as f:
+    plot_drill(DrillResult.from_json(json.load(f)), sys.argv[2])
+"""
+
+
+def test_the_plot_extra_alone_draws_the_demo_s_drill(demo_run, tmp_path):
+    root = demo_run[3]
+    out = tmp_path / "drill.png"
+    p = subprocess.run(
+        [sys.executable, "-c", _PLOT_EXTRA_ALONE, str(root / "drill.json"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000, len(data)
 
 
 def test_the_drill_files_run_on_one_worker(request):

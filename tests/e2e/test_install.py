@@ -1,8 +1,9 @@
 """What a fresh install relies on: README.md's two set-up commands (CI runs them verbatim, .ci/run), and that
 nothing the CLI or the trainer runs needs an extra or the test-only package ``moeckpt.testing``.
 
-The installs themselves (no extra, each extra alone, a built wheel) run in brand-new venvs in CI
-(.ci/installs); these tests hold the rules those runs rely on, in the suite's own venv, fast.
+The plain install (a built wheel, no extra) runs in a brand-new venv in CI (.ci/installs); these tests hold the
+rules it relies on, and what each extra alone promises, in the suite's own venv with the other extras' packages
+made unimportable: the hf extra here, the plot extra beside the demo's drill (tests/e2e/test_demo.py).
 """
 
 from __future__ import annotations
@@ -81,6 +82,33 @@ else:
     raise AssertionError("BackendTests without pytest")
 print("clean")
 """
+
+
+#: the ``hf`` extra alone (transformers; matplotlib, pytest and moto unimportable, as in such an install): an
+#: export of a checkpoint loads in transformers whole and computes our logits.
+_HF_EXTRA_ALONE = r"""
+import sys
+for name in ("pytest", "_pytest", "matplotlib", "moto"):
+    sys.modules[name] = None
+from moeckpt.cli.main import cli
+work = sys.argv[1]
+for args in (["init", work + "/ck", "--model", "zaya-tiny", "--ep", "2", "--dp", "2"],
+             ["export-hf", work + "/ck", work + "/hf"]):
+    try:
+        cli.main(args, standalone_mode=False)
+    except SystemExit as e:
+        assert not e.code, (args, e.code)
+from moeckpt.trainer.hf_check import logits_difference
+print("logits difference", logits_difference(work + "/ck", work + "/hf"))
+"""
+
+
+def test_the_hf_extra_alone_exports_what_transformers_loads_with_our_logits(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-c", _HF_EXTRA_ALONE, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert float(p.stdout.split("logits difference")[-1]) < 1e-4, p.stdout
 
 
 def test_the_wheel_lists_every_package_of_the_source_tree():
