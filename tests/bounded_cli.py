@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .proc_helpers import close_and_wait
+
 
 @dataclass(frozen=True)
 class Ran:
@@ -77,13 +79,7 @@ class BoundedCli:
         return Ran(**json.loads(line))
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        close_and_wait(self.proc)
 
 
 def _vm_kb(pid: int | str = "self") -> tuple[int, int]:

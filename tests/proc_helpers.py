@@ -1,5 +1,6 @@
-"""Real processes for the signal and restart tests: start ``moeckpt`` in its own process group, watch the
-processes it starts (``/proc``), send it signals, and prove that none of them survives."""
+"""Real processes for the tests: start ``moeckpt`` in its own process group, watch the processes it starts
+(``/proc``), send it signals, and prove that none of them survives; end a helper process that serves until its
+stdin closes; run Python with some packages unimportable (an install without them)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,23 @@ def launch(*args: str, env: dict[str, str] | None = None) -> Launched:
         start_new_session=True,
     )
     return Launched(proc)
+
+
+def close_and_wait(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """End a helper process that serves until its stdin closes: close it, wait, kill it if it does not end."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_python_without(unimportable: tuple[str, ...], script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -c SCRIPT ARGS`` where importing any of ``unimportable`` raises ImportError, as in an install
+    without those packages; its output captured as text."""
+    blocked = "".join(f"sys.modules[{name!r}] = None\n" for name in unimportable)
+    return subprocess.run(
+        [sys.executable, "-c", f"import sys\n{blocked}{script}", *args], capture_output=True, text=True, timeout=300
+    )

@@ -16,6 +16,8 @@ import threading
 
 import pytest
 
+from .proc_helpers import close_and_wait
+
 BUCKET = "moeckpt-tests"
 _counter = itertools.count()
 
@@ -53,19 +55,7 @@ class MotoServer:
         self.endpoint = f"http://127.0.0.1:{int(line)}"
 
     def stop(self) -> None:
-        assert self._proc.stdin is not None
-        self._proc.stdin.close()
-        try:
-            self._proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
-
-
-def start_moto(port: int = 0) -> tuple[MotoServer, str]:
-    """A started moto S3 server on 127.0.0.1 (its own process) and its endpoint URL."""
-    server = MotoServer(port)
-    return server, server.endpoint
+        close_and_wait(self._proc)
 
 
 def make_bucket(endpoint: str, bucket: str) -> None:
@@ -77,7 +67,8 @@ def make_bucket(endpoint: str, bucket: str) -> None:
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """The endpoint of a moto S3 server that lives for the whole test session, with the bucket ``BUCKET``."""
-    server, endpoint = start_moto()
+    server = MotoServer()
+    endpoint = server.endpoint
     env = {
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",

@@ -4,10 +4,10 @@ tests/e2e/test_elastic_agents.py through the session's ``demo_run`` fixture: the
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
+
+from ..proc_helpers import run_python_without
 
 pytestmark = pytest.mark.slow  # multi-process
 
@@ -25,9 +25,7 @@ def test_demo_runs(demo_run):
 #: the ``plot`` extra alone (matplotlib; transformers, pytest and moto unimportable, as in such an install) draws a
 #: drill's loss curve (tests/e2e/test_install.py holds the other extras' rules).
 _PLOT_EXTRA_ALONE = r"""
-import json, sys
-for name in ("pytest", "_pytest", "transformers", "moto"):
-    sys.modules[name] = None
+import json
 from moeckpt.trainer.elastic_drill import DrillResult, plot_drill
 with open(sys.argv[1]) as f:
     plot_drill(DrillResult.from_json(json.load(f)), sys.argv[2])
@@ -37,11 +35,8 @@ with open(sys.argv[1]) as f:
 def test_the_plot_extra_alone_draws_the_demo_s_drill(demo_run, tmp_path):
     root = demo_run[3]
     out = tmp_path / "drill.png"
-    p = subprocess.run(
-        [sys.executable, "-c", _PLOT_EXTRA_ALONE, str(root / "drill.json"), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    p = run_python_without(
+        ("pytest", "_pytest", "transformers", "moto"), _PLOT_EXTRA_ALONE, str(root / "drill.json"), str(out)
     )
     assert p.returncode == 0, p.stderr[-3000:]
     data = out.read_bytes()

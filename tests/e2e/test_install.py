@@ -9,11 +9,11 @@ made unimportable: the hf extra here, the plot extra beside the demo's drill (te
 from __future__ import annotations
 
 import importlib.util
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from ..proc_helpers import run_python_without
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,9 +61,6 @@ def test_a_readme_with_other_setup_commands_fails_the_check(text, problem):
 #: run in a fresh interpreter where pytest, transformers, matplotlib and moto cannot be imported (as in a
 #: no-extra install): the whole CLI (every command's module, through --help) and the trainer's entry points.
 _WITHOUT_EXTRAS = r"""
-import sys
-for name in ("pytest", "_pytest", "transformers", "matplotlib", "moto"):
-    sys.modules[name] = None  # import raises ImportError, as when not installed
 from moeckpt.cli.main import cli
 for command in [None, *cli.commands]:
     try:
@@ -87,9 +84,6 @@ print("clean")
 #: the ``hf`` extra alone (transformers; matplotlib, pytest and moto unimportable, as in such an install): an
 #: export of a checkpoint loads in transformers whole and computes our logits.
 _HF_EXTRA_ALONE = r"""
-import sys
-for name in ("pytest", "_pytest", "matplotlib", "moto"):
-    sys.modules[name] = None
 from moeckpt.cli.main import cli
 work = sys.argv[1]
 for args in (["init", work + "/ck", "--model", "zaya-tiny", "--ep", "2", "--dp", "2"],
@@ -104,9 +98,7 @@ print("logits difference", logits_difference(work + "/ck", work + "/hf"))
 
 
 def test_the_hf_extra_alone_exports_what_transformers_loads_with_our_logits(tmp_path):
-    p = subprocess.run(
-        [sys.executable, "-c", _HF_EXTRA_ALONE, str(tmp_path)], capture_output=True, text=True, timeout=300
-    )
+    p = run_python_without(("pytest", "_pytest", "matplotlib", "moto"), _HF_EXTRA_ALONE, str(tmp_path))
     assert p.returncode == 0, p.stderr[-3000:]
     assert float(p.stdout.split("logits difference")[-1]) < 1e-4, p.stdout
 
@@ -127,7 +119,7 @@ def test_the_wheel_lists_every_package_of_the_source_tree():
 
 
 def test_the_cli_and_trainer_run_without_pytest_or_any_extra():
-    p = subprocess.run([sys.executable, "-c", _WITHOUT_EXTRAS], capture_output=True, text=True, timeout=300)
+    p = run_python_without(("pytest", "_pytest", "transformers", "matplotlib", "moto"), _WITHOUT_EXTRAS)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().endswith("clean")
 
