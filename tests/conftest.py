@@ -28,9 +28,13 @@ SERIAL_FILES = {"e2e/test_demo.py", "e2e/test_elastic_agents.py", "e2e/test_sign
 #: worker, so that the run is made once, not once per worker (a group per file: the files still run side by side).
 SHARED_RUN_FILES = {
     "library/test_torchtitan_checkpointer.py",
+    # torchtitan's and Megatron's own model code writes each chain's checkpoint (torchrun, 2 or 4 ranks): split
+    # over both workers, three of its four writers ran twice
+    "trainer/test_dcp_frameworks.py",
     "trainer/test_dcp_import.py",
     "trainer/test_megatron_export.py",  # Megatron writes, then loads three exports: ~35 s, once
     "trainer/test_megatron_optimizer_export.py",  # Megatron trains, saves and loads four optimizers: ~60 s, once
+    "trainer/test_torchtitan_gpt_oss.py",  # torchtitan's gpt-oss writes its checkpoint once
 }
 
 # A file moved or renamed would silently leave its group (its drills side by side, its run made twice): say so.
@@ -52,6 +56,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("drills"))
         elif where in SHARED_RUN_FILES:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+    # xdist hands out the groups first (the largest first), then single tests in this order: the files with slow
+    # tests (a drill is tens of seconds) go before the rest, so that the quick tests fill the end of the run and
+    # neither worker waits alone on a drill at the end. Each file stays in one piece: its module fixtures are made
+    # once per worker, as before.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
 
 
 #: storages of the shared suite; S3 is added by the S3 fixture module when moto is installed.
