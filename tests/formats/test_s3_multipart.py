@@ -135,16 +135,19 @@ def test_trainer_retention_aborts_stale_uploads_only(s3_url, moto_endpoint):
     keeps one that received a part since, which may belong to a save in flight."""
     client = _client(moto_endpoint)
     prefix = _key_prefix(s3_url)
+    # The young upload's newest part must stay younger than the grace age until the listing has run, on a loaded
+    # machine and with S3's times in whole seconds: a grace of 1 s once took it for stale during a full test run.
+    grace = 4.0
     uploads = []
     for step in (10, 20):
         key = f"{prefix}/step-000000{step}/rank-00000.safetensors"
         u = client.create_multipart_upload(Bucket=BUCKET, Key=key)
         client.upload_part(Bucket=BUCKET, Key=key, UploadId=u["UploadId"], PartNumber=1, Body=b"part")
         uploads.append(u)
-        time.sleep(1.5)
+    time.sleep(grace + 0.5)  # both started, and last received a part, longer ago than the grace age
     old, young = uploads
     client.upload_part(Bucket=BUCKET, Key=young["Key"], UploadId=young["UploadId"], PartNumber=2, Body=b"more")
-    plan = plan_gc(s3_url, RetentionPolicy(), upload_grace_s=1.0)
+    plan = plan_gc(s3_url, RetentionPolicy(), upload_grace_s=grace)
     assert [u.relpath for u in plan.stale_uploads] == ["step-00000010/rank-00000.safetensors"]
     apply_gc(s3_url, plan)
     left = {u["UploadId"] for u in _uploads(moto_endpoint, prefix)}
