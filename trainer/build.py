@@ -106,13 +106,13 @@ def build_checkpoints(
         compress=config.compress,
         retention=RetentionPolicy(keep_last=config.keep_last),
         async_save=config.async_save,
-        faults=_faults(config, rank),
+        faults=_faults(config, rank, layout.world),
     )
 
 
-def _faults(config: TrainConfig, rank: int) -> FaultInjector:
+def _faults(config: TrainConfig, rank: int, world: int) -> FaultInjector:
     marker_dir = None if is_url(config.run_dir) else config.run_dir
-    return FaultInjector([parse_fault(f) for f in config.inject], rank=rank, marker_dir=marker_dir)
+    return FaultInjector([parse_fault(f) for f in config.inject], rank=rank, marker_dir=marker_dir, world=world)
 
 
 def join_memory_tier(config: TrainConfig, rank: int, tensors: dict[str, TensorEntry], group) -> MemoryTier:

@@ -339,7 +339,7 @@ class TrainConfig:
     inject: tuple[str, ...] = setting(
         (),
         "inject a fault (repeatable): kill|hang|nan|kill-during-save|corrupt-file|slow:rank=R,step=S"
-        "[,signal=TERM][,seconds=X]",
+        "[,signal=TERM][,seconds=X][,world=W]",
         "faults",
         metavar="FAULT",
         multiple=True,

@@ -61,8 +61,9 @@ CPU_DRILL_STEPS = 80
 CPU_DRILL_KILL_AT = 17
 
 
-#: the extra delay per step after node B is lost: the survivors' stretch must outlast node C's start (its
-#: interpreter, torch's import, the rendezvous) on a loaded machine, or the run ends before C can join.
+#: the extra delay per step after node B is lost, while the survivors train alone: their stretch must outlast node
+#: C's start (its interpreter, torch's import, the rendezvous) on a loaded machine, or the run ends before C can
+#: join. Once C has joined, the grown job trains on without it (the drill's minute is mostly these waits).
 CPU_DRILL_SLOW_AFTER_KILL = 0.35
 
 
@@ -74,10 +75,12 @@ def cpu_drill_args(
     slow: float = 0.15,
     kill_at: int = CPU_DRILL_KILL_AT,
     slow_after_kill: float = CPU_DRILL_SLOW_AFTER_KILL,
+    shrunk_world: int = 2,
 ) -> list[str]:
     """``moeckpt train`` arguments of the CPU drill: zaya-tiny, ep 2, a checkpoint every 5 steps, and a straggler
     delay of ``slow`` seconds per step that keeps this tiny run going while nodes come and go, ``slow_after_kill``
-    more after step ``kill_at`` (while a new node starts)."""
+    more after step ``kill_at`` while the job runs with ``shrunk_world`` workers (the survivor's, while a new node
+    starts)."""
     return [
         "--model",
         model,
@@ -99,7 +102,7 @@ def cpu_drill_args(
         "--inject",
         f"slow:step=1,seconds={slow}",
         "--inject",
-        f"slow:step={kill_at + 1},seconds={slow_after_kill}",
+        f"slow:step={kill_at + 1},seconds={slow_after_kill},world={shrunk_world}",
     ]
 
 

@@ -11,7 +11,8 @@ on a laptop. Kinds:
 * ``corrupt-file``: after the checkpoint of that step is committed, one byte of the rank's data file is flipped,
   so the next resume must detect it and fall back to the previous checkpoint.
 * ``slow``: from that step on, the rank sleeps ``seconds`` before every step (a straggler; elastic drills use it to
-  keep a tiny run going while nodes come and go).
+  keep a tiny run going while nodes come and go); with ``world=W`` only while the job runs with W ranks (a drill
+  keeps its shrunk job going until a new node has joined, then trains on at full speed).
 
 Each fault but ``slow`` fires once per run directory (a marker file records it), so a restarted worker does not
 fail again.
@@ -43,28 +44,35 @@ class Fault:
     signal: str | None = None
     #: ``slow``: the delay before every step.
     seconds: float = 0.0
+    #: ``slow``: only while the job runs with this many ranks (None: at any size).
+    world: int | None = None
 
     @property
     def marker(self) -> str:
         who = "all" if self.rank is None else f"rank{self.rank}"
         return f".fault-{self.kind}-{who}-step{self.step}"
 
-    def applies(self, rank: int, step: int) -> bool:
-        """Whether the fault acts on ``rank`` at ``step``: at its step, or for ``slow`` at every step from it on."""
+    def applies(self, rank: int, step: int, world: int | None = None) -> bool:
+        """Whether the fault acts on ``rank`` at ``step`` in a job of ``world`` ranks: at its step, or for ``slow``
+        at every step from it on (in a job of its ``world`` ranks, if it names one)."""
         at = step >= self.step if self.kind == "slow" else step == self.step
-        return at and (self.rank is None or self.rank == rank)
+        sized = self.world is None or self.world == world
+        return at and sized and (self.rank is None or self.rank == rank)
 
 
 def parse_fault(text: str) -> Fault:
-    """``KIND:key=value,...`` with keys ``rank``, ``step`` (required), ``signal`` (kill) and ``seconds`` (slow)."""
+    """``KIND:key=value,...`` with keys ``rank``, ``step`` (required), ``signal`` (kill), ``seconds`` and ``world``
+    (slow)."""
     kind, _, rest = text.partition(":")
     if kind not in KINDS:
         raise FaultSpecError(f"--inject {text!r}: unknown fault {kind!r}; known: {', '.join(KINDS)}")
     fields: dict[str, str] = {}
     for part in filter(None, rest.split(",")):
         key, eq, value = part.partition("=")
-        if not eq or key not in ("rank", "step", "signal", "seconds"):
-            raise FaultSpecError(f"--inject {text!r}: expected rank=N, step=N, signal=TERM or seconds=X, got {part!r}")
+        if not eq or key not in ("rank", "step", "signal", "seconds", "world"):
+            raise FaultSpecError(
+                f"--inject {text!r}: expected rank=N, step=N, signal=TERM, seconds=X or world=W, got {part!r}"
+            )
         fields[key] = value
     try:
         step = int(fields["step"])
@@ -84,16 +92,26 @@ def parse_fault(text: str) -> Fault:
             raise FaultSpecError(f"--inject {text!r}: slow needs seconds=X, a number of seconds >= 0") from None
         if kind != "slow" or not 0 <= seconds <= 3600:
             raise FaultSpecError(f"--inject {text!r}: seconds=X (0 to 3600) only applies to slow")
-    return Fault(kind=kind, step=step, rank=rank, signal=sig, seconds=seconds)
+    world = None
+    if "world" in fields:
+        try:
+            world = int(fields["world"])
+        except ValueError:
+            world = 0
+        if kind != "slow" or world < 1:
+            raise FaultSpecError(f"--inject {text!r}: world=W (a number of ranks >= 1) only applies to slow")
+    return Fault(kind=kind, step=step, rank=rank, signal=sig, seconds=seconds, world=world)
 
 
 class FaultInjector:
     """Fires the configured faults at the right rank and step, once per run directory."""
 
-    def __init__(self, faults: list[Fault], *, rank: int, marker_dir: str | None):
+    def __init__(self, faults: list[Fault], *, rank: int, marker_dir: str | None, world: int | None = None):
         self.faults = faults
         self.rank = rank
         self.marker_dir = marker_dir
+        #: the job's number of ranks (a ``slow`` fault with ``world=W`` acts only when it is W)
+        self.world = world
 
     def _take(self, kind: str, step: int) -> Fault | None:
         for f in self.faults:
@@ -117,7 +135,7 @@ class FaultInjector:
     def before_step(self, step: int) -> None:
         """Kill, hang or dawdle at the start of ``step``."""
         for f in self.faults:
-            if f.kind == "slow" and f.applies(self.rank, step):
+            if f.kind == "slow" and f.applies(self.rank, step, self.world):
                 time.sleep(f.seconds)
         fault = self._take("kill", step)
         if fault is not None:

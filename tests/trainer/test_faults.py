@@ -22,6 +22,7 @@ def test_parse_fault_specs():
     assert parse_fault("nan:step=3") == Fault(kind="nan", step=3)
     assert parse_fault("kill:rank=0,step=2,signal=TERM").signal == "TERM"
     assert parse_fault("slow:step=5,seconds=0.25") == Fault(kind="slow", step=5, seconds=0.25)
+    assert parse_fault("slow:step=5,seconds=0.25,world=2") == Fault(kind="slow", step=5, seconds=0.25, world=2)
     for bad in (
         "explode:step=1",
         "kill:rank=1",
@@ -32,6 +33,9 @@ def test_parse_fault_specs():
         "slow:step=1,seconds=x",
         "slow:step=1,seconds=-1",
         "kill:step=1,seconds=1",
+        "kill:step=1,world=2",
+        "slow:step=1,seconds=1,world=0",
+        "slow:step=1,seconds=1,world=two",
     ):
         with pytest.raises(FaultSpecError):
             parse_fault(bad)
@@ -49,6 +53,17 @@ def test_slow_fault_delays_every_step_from_its_step_on(tmp_path):
     t0 = time.perf_counter()
     other_rank.before_step(4)
     assert time.perf_counter() - t0 < 0.1
+
+
+def test_a_slow_fault_for_one_world_size_delays_only_a_job_of_that_size(tmp_path):
+    """``world=2``: the drill's survivors dawdle while they train alone; the job grown back to 4 does not."""
+    fault = parse_fault("slow:step=1,seconds=0.2,world=2")
+    for world, delayed in ((2, True), (4, False)):
+        inj = FaultInjector([fault], rank=0, marker_dir=str(tmp_path), world=world)
+        t0 = time.perf_counter()
+        inj.before_step(3)
+        took = time.perf_counter() - t0
+        assert (took >= 0.2) if delayed else (took < 0.1), (world, took)
 
 
 def test_faults_fire_once_per_run_directory(tmp_path):
