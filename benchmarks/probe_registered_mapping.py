@@ -10,6 +10,7 @@ twice (the hash and the DMA read the page cache itself). The question this answe
 page-cache pages, and how fast. Thread-seconds of each step are summed over the threads.
 
     python3 benchmarks/probe_registered_mapping.py --gb 4 --reps 3    # writes /tmp/probe_reg.bin, removes it
+    python3 benchmarks/probe_registered_mapping.py --gb 4 --reps 3 --grid 8:64:h,8:64:hp   # one mapping or one per part
 """
 
 from __future__ import annotations
@@ -60,17 +61,55 @@ def raw(fd: int, n: int, pinned: torch.Tensor, dev: torch.Tensor, threads: int) 
     return time.perf_counter() - t
 
 
-def mapped(fd: int, n: int, dev: torch.Tensor, threads: int, part_mib: int, hash_cpu: bool) -> tuple[float, dict]:
+def mapped(
+    fd: int, n: int, dev: torch.Tensor, threads: int, part_mib: int, hash_cpu: bool, per_part: bool = False
+) -> tuple[float, dict]:
+    """``per_part``: each part mapped on its own, hashed before it is registered, unmapped after (what the load's
+    page-locked path does), instead of one mapping of the whole file registered part by part."""
     cudart = torch.cuda.cudart()
     t = time.perf_counter()
     mm = mmap.mmap(fd, n, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
     base = np.frombuffer(mm, dtype=np.uint8, count=1).ctypes.data  # the mapping's address (the view is dropped)
     part = part_mib << 20
-    stats = {"register": 0.0, "copy": 0.0, "hash": 0.0, "unregister": 0.0}
+    stats = {"map": 0.0, "register": 0.0, "copy": 0.0, "hash": 0.0, "unregister": 0.0}
     lock = threading.Lock()
     local = threading.local()
 
+    def one_per_part(off: int) -> None:
+        length = min(part, n - off)
+        stream = getattr(local, "stream", None)
+        if stream is None:
+            stream = local.stream = torch.cuda.Stream()
+        a = time.perf_counter()
+        pm = mmap.mmap(fd, length, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED, offset=off)
+        address = np.frombuffer(pm, dtype=np.uint8, count=1).ctypes.data
+        b = time.perf_counter()
+        if hash_cpu:
+            xxhash.xxh3_64_intdigest(np.frombuffer(pm, dtype=np.uint8, count=length))
+        c = time.perf_counter()
+        err = cudart.cudaHostRegister(address, length, READ_ONLY)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister returned {err}")
+        d = time.perf_counter()
+        host = torch.frombuffer(pm, dtype=torch.uint8, count=length)
+        with torch.cuda.stream(stream):
+            dev[off : off + length].copy_(host, non_blocking=True)
+        stream.synchronize()
+        e = time.perf_counter()
+        cudart.cudaHostUnregister(address)
+        del host
+        pm.close()
+        f = time.perf_counter()
+        with lock:
+            stats["map"] += b - a
+            stats["hash"] += c - b
+            stats["register"] += d - c
+            stats["copy"] += e - d
+            stats["unregister"] += f - e  # with the unmapping
+
     def one(off: int) -> None:
+        if per_part:
+            return one_per_part(off)
         length = min(part, n - off)
         stream = getattr(local, "stream", None)
         if stream is None:
@@ -111,6 +150,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=4.0)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--grid",
+        type=lambda v: [
+            (int(t), int(m), "h" in f, "p" in f) for t, m, f in ((c + "::").split(":")[:3] for c in v.split(","))
+        ],
+        default="8:64:h,8:64:hp,16:64:h,16:64:hp,8:16:h,8:16:hp",
+        help="THREADS:PART_MIB:FLAGS,... (flags: h hashed on the CPU, p each part mapped on its own)",
+    )
     args = ap.parse_args()
     n = int(args.gb * 2**30)
     make_file(n)
@@ -129,10 +176,10 @@ def main() -> None:
     print("copied bytes equal the file's (first MiB):", torch.equal(dev[: 1 << 20].cpu(), head), flush=True)
     for rep in range(args.reps):
         print(f"rep {rep} raw {raw(fd, n, pinned, dev, 16):.3f} s", flush=True)
-        for threads, mib, hashed in ((8, 64, False), (16, 64, False), (8, 16, False), (8, 64, True), (16, 64, True),
-                                     (16, 16, True), (8, 16, True)):  # fmt: skip
-            wall, stats = mapped(fd, n, dev, threads, mib, hashed)
-            print(f"  mapped, {threads} threads, {mib} MiB parts, hashed {hashed}: {wall:.3f} s {stats}", flush=True)
+        for threads, mib, hashed, per_part in args.grid:
+            wall, stats = mapped(fd, n, dev, threads, mib, hashed, per_part)
+            how = "each part mapped alone" if per_part else "one mapping"
+            print(f"  {how}, {threads} threads, {mib} MiB parts, hashed {hashed}: {wall:.3f} s {stats}", flush=True)
     os.close(fd)
     os.remove(PATH)
 
