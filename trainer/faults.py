@@ -97,8 +97,8 @@ def parse_fault(text: str) -> Fault:
         try:
             world = int(fields["world"])
         except ValueError:
-            pass
-        if kind != "slow" or world is None or world < 1:
+            raise FaultSpecError(f"--inject {text!r}: world={fields['world']!r} is not a number of ranks") from None
+        if kind != "slow" or world < 1:
             raise FaultSpecError(f"--inject {text!r}: world=W (a number of ranks >= 1) only applies to slow")
     return Fault(kind=kind, step=step, rank=rank, signal=sig, seconds=seconds, world=world)
 
