@@ -92,8 +92,7 @@ class Bench:
 
     def close(self) -> None:
         self.proxy.close()
-        self.moto.terminate()
-        self.moto.wait()
+        self.moto.stop()
 
     def use(self, cap_mb: float | None) -> None:
         """Point s3fs at moto directly (``None``) or through the proxy capped at ``cap_mb`` MB/s each way."""

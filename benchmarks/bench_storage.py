@@ -28,8 +28,6 @@ import json
 import os
 import platform
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -45,6 +43,9 @@ from moeckpt.reshard.layout import Layout
 from moeckpt.reshard.placement import placements, rank_boxes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from tests.s3_fixtures import MotoServer, make_bucket  # noqa: E402  (the repository's tests/, on sys.path from here)
+
 METHODS = ("raw", "safetensors", "zarr")
 BUCKET = "moeckpt-bench"
 
@@ -83,40 +84,21 @@ def payload_bytes(by_writer: dict[int, list[Piece]]) -> int:
 
 
 # -- storages --------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """A moto S3 server in its own process (so that it does not share our interpreter's GIL)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
+def start_moto() -> tuple[MotoServer, str]:
+    """moto's S3 server in a process of its own (so that it does not share our interpreter's GIL), started as the
+    tests start it (tests/s3_fixtures.py), with the bucket made and this process's AWS settings pointed at it."""
+    server = MotoServer()
     os.environ.update(
         {
             "AWS_ACCESS_KEY_ID": "bench",
             "AWS_SECRET_ACCESS_KEY": "bench",
             "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_ENDPOINT_URL_S3": endpoint,
+            "AWS_ENDPOINT_URL_S3": server.endpoint,
         }
     )
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-    return proc, endpoint
+    make_bucket(server.endpoint, BUCKET)
+    return server, server.endpoint
 
 
 def drop_from_page_cache(root: str) -> None:
@@ -275,8 +257,7 @@ def run(args) -> dict:
                 r["save_vs_raw"] = round(raw["save_s"] / r["save_s"], 3)
                 r["load_vs_raw"] = round(raw["load_s"] / r["load_s"], 3)
     finally:
-        moto.terminate()
-        moto.wait()
+        moto.stop()
         shutil.rmtree(local_root, ignore_errors=True)
     return {
         "benchmark": "storage: save and load, safetensors and zarr, local disk and S3 (moto), vs raw I/O",

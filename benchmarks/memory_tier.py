@@ -23,61 +23,13 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 
 import torch
 
-BUCKET = "moeckpt-bench"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_moto() -> tuple[subprocess.Popen, str]:
-    """A moto S3 server in its own process (not sharing our interpreter's GIL), with the bucket made."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    os.environ.update(
-        {
-            "AWS_ACCESS_KEY_ID": "bench",
-            "AWS_SECRET_ACCESS_KEY": "bench",
-            "AWS_DEFAULT_REGION": "us-east-1",
-            "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_ENDPOINT_URL_S3": endpoint,
-        }
-    )
-    import boto3
-
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-    return proc, endpoint
-
-
-def drop_from_page_cache(root: str) -> None:
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            fd = os.open(os.path.join(dirpath, n), os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_storage import BUCKET, drop_from_page_cache, start_moto  # benchmarks/ is on sys.path from here on
 
 
 def bench_model(path: str) -> str:
@@ -144,7 +96,7 @@ def resume_side_by_side(work: str, reps: int) -> dict:
                     flush=True,
                 )
     finally:
-        moto.terminate()
+        moto.stop()
         shutil.rmtree(shm, ignore_errors=True)
     return {"state_mb": round(out["memory"][0]["bytes_read"] / 1e6, 1), "reps": out}
 

@@ -59,6 +59,10 @@ class MotoServer:
             raise RuntimeError(f"moto's server did not start (exit {self._proc.wait()}): {line!r}")
         self.endpoint = f"http://127.0.0.1:{int(line)}"
 
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
     def stop(self) -> None:
         close_and_wait(self._proc)
 
