@@ -108,8 +108,6 @@ def mapped(
             stats["unregister"] += f - e  # with the unmapping
 
     def one(off: int) -> None:
-        if per_part:
-            return one_per_part(off)
         length = min(part, n - off)
         stream = getattr(local, "stream", None)
         if stream is None:
@@ -139,7 +137,7 @@ def mapped(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.frombuffer warns that the mapping is not writable
         with ThreadPoolExecutor(threads) as ex:
-            list(ex.map(one, range(0, n, part)))
+            list(ex.map(one_per_part if per_part else one, range(0, n, part)))
     torch.cuda.synchronize()
     wall = time.perf_counter() - t
     mm.close()
