@@ -75,11 +75,14 @@ def mapped(
     lock = threading.Lock()
     local = threading.local()
 
+    def thread_stream() -> torch.cuda.Stream:
+        if getattr(local, "stream", None) is None:
+            local.stream = torch.cuda.Stream()
+        return local.stream
+
     def one_per_part(off: int) -> None:
         length = min(part, n - off)
-        stream = getattr(local, "stream", None)
-        if stream is None:
-            stream = local.stream = torch.cuda.Stream()
+        stream = thread_stream()
         a = time.perf_counter()
         pm = mmap.mmap(fd, length, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED, offset=off)
         address = np.frombuffer(pm, dtype=np.uint8, count=1).ctypes.data
@@ -109,9 +112,7 @@ def mapped(
 
     def one(off: int) -> None:
         length = min(part, n - off)
-        stream = getattr(local, "stream", None)
-        if stream is None:
-            stream = local.stream = torch.cuda.Stream()
+        stream = thread_stream()
         a = time.perf_counter()
         err = cudart.cudaHostRegister(base + off, length, READ_ONLY)
         b = time.perf_counter()
